@@ -1,0 +1,108 @@
+"""Builds shardopt and its C++ extension shardopt._C against the installed torch.
+
+    pip install torch==2.13.0
+    pip install --no-build-isolation -e .
+
+Sources: every csrc/**/*.cpp (and csrc/**/*.cu when torch has CUDA). SIMD kernels
+are files named `<name>.<isa>.cpp` (isa in scalar/avx2/avx512/neon). Each of those
+is compiled on its own with that ISA's flags and linked in; the choice among
+them is made at run time (csrc/cpu_features.cpp). Never -march=native: the
+binary must run on any CPU of its architecture.
+
+Note [ISA translation units]: a `.<isa>.cpp` file includes no torch or STL
+headers with inline functions. An inline function compiled with -mavx512f in
+one object and without it in another is one symbol to the linker, which keeps
+either copy; the AVX-512 one would then crash on older CPUs. Plain C++ types,
+<immintrin.h>/<arm_neon.h> and <cstdint>/<cstddef> only.
+"""
+import glob
+import os
+import platform
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MACHINE = platform.machine().lower()
+IS_X86 = MACHINE in ("x86_64", "amd64")
+IS_ARM = MACHINE in ("aarch64", "arm64")
+
+# Flags every translation unit gets. -fno-math-errno lets GCC vectorise sqrt
+# (without it every sqrt is a scalar call that may set errno: 4x slower Adam).
+COMMON_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
+
+# Per-ISA flags, the same as CMakeLists.txt. A variant whose flags this
+# architecture does not have is not built, and the dispatcher never offers it.
+ISA_FLAGS = {"scalar": []}
+if IS_X86:
+    ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
+    ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+if IS_ARM:
+    ISA_FLAGS["neon"] = []  # Advanced SIMD is baseline on aarch64.
+
+ALL_ISAS = ("scalar", "avx2", "avx512", "neon")
+
+
+def _isa_of(path):
+    parts = os.path.basename(path).split(".")
+    return parts[-2] if len(parts) >= 3 and parts[-2] in ALL_ISAS else None
+
+
+def _sources():
+    cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    cpp = [p for p in cpp if not p.startswith(os.path.join("csrc", "tests"))]
+    generic = [p for p in cpp if _isa_of(p) is None]
+    isa = [p for p in cpp if _isa_of(p) in ISA_FLAGS]
+    cuda = sorted(glob.glob(os.path.join("csrc", "cuda", "**", "*.cu"), recursive=True))
+    return generic, isa, cuda
+
+
+def _with_cuda():
+    if os.environ.get("SHARDOPT_NO_CUDA") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+class BuildExt(BuildExtension):
+    """BuildExtension that first compiles each ISA file with its own flags."""
+
+    def build_extensions(self):
+        for ext in self.extensions:
+            for src in getattr(ext, "isa_sources", []):
+                flags = ["-std=c++17", "-fPIC"] + COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
+                objs = self.compiler.compile([src], output_dir=self.build_temp, extra_postargs=flags)
+                ext.extra_objects.extend(objs)
+        super().build_extensions()
+
+
+def _extension():
+    generic, isa, cuda = _sources()
+    macros = [(f"SHARDOPT_HAVE_{name.upper()}", "1") for name in ISA_FLAGS]
+    cxx = ["-std=c++17"] + COMMON_FLAGS
+    if _with_cuda():
+        macros.append(("SHARDOPT_WITH_CUDA", "1"))
+        ext = CUDAExtension("shardopt._C", generic + cuda, define_macros=macros,
+                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]})
+    else:
+        ext = CppExtension("shardopt._C", generic, define_macros=macros, extra_compile_args={"cxx": cxx})
+    ext.isa_sources = isa
+    return ext
+
+
+setup(
+    name="shardopt",
+    version="0.1.0",
+    description="ZeRO-style sharded optimizer for PyTorch with a fused CPU Adam",
+    packages=find_packages(include=["shardopt", "shardopt.*"]),
+    python_requires=">=3.10",
+    # torch is deliberately not a hard requirement: an unpinned torch makes pip
+    # pull a multi-GB CUDA build. Install the torch you want first, then build
+    # this package against it with --no-build-isolation.
+    install_requires=["numpy"],
+    extras_require={"test": ["pytest>=7", "pytest-timeout"]},
+    entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
+)

@@ -1,0 +1,21 @@
+"""shardopt: ZeRO-style sharded optimizer for PyTorch.
+
+Public API only; each name is implemented in its own module.
+"""
+import torch  # noqa: F401  (torch must be loaded before the extension)
+
+from shardopt._ext import _C
+
+
+def cpu_features():
+    """Which SIMD variant the CPU kernels run with.
+
+    Returns a dict: ``active`` (the variant used now), ``best`` (what this CPU
+    and build support best; the default unless SHARDOPT_ISA pins another) and
+    ``supported`` (every variant this CPU can run, best last).
+    """
+    return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
+
+
+__all__ = ["cpu_features"]
+__version__ = "0.1.0"

@@ -1,0 +1,31 @@
+"""The multi-rank harness itself: it must report a failing rank and never hang."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import RankFailure, run_ranks
+
+
+def _allreduce_rank(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _one_rank_raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    t = torch.zeros(1)
+    dist.all_reduce(t)  # rank 1 never joins: must time out, not hang
+    return t.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_all_reduce_runs(world_size):
+    expected = world_size * (world_size + 1) / 2
+    assert run_ranks(_allreduce_rank, world_size) == [expected] * world_size
+
+
+def test_failing_rank_is_reported_not_hung():
+    with pytest.raises(RankFailure, match="boom on rank 1"):
+        run_ranks(_one_rank_raises, 2, timeout=60, collective_timeout=5)
