@@ -1,0 +1,65 @@
+"""Frozen configuration of a ShardedOptimizer, validated once at construction."""
+from __future__ import annotations
+
+import dataclasses
+
+# Defaults, in elements (as DeepSpeed counts them). Chosen from measurements on
+# gloo with 2 ranks on 2 CPU cores (benchmarks/results/): step time is flat from
+# about 2M to 50M elements per bucket and grows below 1M (per-collective latency)
+# and, with overlap, when one bucket holds most of the model (nothing to
+# overlap). 25M elements = 100 MB fp32 staging per in-flight bucket.
+DEFAULT_REDUCE_BUCKET_SIZE = 25_000_000
+DEFAULT_ALLGATHER_BUCKET_SIZE = 25_000_000
+
+STAGES = (1, 2)
+OFFLOADS = ("none",)
+COMM_IMPLS = ("auto", "native", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardConfig:
+    """How parameters, gradients and optimizer state are sharded and communicated."""
+
+    stage: int = 2
+    """1: shard optimizer state; full-size gradients persist in one flat buffer.
+    2: also shard gradients: a bucket's full-size gradient memory is reused as
+    soon as it is reduce-scattered; each rank keeps only its gradient chunks."""
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    """Elements per gradient bucket: one reduce-scatter each (rounded up to a
+    multiple of lcm(world_size, 128))."""
+    allgather_bucket_size: int = DEFAULT_ALLGATHER_BUCKET_SIZE
+    """Elements per parameter all-gather after a step. All-gathers never span two
+    reduce buckets, so values above reduce_bucket_size gather whole buckets."""
+    overlap_comm: bool = True
+    """Launch a bucket's reduce-scatter from backward as soon as all its
+    gradients exist, and wait only when its staging buffer is needed again or
+    backward ends. False: reduce each bucket synchronously when it fills."""
+    offload: str = "none"
+    """Where master weights and optimizer state live: "none" (with the model)."""
+    num_staging_buffers: int = 2
+    """Stage 2: bucket-sized staging buffers reused round-robin (2 = one bucket
+    filling while the previous one is reduced)."""
+    comm_impl: str = "auto"
+    """Collectives: "native" (the process group's), "ring" (shardopt's point-to-point
+    ring), "auto" (ring on gloo, native elsewhere)."""
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (stage 3 is not supported)")
+        for field in ("reduce_bucket_size", "allgather_bucket_size"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{field} must be a positive whole number of elements, got {v!r} "
+                                 f"(e.g. {field}=int(5e7))")
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
+        if isinstance(self.num_staging_buffers, bool) or not isinstance(self.num_staging_buffers, int) \
+                or self.num_staging_buffers < 1:
+            raise ValueError(f"num_staging_buffers must be >= 1, got {self.num_staging_buffers!r}")
+        if self.comm_impl not in COMM_IMPLS:
+            raise ValueError(f"comm_impl must be one of {COMM_IMPLS}, got {self.comm_impl!r}")
+
+    def signature(self) -> list[str]:
+        return [f"config {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)]

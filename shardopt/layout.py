@@ -1,0 +1,267 @@
+"""The flat layout: where every parameter lives, how the buffer is cut into buckets, who owns what.
+
+Pure code: no process group, no tensors allocated. Everything the sharded
+optimizer and the bucket engine do is indexed by the objects built here, and
+their tests need only shapes and numbers.
+
+Note [Flat layout]
+------------------
+Trainable parameters are laid out in one flat buffer. Each optimizer param
+group gets its own *region* (so every bucket belongs to exactly one group and
+the inner optimizer's hyper-parameters apply to whole chunks). Within a region
+parameters are in reverse registration order, which is close to the order in
+which backward produces their gradients, so buckets fill one after the other.
+
+A region is cut into buckets of `bucket_numel` elements, where `bucket_numel`
+is `reduce_bucket_size` rounded up to a multiple of `align = lcm(world_size,
+128)`; the region's last bucket holds the rest, rounded up to `align` with zero
+padding. Only the end of a region is padded, so a parameter is always one
+contiguous run of the buffer even when it straddles buckets: model parameters
+can be views into it.
+
+Every bucket is split into `world_size` equal contiguous chunks and rank r owns
+chunk r of every bucket (Megatron-style). A bucket's gradient reduction is then
+one reduce-scatter, and its parameter refresh one all-gather, both writing in
+place. A *piece* is the intersection of one parameter with one chunk: the unit
+of optimizer state. Keeping state per piece (not per flat chunk) gives every
+parameter its own step count and lets a parameter with no gradient be skipped
+exactly as torch.optim skips it; checkpoints are keyed by (parameter, element
+range), so any world size can read them.
+
+All-gathers follow the reduce buckets: each bucket's chunk is gathered in
+sub-ranges of `allgather_bucket_size / world_size` elements (rounded to 128),
+one collective each, written into a strided view of the bucket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Sequence
+
+# Chunk boundaries on multiples of 128 elements keep every rank's chunk aligned
+# to 512 bytes in fp32: whole cache lines and full SIMD vectors for the kernels.
+CHUNK_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one trainable parameter lives in the flat buffer."""
+
+    index: int
+    """Position in the layout's parameter list (the order given, flattened over groups)."""
+    name: str
+    """The parameter's name (a module path, or `group{g}.param{i}` when names are unknown)."""
+    shape: tuple[int, ...]
+    """The parameter's shape."""
+    group: int
+    """Index of the optimizer param group it belongs to."""
+    offset: int
+    """First element in the flat buffer."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A run of the flat buffer reduced by one reduce-scatter."""
+
+    index: int
+    """Position in the layout's bucket list (flat-buffer order)."""
+    group: int
+    """The param group (region) it belongs to."""
+    start: int
+    """First element in the flat buffer."""
+    numel: int
+    """Elements, padding included; a multiple of world_size."""
+    params: tuple[int, ...]
+    """Indices of the parameters that overlap it."""
+    world_size: int
+    """Number of chunks it is split into."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def chunk(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's chunk, in flat-buffer elements."""
+        s = self.start + rank * self.chunk_numel
+        return s, s + self.chunk_numel
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside one rank's chunk: the unit of optimizer state."""
+
+    param: int
+    """Index of the parameter."""
+    bucket: int
+    """Index of the bucket whose chunk holds it."""
+    start: int
+    """First element in the flat buffer."""
+    end: int
+    """One past the last element in the flat buffer."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpan:
+    """One all-gather: elements [lo, hi) of every rank's chunk of one bucket."""
+
+    bucket: int
+    """Index of the bucket."""
+    lo: int
+    """Offset inside each chunk where the span starts."""
+    hi: int
+    """Offset inside each chunk where the span ends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The whole plan for one world size. Build with `plan_layout`."""
+
+    world_size: int
+    """Ranks the buckets are split over."""
+    align: int
+    """Every bucket's size is a multiple of this (lcm(world_size, 128))."""
+    bucket_numel: int
+    """Size of a full bucket (reduce_bucket_size rounded up to `align`)."""
+    params: tuple[ParamSlot, ...]
+    """Every trainable parameter, in the order given."""
+    buckets: tuple[Bucket, ...]
+    """Every bucket, in flat-buffer order."""
+    gather_spans: tuple[GatherSpan, ...]
+    """Every all-gather issued after a step, in order."""
+    total_numel: int
+    """Size of the flat buffer, padding included."""
+
+    def shard_numel(self) -> int:
+        """Elements rank r owns (the same for every rank)."""
+        return sum(b.chunk_numel for b in self.buckets)
+
+    def chunk_offsets(self) -> tuple[int, ...]:
+        """Where each bucket's chunk starts in a rank's concatenated shard."""
+        out, at = [], 0
+        for b in self.buckets:
+            out.append(at)
+            at += b.chunk_numel
+        return tuple(out)
+
+    def pieces(self, rank: int) -> tuple[Piece, ...]:
+        """Rank's pieces, in flat-buffer order."""
+        out = []
+        for b in self.buckets:
+            cs, ce = b.chunk(rank)
+            for pi in b.params:
+                p = self.params[pi]
+                s, e = max(cs, p.offset), min(ce, p.end)
+                if s < e:
+                    out.append(Piece(param=pi, bucket=b.index, start=s, end=e))
+        return tuple(out)
+
+    def signature(self) -> list[str]:
+        """One line per fact ranks must agree on; compared across ranks at construction."""
+        lines = [f"world_size={self.world_size} bucket_numel={self.bucket_numel} total={self.total_numel}"]
+        lines += [f"param {p.index} {p.name} shape={list(p.shape)} group={p.group} offset={p.offset}"
+                  for p in self.params]
+        lines += [f"bucket {b.index} group={b.group} start={b.start} numel={b.numel}" for b in self.buckets]
+        lines.append("gathers " + " ".join(f"{g.bucket}:{g.lo}-{g.hi}" for g in self.gather_spans))
+        return lines
+
+    def digest(self) -> str:
+        return hashlib.sha256("\n".join(self.signature()).encode()).hexdigest()
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int,
+                reduce_bucket_size: int, allgather_bucket_size: int) -> Layout:
+    """Plans the flat buffer for trainable parameters given per param group as (name, shape).
+
+    Parameters keep the given order in `Layout.params`; the buffer holds each
+    group's parameters in reverse order (see Note [Flat layout]).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for what, v in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{what} must be a positive number of elements, got {v!r}")
+    align = math.lcm(world_size, CHUNK_ALIGN)
+    bucket_numel = _round_up(reduce_bucket_size, align)
+
+    params: list[ParamSlot] = []
+    buckets: list[Bucket] = []
+    offset = 0
+    for g, group in enumerate(groups):
+        first = len(params)
+        for name, shape in group:
+            params.append(ParamSlot(index=len(params), name=name, shape=tuple(int(s) for s in shape),
+                                    group=g, offset=-1))
+        region_start = offset
+        # Reverse registration order inside the region (see Note [Flat layout]).
+        for i in reversed(range(first, len(params))):
+            params[i] = dataclasses.replace(params[i], offset=offset)
+            offset += params[i].numel
+        region_end = _round_up(offset, align) if offset > region_start else offset
+        offset = region_end
+        members = range(first, len(params))
+        for bstart in range(region_start, region_end, bucket_numel):
+            bend = min(bstart + bucket_numel, region_end)
+            overlapping = tuple(sorted((i for i in members
+                                        if params[i].numel and params[i].offset < bend and params[i].end > bstart),
+                                       key=lambda i: params[i].offset))
+            buckets.append(Bucket(index=len(buckets), group=g, start=bstart, numel=bend - bstart,
+                                  params=overlapping, world_size=world_size))
+
+    span = max(CHUNK_ALIGN, _round_up(max(1, allgather_bucket_size // world_size), CHUNK_ALIGN))
+    gather_spans = tuple(GatherSpan(bucket=b.index, lo=lo, hi=min(lo + span, b.chunk_numel))
+                         for b in buckets for lo in range(0, b.chunk_numel, span))
+    return Layout(world_size=world_size, align=align, bucket_numel=bucket_numel, params=tuple(params),
+                  buckets=tuple(buckets), gather_spans=gather_spans,
+                  total_numel=offset)
+
+
+def plan_launch_order(layout: Layout, positions: Sequence[int]) -> tuple[int, ...]:
+    """Bucket indices in the order every rank launches their reduce-scatters.
+
+    `positions[i]` is parameter i's registration position in the model. Backward
+    reaches the latest-registered parameters first, so a bucket is expected to
+    be complete once its earliest-registered parameter has its gradient. With one
+    param group this is flat-buffer order; with several (say decay / no-decay),
+    it interleaves the groups' buckets the way backward fills them. Every rank
+    computes the same order from the same (checked) layout and model.
+    """
+    if len(positions) != len(layout.params):
+        raise ValueError(f"need one position per parameter ({len(layout.params)}), got {len(positions)}")
+
+    def expected_ready(b: Bucket) -> tuple[int, int]:
+        first = min((positions[i] for i in b.params), default=-1)
+        return (-first, b.index)
+
+    return tuple(b.index for b in sorted(layout.buckets, key=expected_ready))
+
+
+def first_difference(mine: Sequence[str], theirs: Sequence[str]) -> str | None:
+    """The first line where two signatures differ, phrased for an error message."""
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return f"this rank has '{a}' where the other has '{b}'"
+    if len(mine) != len(theirs):
+        extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
+        return f"one rank has more entries, first extra: '{extra}'"
+    return None
