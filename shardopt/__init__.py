@@ -5,6 +5,9 @@ Public API only; each name is implemented in its own module.
 import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from shardopt._ext import _C
+from shardopt.config import ShardConfig
+from shardopt.ddp import ShardedDDP
+from shardopt.optimizer import ShardedOptimizer, register_elementwise_optimizer
 
 
 def cpu_features():
@@ -17,5 +20,5 @@ def cpu_features():
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
 
 
-__all__ = ["cpu_features"]
+__all__ = ["ShardConfig", "ShardedDDP", "ShardedOptimizer", "cpu_features", "register_elementwise_optimizer"]
 __version__ = "0.1.0"

@@ -1,7 +1,45 @@
+// Python bindings of the bucket engine (shardopt._C.BucketEngine).
+#include <torch/csrc/utils/pybind.h>
+
 #include "../module.h"
+#include "bucket_engine.h"
+
+namespace py = pybind11;
 
 namespace shardopt {
+
 void init_comm_bindings(pybind11::module& m) {
-  (void)m;
+  py::class_<BucketPlan>(m, "BucketPlan")
+      .def(py::init<>())
+      .def_readwrite("bucket_start", &BucketPlan::bucket_start)
+      .def_readwrite("bucket_numel", &BucketPlan::bucket_numel)
+      .def_readwrite("bucket_params", &BucketPlan::bucket_params)
+      .def_readwrite("param_offset", &BucketPlan::param_offset)
+      .def_readwrite("param_numel", &BucketPlan::param_numel)
+      .def_readwrite("launch_order", &BucketPlan::launch_order)
+      .def_readwrite("gather_bucket", &BucketPlan::gather_bucket)
+      .def_readwrite("gather_lo", &BucketPlan::gather_lo)
+      .def_readwrite("gather_hi", &BucketPlan::gather_hi);
+
+  using gil_release = py::call_guard<py::gil_scoped_release>;
+  py::class_<BucketEngine>(m, "BucketEngine")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, BucketPlan, int64_t, at::Tensor, at::Tensor,
+                    int64_t, bool, std::string>(),
+           py::arg("process_group"), py::arg("plan"), py::arg("stage"), py::arg("flat_grad"),
+           py::arg("shard_grad"), py::arg("num_staging"), py::arg("overlap"), py::arg("impl"))
+      .def("mark_ready", &BucketEngine::mark_ready, py::arg("param"), py::arg("grad"), gil_release())
+      .def("note_used", &BucketEngine::note_used, py::arg("param"))
+      .def("unready_params", &BucketEngine::unready_params)
+      .def("flush", &BucketEngine::flush, gil_release())
+      .def("backward_in_progress", &BucketEngine::backward_in_progress)
+      .def("zero_grad", &BucketEngine::zero_grad, gil_release())
+      .def("used", &BucketEngine::used)
+      .def("has_grad", &BucketEngine::has_grad)
+      .def("all_gather_params", &BucketEngine::all_gather_params, py::arg("flat"), gil_release())
+      .def_property_readonly("num_reduce_scatters", &BucketEngine::num_reduce_scatters)
+      .def_property_readonly("num_all_gathers", &BucketEngine::num_all_gathers)
+      .def_property_readonly("num_staging_buffers", &BucketEngine::num_staging_buffers)
+      .def_property_readonly("staging_bytes", &BucketEngine::staging_bytes);
 }
+
 }  // namespace shardopt

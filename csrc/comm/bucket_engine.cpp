@@ -1,0 +1,277 @@
+#include "bucket_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include "collectives.h"
+
+namespace shardopt {
+
+BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, int64_t stage,
+                           at::Tensor flat_grad, at::Tensor shard_grad, int64_t num_staging,
+                           bool overlap, std::string impl)
+    : pg_(std::move(pg)),
+      plan_(std::move(plan)),
+      stage_(stage),
+      flat_grad_(std::move(flat_grad)),
+      shard_grad_(std::move(shard_grad)),
+      overlap_(overlap),
+      impl_(std::move(impl)) {
+  TORCH_CHECK(pg_, "BucketEngine needs a process group");
+  TORCH_CHECK(stage_ == 1 || stage_ == 2, "stage must be 1 or 2, got ", stage_);
+  TORCH_CHECK(num_staging >= 1, "num_staging must be >= 1");
+  rank_ = pg_->getRank();
+  world_size_ = pg_->getSize();
+  const auto nb = static_cast<int64_t>(plan_.bucket_start.size());
+  const auto np = static_cast<int64_t>(plan_.param_offset.size());
+  TORCH_CHECK(static_cast<int64_t>(plan_.bucket_numel.size()) == nb &&
+                  static_cast<int64_t>(plan_.bucket_params.size()) == nb &&
+                  static_cast<int64_t>(plan_.launch_order.size()) == nb &&
+                  static_cast<int64_t>(plan_.param_numel.size()) == np,
+              "inconsistent bucket plan");
+  TORCH_CHECK(shard_grad_.defined() && shard_grad_.is_contiguous() && shard_grad_.dim() == 1,
+              "shard_grad must be a contiguous 1-D tensor");
+  int64_t at = 0, max_bucket = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    TORCH_CHECK(plan_.bucket_numel[b] % world_size_ == 0, "bucket ", b, " does not split over ",
+                world_size_, " ranks");
+    chunk_offset_.push_back(at);
+    at += plan_.bucket_numel[b] / world_size_;
+    max_bucket = std::max(max_bucket, plan_.bucket_numel[b]);
+  }
+  TORCH_CHECK(shard_grad_.numel() == at, "shard_grad has ", shard_grad_.numel(),
+              " elements, the plan needs ", at);
+  if (stage_ == 1) {
+    TORCH_CHECK(flat_grad_.defined() && flat_grad_.is_contiguous(),
+                "stage 1 needs the flat gradient buffer");
+  } else {
+    // Allocated once; reused for every bucket of every backward.
+    for (int64_t i = 0; i < std::min<int64_t>(num_staging, nb); ++i) {
+      staging_.push_back(at::zeros({max_bucket}, shard_grad_.options()));
+      free_slots_.push_back(i);
+    }
+  }
+  param_buckets_.resize(np);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t p : plan_.bucket_params[b]) param_buckets_.at(p).push_back(b);
+  }
+  has_data_.assign(nb, 0);
+  used_ = at::zeros({np}, at::kByte);
+  reset_backward();
+}
+
+void BucketEngine::reset_backward() {
+  const auto nb = plan_.bucket_start.size();
+  ready_.assign(plan_.param_offset.size(), 0);
+  pending_.assign(nb, 0);
+  for (size_t b = 0; b < nb; ++b) pending_[b] = static_cast<int64_t>(plan_.bucket_params[b].size());
+  slot_of_.assign(nb, -1);
+  next_launch_ = 0;
+  in_backward_ = false;
+}
+
+at::Tensor BucketEngine::chunk_view(int64_t b) const {
+  return shard_grad_.narrow(0, chunk_offset_[b], plan_.bucket_numel[b] / world_size_);
+}
+
+int64_t BucketEngine::acquire_slot() {
+  while (free_slots_.empty() && !inflight_.empty()) finish_oldest();
+  if (free_slots_.empty()) {
+    // Every buffer belongs to a bucket that waits for an earlier one in the
+    // launch order: grow rather than deadlock (see Note [Bucket engine]).
+    int64_t max_bucket = staging_.empty() ? 0 : staging_[0].numel();
+    staging_.push_back(at::zeros({max_bucket}, shard_grad_.options()));
+    return static_cast<int64_t>(staging_.size()) - 1;
+  }
+  int64_t s = free_slots_.back();
+  free_slots_.pop_back();
+  return s;
+}
+
+void BucketEngine::note_used(int64_t param) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(param >= 0 && param < used_.numel(), "parameter index ", param, " out of range");
+  used_.data_ptr<uint8_t>()[param] = 1;
+}
+
+void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(param >= 0 && param < static_cast<int64_t>(ready_.size()), "parameter index ", param,
+              " out of range");
+  TORCH_CHECK(!ready_[param], "gradient of parameter ", param,
+              " was reported twice in one backward pass. shardopt reduces each parameter once per "
+              "backward; reentrant backward (e.g. reentrant activation checkpointing) is not supported: "
+              "use torch.utils.checkpoint with use_reentrant=False.");
+  const int64_t numel = plan_.param_numel[param];
+  TORCH_CHECK(grad.numel() == numel, "gradient of parameter ", param, " has ", grad.numel(),
+              " elements, expected ", numel);
+  TORCH_CHECK(!grad.is_sparse(), "parameter ", param,
+              " has a sparse gradient; shardopt needs dense gradients (e.g. nn.Embedding(sparse=False))");
+  in_backward_ = true;
+  ready_[param] = 1;
+  used_.data_ptr<uint8_t>()[param] = 1;
+  const int64_t off = plan_.param_offset[param];
+  auto src = grad.reshape({-1});
+  if (stage_ == 1) {
+    auto dst = flat_grad_.narrow(0, off, numel);
+    // .grad is normally a view of the flat buffer and autograd accumulated in
+    // place; if something replaced it, take its value.
+    if (src.data_ptr() != dst.data_ptr()) dst.copy_(src);
+  } else {
+    for (int64_t b : param_buckets_[param]) {
+      if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
+      const int64_t lo = std::max(off, plan_.bucket_start[b]);
+      const int64_t hi = std::min(off + numel, plan_.bucket_start[b] + plan_.bucket_numel[b]);
+      auto dst = staging_[slot_of_[b]].narrow(0, lo - plan_.bucket_start[b], hi - lo);
+      auto part = src.narrow(0, lo - off, hi - lo);
+      // Pre-divide while copying: one pass, and the sum cannot overflow in low precision.
+      if (world_size_ > 1) {
+        at::div_out(dst, part, world_size_);
+      } else {
+        dst.copy_(part);
+      }
+    }
+  }
+  for (int64_t b : param_buckets_[param]) --pending_[b];
+  launch_ready_buckets();
+}
+
+void BucketEngine::launch_ready_buckets() {
+  while (next_launch_ < plan_.launch_order.size() &&
+         pending_[plan_.launch_order[next_launch_]] == 0) {
+    launch(plan_.launch_order[next_launch_]);
+    ++next_launch_;
+  }
+}
+
+void BucketEngine::launch(int64_t b) {
+  const int64_t start = plan_.bucket_start[b], numel = plan_.bucket_numel[b];
+  at::Tensor input;
+  int64_t slot = -1;
+  if (stage_ == 1) {
+    input = flat_grad_.narrow(0, start, numel);
+    if (world_size_ > 1) input.div_(world_size_);
+  } else {
+    if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
+    slot = slot_of_[b];
+    input = staging_[slot].narrow(0, 0, numel);
+    // Parameters that got no gradient on this rank contribute zeros, and so
+    // does padding: the buffer last held another bucket (or the collective's
+    // scratch), so neither may be assumed zero.
+    int64_t covered = start;
+    for (int64_t p : plan_.bucket_params[b]) {
+      const int64_t lo = std::max(plan_.param_offset[p], start);
+      const int64_t hi = std::min(plan_.param_offset[p] + plan_.param_numel[p], start + numel);
+      covered = std::max(covered, hi);
+      if (!ready_[p]) input.narrow(0, lo - start, hi - lo).zero_();
+    }
+    // Parameters of a region are packed from its start; padding is its tail.
+    input.narrow(0, covered - start, start + numel - covered).zero_();
+  }
+  const bool accumulate = has_data_[b] != 0;
+  at::Tensor out = accumulate ? at::empty({numel / world_size_}, shard_grad_.options()) : chunk_view(b);
+  has_data_[b] = 1;
+  ++n_reduce_scatters_;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (world_size_ == 1) {
+    out.copy_(input);
+  } else {
+    work = comm::start_reduce_scatter(pg_, input, out, impl_);
+  }
+  inflight_.push_back(InFlight{b, std::move(work), slot, std::move(out), accumulate});
+  if (!overlap_) finish_oldest();
+}
+
+void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket) {
+  if (!work) return;
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "shardopt: ", what, " of bucket ", bucket, " failed on rank ", rank_, " of ",
+                world_size_, ": ", e.what(),
+                "\nA peer rank has probably exited, crashed, or is not running the same sequence of "
+                "backward()/step() calls; see the other ranks' logs.");
+  }
+}
+
+void BucketEngine::finish_oldest() {
+  InFlight f = std::move(inflight_.front());
+  inflight_.pop_front();
+  wait(f.work, "reduce-scatter", f.bucket);
+  if (f.accumulate) chunk_view(f.bucket).add_(f.out);
+  if (stage_ == 1) {
+    // The next backward accumulates into .grad views of this buffer again.
+    flat_grad_.narrow(0, plan_.bucket_start[f.bucket], plan_.bucket_numel[f.bucket]).zero_();
+  } else {
+    free_slots_.push_back(f.slot);
+  }
+}
+
+std::vector<int64_t> BucketEngine::unready_params() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<int64_t> out;
+  for (size_t p = 0; p < ready_.size(); ++p) {
+    if (!ready_[p]) out.push_back(static_cast<int64_t>(p));
+  }
+  return out;
+}
+
+bool BucketEngine::backward_in_progress() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return in_backward_;
+}
+
+void BucketEngine::flush() {
+  std::lock_guard<std::mutex> g(mu_);
+  while (next_launch_ < plan_.launch_order.size()) {
+    launch(plan_.launch_order[next_launch_]);
+    ++next_launch_;
+  }
+  while (!inflight_.empty()) finish_oldest();
+  reset_backward();
+}
+
+void BucketEngine::zero_grad() {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(inflight_.empty() && !in_backward_,
+              "zero_grad() called while gradients of a backward pass are still being reduced");
+  std::fill(has_data_.begin(), has_data_.end(), 0);
+  used_.zero_();
+  if (stage_ == 1) flat_grad_.zero_();
+}
+
+bool BucketEngine::has_grad() const {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto h : has_data_) {
+    if (h) return true;
+  }
+  return false;
+}
+
+int64_t BucketEngine::staging_bytes() const {
+  int64_t n = 0;
+  for (const auto& s : staging_) n += s.numel() * s.element_size();
+  return n;
+}
+
+void BucketEngine::all_gather_params(const at::Tensor& flat) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(flat.is_contiguous() && flat.dim() == 1, "flat parameter buffer must be contiguous 1-D");
+  if (world_size_ == 1) return;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<int64_t> buckets;
+  for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
+    const int64_t b = plan_.gather_bucket[i];
+    const int64_t chunk = plan_.bucket_numel[b] / world_size_;
+    // Rows r = rank r's chunk; columns [lo, hi) of each row: a strided view
+    // of the bucket whose rows are contiguous, written in place.
+    auto rows = flat.narrow(0, plan_.bucket_start[b], plan_.bucket_numel[b])
+                    .view({world_size_, chunk})
+                    .narrow(1, plan_.gather_lo[i], plan_.gather_hi[i] - plan_.gather_lo[i]);
+    works.push_back(comm::start_all_gather_rows(pg_, rows, impl_));
+    buckets.push_back(b);
+    ++n_all_gathers_;
+  }
+  for (size_t i = 0; i < works.size(); ++i) wait(works[i], "all-gather", buckets[i]);
+}
+
+}  // namespace shardopt

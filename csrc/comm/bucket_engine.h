@@ -1,0 +1,132 @@
+// The bucket engine: turns per-parameter "gradient ready" events into one
+// reduce-scatter per bucket, and a step's updated chunks into all-gathers.
+//
+// Note [Bucket engine]
+// --------------------
+// The plan (bucket ranges, which parameters overlap each bucket, launch order)
+// comes from shardopt/layout.py and is identical on every rank. The engine:
+//  * stage 2: copies each ready gradient, pre-divided by world size (as DDP's
+//    default hook does), into a bucket-sized staging buffer taken from a small
+//    pool allocated once; stage 1: gradients already live in the persistent
+//    flat gradient buffer (params' .grad are views of it), nothing is copied;
+//  * launches a bucket's reduce-scatter once all its parameters are ready AND
+//    every bucket before it in the launch order has launched, so all ranks
+//    issue collectives in the same order whatever order hooks fire in;
+//  * writes the result into this rank's shard of the gradient (fp32 chunks,
+//    one per bucket), adding when the shard already holds gradients of an
+//    earlier backward (accumulation without no_sync);
+//  * at the end of backward (flush) launches the buckets whose parameters got
+//    no gradient on this rank (their part of the bucket reads as zeros), and
+//    waits for everything in flight.
+// A staging buffer is recycled when its reduce-scatter has finished; if every
+// buffer is held by a bucket that cannot launch yet (hooks fired out of
+// order), the pool grows by one rather than deadlock.
+// Errors of a collective (a dead peer, a timeout) are rethrown with the bucket
+// and what to check, never swallowed.
+#pragma once
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace shardopt {
+
+struct BucketPlan {
+  std::vector<int64_t> bucket_start;              // flat element offset of each bucket
+  std::vector<int64_t> bucket_numel;              // elements (padding included) of each bucket
+  std::vector<std::vector<int64_t>> bucket_params;  // params overlapping each bucket
+  std::vector<int64_t> param_offset;              // flat element offset of each param
+  std::vector<int64_t> param_numel;
+  std::vector<int64_t> launch_order;              // bucket indices, identical on every rank
+  std::vector<int64_t> gather_bucket;             // per all-gather: its bucket
+  std::vector<int64_t> gather_lo;                 // ... and [lo, hi) inside each rank's chunk
+  std::vector<int64_t> gather_hi;
+};
+
+class BucketEngine {
+ public:
+  // flat_grad: stage 1's persistent full gradient buffer (undefined for stage 2).
+  // shard_grad: this rank's gradient chunks, concatenated in bucket order.
+  // impl: "native" (the process group's collectives) or "ring" / "auto" (see ring.h).
+  BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, int64_t stage,
+               at::Tensor flat_grad, at::Tensor shard_grad, int64_t num_staging, bool overlap,
+               std::string impl);
+
+  // A parameter's gradient of this backward is complete. Stage 2 copies it.
+  void mark_ready(int64_t param, const at::Tensor& grad);
+  // Records that a parameter got a gradient without reducing it (no_sync).
+  void note_used(int64_t param);
+  // Parameters that have not been marked ready in the current backward.
+  std::vector<int64_t> unready_params() const;
+  // End of backward: launch every remaining bucket, wait for all, reset.
+  void flush();
+  // True once mark_ready was called in the current (unflushed) backward.
+  bool backward_in_progress() const;
+  // Forget accumulated gradients (the optimizer's zero_grad).
+  void zero_grad();
+  // uint8 flag per parameter: got a gradient on this rank since zero_grad.
+  at::Tensor used() const { return used_; }
+  // Whether any reduction wrote into the shard since zero_grad.
+  bool has_grad() const;
+
+  // All-gathers every rank's updated chunks into `flat` (the flat parameter
+  // buffer, in place), one collective per gather span; returns when done.
+  void all_gather_params(const at::Tensor& flat);
+
+  // Counters, for tests and benchmarks.
+  int64_t num_reduce_scatters() const { return n_reduce_scatters_; }
+  int64_t num_all_gathers() const { return n_all_gathers_; }
+  int64_t num_staging_buffers() const { return static_cast<int64_t>(staging_.size()); }
+  int64_t staging_bytes() const;
+
+ private:
+  struct InFlight {
+    int64_t bucket;
+    c10::intrusive_ptr<c10d::Work> work;  // null when done synchronously (world size 1)
+    int64_t slot;                          // staging slot (stage 2) or -1
+    at::Tensor out;                        // reduce-scatter output
+    bool accumulate;                       // out must be added into the shard chunk
+  };
+
+  at::Tensor chunk_view(int64_t bucket) const;
+  int64_t acquire_slot();
+  void launch(int64_t bucket);
+  void launch_ready_buckets();
+  void finish_oldest();
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
+  void reset_backward();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  BucketPlan plan_;
+  int64_t stage_;
+  at::Tensor flat_grad_;
+  at::Tensor shard_grad_;
+  std::vector<int64_t> chunk_offset_;
+  bool overlap_;
+  std::string impl_;
+  int64_t rank_, world_size_;
+  std::vector<std::vector<int64_t>> param_buckets_;  // buckets each param overlaps
+
+  // Per backward.
+  std::vector<uint8_t> ready_;
+  std::vector<int64_t> pending_;      // params not yet ready, per bucket
+  std::vector<int64_t> slot_of_;      // staging slot of each bucket, -1 if none
+  size_t next_launch_ = 0;            // index into plan_.launch_order
+  bool in_backward_ = false;
+
+  // Across backward passes until zero_grad.
+  std::vector<uint8_t> has_data_;     // shard chunk holds a reduced gradient
+  at::Tensor used_;
+
+  std::vector<at::Tensor> staging_;   // stage 2 staging buffers, bucket-sized
+  std::vector<int64_t> free_slots_;
+  std::deque<InFlight> inflight_;
+  int64_t n_reduce_scatters_ = 0, n_all_gathers_ = 0;
+  mutable std::mutex mu_;
+};
+
+}  // namespace shardopt

@@ -1,0 +1,35 @@
+"""Checks that every rank built the same thing, at construction, before any collective can mismatch."""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch.distributed as dist
+
+from shardopt.layout import first_difference
+
+
+def check_same_across_ranks(lines: Sequence[str], what: str, group) -> None:
+    """Raises ValueError on every rank if any rank's `lines` differ from another's.
+
+    Ranks first exchange a digest (cheap); only on a mismatch do they exchange
+    the full lines, so the error names the first entry that differs.
+    """
+    ws = dist.get_world_size(group)
+    if ws == 1:
+        return
+    lines = list(lines)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list = [None] * ws
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    everyone: list = [None] * ws
+    dist.all_gather_object(everyone, lines, group=group)
+    rank = dist.get_rank(group)
+    ref = 0 if digests[rank] != digests[0] else next(r for r, d in enumerate(digests) if d != digests[0])
+    diff = first_difference(lines, everyone[ref])
+    raise ValueError(
+        f"shardopt: ranks disagree on the {what}: rank {rank} vs rank {ref}: {diff}. Every rank must "
+        "build the same model (same parameters, order, shapes and dtypes) and the same optimizer "
+        "configuration before wrapping it.")

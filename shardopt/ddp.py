@@ -1,0 +1,129 @@
+"""ShardedDDP: wraps a model so its gradients flow into a ShardedOptimizer (DDP semantics)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shardopt.consistency import check_same_across_ranks
+from shardopt.optimizer import ShardedOptimizer
+
+
+class ShardedDDP(nn.Module):
+    """Data parallel wrapper for a model whose trainable parameters are all in `optimizer`.
+
+    At construction: checks that every rank has the same parameters and buffers,
+    broadcasts them from rank 0, and hooks every managed parameter so backward
+    hands its gradient to the optimizer's bucket engine. `broadcast_buffers`
+    re-broadcasts buffers from rank 0 before each forward, as DDP does.
+    `no_sync()` accumulates gradients locally, as DDP's does.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, broadcast_buffers: bool = True):
+        super().__init__()
+        if not isinstance(optimizer, ShardedOptimizer):
+            raise TypeError(f"ShardedDDP needs a shardopt.ShardedOptimizer, got {type(optimizer).__name__}")
+        self.module = module
+        self.optimizer = optimizer
+        self.broadcast_buffers = broadcast_buffers
+        self._sync = True
+        self._callback_queued = False
+        self._buffers_need_sync = True
+        group = optimizer.process_group
+
+        named = list(module.named_parameters())
+        positions = [None] * len(optimizer._params)
+        for pos, (name, p) in enumerate(named):
+            i = optimizer._index.get(id(p))
+            if i is not None:
+                positions[i] = pos
+            elif p.requires_grad:
+                raise ValueError(f"parameter '{name}' requires grad but is not in the ShardedOptimizer: build "
+                                 "the optimizer from model.parameters(), or set requires_grad=False on it")
+        missing = [i for i, pos in enumerate(positions) if pos is None]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters (e.g. parameter {missing[0]}) are not "
+                             "parameters of this model: wrap the model the optimizer was built from")
+        check_same_across_ranks(
+            [f"param {n} {list(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for n, p in named]
+            + [f"buffer {n} {list(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+            + [f"broadcast_buffers={broadcast_buffers}"],
+            "model's parameters and buffers", group)
+        optimizer._attach(positions)
+
+        # Rank 0's initial values everywhere, like DDP: the flat buffer in one
+        # collective, everything else (frozen params, buffers) coalesced.
+        self._group = group
+        if dist.get_world_size(group) > 1:
+            src = dist.get_global_rank(group, 0)
+            dist.broadcast(optimizer.flat_param, src, group=group)
+            others = [p.data for _, p in named if id(p) not in optimizer._index]
+            self._broadcast_coalesced(others + [b for b in module.buffers()])
+
+        for i, p in enumerate(optimizer._params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    def _broadcast_coalesced(self, tensors):
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors or dist.get_world_size(self._group) == 1:
+            return
+        src = dist.get_global_rank(self._group, 0)
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for ts in by_dtype.values():
+                flat = _flatten_dense_tensors(ts)
+                dist.broadcast(flat, src, group=self._group)
+                for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                    t.copy_(v)
+
+    def _make_hook(self, index: int):
+        opt = self.optimizer
+        stage1 = opt.config.stage == 1
+
+        def hook(p: torch.Tensor) -> None:
+            engine = opt.engine
+            if not self._sync:
+                engine.note_used(index)
+                return
+            if not self._callback_queued:
+                # Runs once the whole backward pass is done: reduce what is left.
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._callback_queued = True
+            engine.mark_ready(index, p.grad)
+            if stage1:
+                slot = opt.layout.params[index]
+                view = opt.flat_grad[slot.offset:slot.end]
+                if p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view.view(p.shape)
+            else:
+                p.grad = None  # stage 2: the full-size gradient is released here
+
+        return hook
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.optimizer._end_backward()
+
+    def forward(self, *args, **kwargs):
+        # Exactly DDP's rule: buffers are broadcast before a forward if the
+        # previous forward was one whose backward reduces (grad enabled, not in
+        # no_sync), so once per accumulation cycle, at its first micro-step.
+        if self.broadcast_buffers and self._buffers_need_sync:
+            self._broadcast_coalesced(list(self.module.buffers()))
+        out = self.module(*args, **kwargs)
+        self._buffers_need_sync = torch.is_grad_enabled() and self._sync
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the next one outside reduces them all."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old

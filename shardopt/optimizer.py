@@ -1,0 +1,299 @@
+"""ShardedOptimizer: each rank steps only its chunks of the flat parameter buffer (ZeRO-1/2).
+
+Lifecycle of one iteration (see Note [Flat layout] in layout.py and Note
+[Bucket engine] in csrc/comm/bucket_engine.h):
+  backward  -> ShardedDDP's hooks hand gradients to the bucket engine, which
+               reduce-scatters each bucket into this rank's gradient shard;
+  clip      -> one all-reduce of the local squared norm;
+  step      -> one all-reduce of "which parameters got a gradient anywhere",
+               the inner torch optimizer steps this rank's pieces, and the
+               updated chunks are all-gathered straight into the model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardopt import _ext
+from shardopt.config import DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig
+from shardopt.consistency import check_same_across_ranks
+from shardopt.layout import Layout, plan_launch_order, plan_layout
+
+# Optimizers whose update of an element depends only on that element (and
+# scalars): safe to run on flat slices of parameters.
+_ELEMENTWISE: set[type] = {
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+}
+
+
+def register_elementwise_optimizer(cls: type) -> type:
+    """Declares that `cls` updates every element independently, so it may run on shards."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"expected a torch.optim.Optimizer subclass, got {cls!r}")
+    _ELEMENTWISE.add(cls)
+    return cls
+
+
+def _check_elementwise(cls) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optim must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), got {cls!r}")
+    if cls not in _ELEMENTWISE:
+        known = ", ".join(sorted(c.__name__ for c in _ELEMENTWISE))
+        raise ValueError(
+            f"{cls.__name__} is not known to be elementwise. ShardedOptimizer runs the inner optimizer on "
+            f"flat 1-D slices of parameters, which is wrong for optimizers that need whole parameter shapes "
+            f"or global state (LBFGS, Adafactor, Shampoo, Muon, ...). Supported: {known}. If {cls.__name__} "
+            f"really updates each element independently, call "
+            f"shardopt.register_elementwise_optimizer({cls.__name__}) first.")
+
+
+def _default_group(process_group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shardopt needs torch.distributed: call torch.distributed.init_process_group(...) "
+                           "first (launch with torchrun; a single process can use world_size=1)")
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Drop-in replacement for a torch.optim optimizer that shards its state over ranks.
+
+    `optim` is an elementwise torch optimizer class; `optim_kwargs` go to it.
+    `param_groups` is the user's view (LR schedulers work unchanged); the inner
+    optimizer runs on this rank's pieces (see layout.py) with the same groups.
+    Use with `ShardedDDP(model, optimizer)`, which feeds it gradients.
+    """
+
+    def __init__(self, params, optim=torch.optim.AdamW, *, stage: int = 2,
+                 reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
+                 allgather_bucket_size: int = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
+                 offload: str = "none", process_group=None, num_staging_buffers: int = 2,
+                 comm_impl: str = "auto", **optim_kwargs):
+        self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
+                                  allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
+                                  offload=offload, num_staging_buffers=num_staging_buffers,
+                                  comm_impl=comm_impl)
+        _check_elementwise(optim)
+        self.process_group = _default_group(process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        # The inner optimizer's own defaults, validated by constructing it once on a dummy tensor.
+        probe = optim([torch.zeros(1, requires_grad=True)], **optim_kwargs)
+        super().__init__(params, dict(probe.defaults))
+        self.optim_class = optim
+
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        self._params: list[torch.nn.Parameter] = [p for group in trainable for p in group]
+        if not self._params:
+            raise ValueError("ShardedOptimizer got no parameter that requires grad")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._check_params()
+        names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
+                 for g, group in enumerate(trainable)]
+        self.layout: Layout = plan_layout(names, self.world_size, reduce_bucket_size, allgather_bucket_size)
+        self.dtype, self.device = self._params[0].dtype, self._params[0].device
+        check_same_across_ranks(
+            self.config.signature() + [f"optimizer {optim.__module__}.{optim.__qualname__}",
+                                       f"dtype {self.dtype}"] + self.layout.signature()
+            + [f"group {g} " + repr({k: v for k, v in grp.items() if k != "params"})
+               for g, grp in enumerate(self.param_groups)],
+            "parameters and optimizer configuration", self.process_group)
+
+        # Flat parameter buffer; model parameters become views into it.
+        self.flat_param = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.layout.params, self._params):
+                view = self.flat_param[slot.offset:slot.end]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(p.shape)
+        # Stage 1 keeps full-size gradients in one flat buffer (the params'
+        # .grad are views of it); stage 2 keeps only this rank's chunks.
+        self.flat_grad = None
+        if self.config.stage == 1:
+            self.flat_grad = torch.zeros_like(self.flat_param)
+            for slot, p in zip(self.layout.params, self._params):
+                p.grad = self.flat_grad[slot.offset:slot.end].view(p.shape)
+        self.shard_grad = torch.zeros(self.layout.shard_numel(), dtype=self.dtype, device=self.device)
+
+        # Pieces: the inner optimizer's parameters (see Note [Flat layout]).
+        chunk_offsets = self.layout.chunk_offsets()
+        self._pieces = self.layout.pieces(self.rank)
+        self._piece_params, self._piece_grads = [], []
+        inner_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in self.param_groups]
+        for pc in self._pieces:
+            bucket = self.layout.buckets[pc.bucket]
+            at = chunk_offsets[pc.bucket] + pc.start - bucket.chunk(self.rank)[0]
+            t = self.flat_param[pc.start:pc.end]
+            self._piece_params.append(t)
+            self._piece_grads.append(self.shard_grad[at:at + pc.numel])
+            inner_groups[bucket.group]["params"].append(t)
+        self.inner = optim(inner_groups, **optim_kwargs) if self._pieces else None
+
+        self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
+        self._backwards = 0         # backward passes reduced since the last step
+        self._global_used = None    # per parameter: got a gradient on some rank (cached until step)
+
+    # ----------------------------------------------------------------- setup
+    def _check_params(self) -> None:
+        first = self._params[0]
+        for i, p in enumerate(self._params):
+            where = f"parameter {i} (shape {tuple(p.shape)})"
+            if p.is_sparse:
+                raise ValueError(f"{where} is sparse; ShardedOptimizer needs dense parameters")
+            if not p.is_floating_point():
+                raise TypeError(f"{where} has dtype {p.dtype}; only floating-point parameters can be trained")
+            if p.device != first.device:
+                raise ValueError(f"{where} is on {p.device} but parameter 0 is on {first.device}: "
+                                 "move the whole model to one device before building the optimizer")
+            if p.dtype != first.dtype:
+                raise TypeError(f"{where} has dtype {p.dtype} but parameter 0 has {first.dtype}: "
+                                "ShardedOptimizer needs one parameter dtype (cast the model, e.g. model.float())")
+
+    def _attach(self, positions: list[int]) -> None:
+        """Called by ShardedDDP: builds the bucket engine in the model's backward order."""
+        if self.engine is not None:
+            raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
+        plan = _ext._C.BucketPlan()
+        lay = self.layout
+        plan.bucket_start = [b.start for b in lay.buckets]
+        plan.bucket_numel = [b.numel for b in lay.buckets]
+        plan.bucket_params = [list(b.params) for b in lay.buckets]
+        plan.param_offset = [p.offset for p in lay.params]
+        plan.param_numel = [p.numel for p in lay.params]
+        plan.launch_order = list(plan_launch_order(lay, positions))
+        plan.gather_bucket = [g.bucket for g in lay.gather_spans]
+        plan.gather_lo = [g.lo for g in lay.gather_spans]
+        plan.gather_hi = [g.hi for g in lay.gather_spans]
+        flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
+        self.engine = _ext._C.BucketEngine(self.process_group, plan, self.config.stage, flat_grad,
+                                           self.shard_grad, self.config.num_staging_buffers,
+                                           self.config.overlap_comm, self.config.comm_impl)
+
+    def add_param_group(self, param_group):
+        if getattr(self, "engine", None) is not None or hasattr(self, "layout"):
+            raise NotImplementedError("ShardedOptimizer cannot add parameter groups after construction: "
+                                      "pass every group to the constructor")
+        super().add_param_group(param_group)
+
+    # -------------------------------------------------------------- gradients
+    def _require_engine(self):
+        if self.engine is None:
+            raise RuntimeError("no gradients reach this ShardedOptimizer: wrap the model with "
+                               "shardopt.ShardedDDP(model, optimizer) before training")
+        return self.engine
+
+    def _end_backward(self) -> None:
+        """End of a backward pass (or a rank that had none): reduce what is left."""
+        engine = self._require_engine()
+        if self.config.stage == 2:
+            # Gradients accumulated under no_sync for parameters this backward did not reach.
+            for i in engine.unready_params():
+                p = self._params[i]
+                if p.grad is not None:
+                    engine.mark_ready(i, p.grad)
+                    p.grad = None
+        engine.flush()
+        self._backwards += 1
+
+    def _finish_grad_sync(self) -> torch.Tensor:
+        """Makes sure gradients are reduced and returns the global "got a gradient" flags."""
+        if self._global_used is None:
+            engine = self._require_engine()
+            if self._backwards == 0:
+                # This rank ran no backward that reached a parameter; its peers may
+                # have, and wait for its share of every bucket: reduce zeros.
+                self._end_backward()
+                self._backwards = 0
+            flags = torch.cat([engine.used().to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32)])
+            if self.world_size > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+            if flags[-1].item() == 0:
+                raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
+                                   "step on every rank: call loss.backward() first")
+            self._global_used = flags[:-1].bool()
+        return self._global_used
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the global gradient norm (over every rank's shard) to max_norm; returns the norm.
+
+        Same result as torch.nn.utils.clip_grad_norm_ on the full averaged gradients.
+        """
+        self._finish_grad_sync()
+        norm_type = float(norm_type)
+        g = self.shard_grad
+        if math.isinf(norm_type):
+            local = g.abs().max() if g.numel() else torch.zeros((), dtype=g.dtype)
+            local = local.float()
+            if self.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local
+        else:
+            local = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
+            if self.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
+            total = (local ** (1.0 / norm_type)).float()
+        coef = float(max_norm) / (total.item() + 1e-6)
+        if coef < 1.0:
+            g.mul_(coef)
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forgets accumulated gradients (the shard, and .grad of the managed parameters)."""
+        if self.engine is not None:
+            self.engine.zero_grad()
+        if self.config.stage == 2:
+            for p in self._params:
+                p.grad = None
+        self._backwards = 0
+        self._global_used = None
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        used = self._finish_grad_sync()
+        if self.inner is not None:
+            # Torch.optim semantics: a parameter with no gradient anywhere is not
+            # stepped at all (no weight decay, no momentum).
+            for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
+                t.grad = g if used[pc.param] else None
+            for inner_group, group in zip(self.inner.param_groups, self.param_groups):
+                for k, v in group.items():
+                    if k != "params":
+                        inner_group[k] = v
+            self.inner.step()
+        self.engine.all_gather_params(self.flat_param)
+        self._backwards = 0
+        self._global_used = None
+        return loss
+
+    def state_dict(self):
+        raise NotImplementedError("ShardedOptimizer state_dict / checkpoints are not implemented yet "
+                                  "(sharded checkpoints are planned: shardopt.save_checkpoint)")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("ShardedOptimizer.load_state_dict is not implemented yet "
+                                  "(sharded checkpoints are planned: shardopt.load_checkpoint)")
+
+    # ------------------------------------------------------------ inspection
+    def memory_stats(self) -> dict:
+        """Bytes this rank holds in parameters, gradients, optimizer state and staging buffers."""
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+        state = []
+        if self.inner is not None:
+            for s in self.inner.state.values():
+                state += [v for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+        return {
+            "params": nbytes([self.flat_param]),
+            "grads": nbytes([self.shard_grad] + ([self.flat_grad] if self.flat_grad is not None else [])),
+            "optimizer_state": nbytes(state),
+            "staging": self.engine.staging_bytes if self.engine is not None else 0,
+        }

@@ -1,0 +1,48 @@
+"""Small models with the awkward features sharded paths must survive."""
+import torch
+from torch import nn
+
+VOCAB, DIM, HIDDEN = 37, 24, 53  # primes: nothing divides evenly by 2, 3 or 4
+
+
+class AwkwardNet(nn.Module):
+    """Tied embedding, a frozen layer, a branch used only on some steps, odd sizes.
+
+    Sizes: emb 37x24=888 (tied with the output head), l1 24x53+53, frozen
+    53x53+53, l2 53x24+24, branch 53x24+24 - each larger than the smallest
+    buckets the tests use, so parameters straddle buckets and rank chunks.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.l1 = nn.Linear(DIM, HIDDEN)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.BatchNorm1d(HIDDEN)  # a buffer that changes: broadcast_buffers matters
+        self.l2 = nn.Linear(HIDDEN, DIM)
+        self.branch = nn.Linear(HIDDEN, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x, use_branch: bool):
+        h = torch.relu(self.l1(self.emb(x)))              # (B, T, HIDDEN)
+        h = self.frozen(h)
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        out = self.l2(h)
+        if use_branch:
+            out = out + self.branch(h)
+        return self.head(out)
+
+
+def batch(step: int, rank: int, micro: int = 0, bsz: int = 3, seq: int = 5):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randint(0, VOCAB, (bsz, seq), generator=g)
+    y = torch.randint(0, VOCAB, (bsz, seq), generator=g)
+    return x, y
+
+
+def uses_branch(step: int, rank: int) -> bool:
+    # With 2+ ranks: some steps some ranks use it, some steps no rank does
+    # (then DDP + torch.optim leaves it untouched: no decay, no momentum).
+    return (step + rank) % 3 == 0 and step % 4 != 1
