@@ -101,11 +101,11 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
               " was reported twice in one backward pass. shardopt reduces each parameter once per "
               "backward; reentrant backward (e.g. reentrant activation checkpointing) is not supported: "
               "use torch.utils.checkpoint with use_reentrant=False.");
+  TORCH_CHECK(!grad.is_sparse(), "parameter ", param,
+              " has a sparse gradient; shardopt needs dense gradients (e.g. nn.Embedding(sparse=False))");
   const int64_t numel = plan_.param_numel[param];
   TORCH_CHECK(grad.numel() == numel, "gradient of parameter ", param, " has ", grad.numel(),
               " elements, expected ", numel);
-  TORCH_CHECK(!grad.is_sparse(), "parameter ", param,
-              " has a sparse gradient; shardopt needs dense gradients (e.g. nn.Embedding(sparse=False))");
   in_backward_ = true;
   ready_[param] = 1;
   used_.data_ptr<uint8_t>()[param] = 1;
@@ -116,8 +116,11 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
     // .grad is normally a view of the flat buffer and autograd accumulated in
     // place; if something replaced it, take its value.
     if (src.data_ptr() != dst.data_ptr()) dst.copy_(src);
-  } else {
-    for (int64_t b : param_buckets_[param]) {
+  }
+  // Bucket by bucket, launching as soon as one completes: a parameter that
+  // straddles many buckets then needs one staging buffer at a time, not one each.
+  for (int64_t b : param_buckets_[param]) {
+    if (stage_ == 2) {
       if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
       const int64_t lo = std::max(off, plan_.bucket_start[b]);
       const int64_t hi = std::min(off + numel, plan_.bucket_start[b] + plan_.bucket_numel[b]);
@@ -130,9 +133,9 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
         dst.copy_(part);
       }
     }
+    --pending_[b];
+    launch_ready_buckets();
   }
-  for (int64_t b : param_buckets_[param]) --pending_[b];
-  launch_ready_buckets();
 }
 
 void BucketEngine::launch_ready_buckets() {

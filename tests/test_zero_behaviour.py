@@ -1,0 +1,232 @@
+"""ZeRO-1/2 behaviour beyond parity: collectives issued, memory released, overlap, and failures.
+
+Every failure test says what bad thing it tries; tests/README.md lists them.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_harness import RankFailure, run_ranks
+from models import AwkwardNet, batch, uses_branch
+
+
+def _build(stage=2, rbs=1000, agbs=10**9, overlap=True, optim=torch.optim.SGD, **kw):
+    import shardopt
+
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    kw = kw or dict(lr=0.1, momentum=0.9)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, stage=stage, reduce_bucket_size=rbs,
+                                    allgather_bucket_size=agbs, overlap_comm=overlap, **kw)
+    return model, opt, shardopt.ShardedDDP(model, opt)
+
+
+def _one_step(wrapper, opt, step=0, rank=0):
+    x, y = batch(step, rank)
+    loss = nn.functional.cross_entropy(wrapper(x, uses_branch(step, rank)).reshape(-1, 37), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+# ---------------------------------------------------------------- collectives
+def _count_collectives(rank, world_size):
+    out = {}
+    for rbs, agbs in ((300, 10**9), (10**7, 10**9), (10**7, 256)):
+        _, opt, wrapper = _build(rbs=rbs, agbs=agbs)
+        for step in range(3):
+            _one_step(wrapper, opt, step, rank)
+        out[(rbs, agbs)] = (opt.engine.num_reduce_scatters, opt.engine.num_all_gathers,
+                            len(opt.layout.buckets), len(opt.layout.gather_spans))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bucket_sizes_change_collectives(world_size):
+    counts = run_ranks(_count_collectives, world_size)[0]
+    small, big, big_small_gather = counts[(300, 10**9)], counts[(10**7, 10**9)], counts[(10**7, 256)]
+    # One reduce-scatter per bucket per backward; one all-gather per span per step.
+    for rs, ag, nb, ng in counts.values():
+        assert (rs, ag) == (3 * nb, 3 * ng)
+    # reduce_bucket_size: a bucket smaller than the model means more reduce-scatters.
+    assert small[2] > big[2] == 1  # one param group: a big bucket holds the whole model
+    # allgather_bucket_size: smaller spans mean more all-gathers, the same reduce-scatters.
+    assert big_small_gather[3] > big[3] and big_small_gather[0] == big[0]
+
+
+# ------------------------------------------------------------------- memory
+def _memory(rank, world_size, stage):
+    model, opt, wrapper = _build(stage=stage, rbs=300)
+    x, y = batch(0, rank)
+    nn.functional.cross_entropy(wrapper(x, True).reshape(-1, 37), y.reshape(-1)).backward()
+    managed = [p for p in model.parameters() if p.requires_grad]
+    grads_alive = sum(p.grad is not None for p in managed)
+    stats = opt.memory_stats()
+    opt.step()
+    return grads_alive, len(managed), stats, opt.layout.total_numel, opt.layout.shard_numel(), \
+        opt.engine.num_staging_buffers, len(opt.layout.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage2_releases_full_gradients(stage):
+    ws = 2
+    alive, managed, stats, total, shard, staging, nbuckets = run_ranks(_memory, ws, stage)[0]
+    if stage == 2:
+        assert alive == 0  # every full-size gradient was released during backward
+        assert stats["grads"] == shard * 4
+        assert staging == 2 < nbuckets  # a fixed pool, not a buffer per bucket
+    else:
+        assert alive == managed  # .grad are views of the persistent flat buffer
+        assert stats["grads"] == (total + shard) * 4
+    assert stats["params"] == total * 4
+
+
+def _overlap(rank, world_size, overlap):
+    model, opt, wrapper = _build(rbs=300, overlap=overlap)
+    seen = []
+    # l1 is registered early, so backward reaches it last: by then the buckets
+    # of later layers must already have been launched.
+    model.l1.weight.register_hook(lambda g: seen.append(opt.engine.num_reduce_scatters))
+    x, y = batch(0, rank)
+    # Every parameter used: an unused one holds back the buckets launched after
+    # its own until backward ends (launch order is fixed across ranks).
+    nn.functional.cross_entropy(wrapper(x, True).reshape(-1, 37), y.reshape(-1)).backward()
+    return seen[0], len(opt.layout.buckets)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_reduce_scatter_starts_during_backward(overlap):
+    launched_before_l1, nbuckets = run_ranks(_overlap, 2, overlap)[0]
+    assert 0 < launched_before_l1 < nbuckets
+
+
+# ---------------------------------------------------------- rank disagreement
+def _mismatch(rank, world_size, what):
+    import shardopt
+
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    kw = dict(stage=2, reduce_bucket_size=1000)
+    if what == "shape" and rank == 1:
+        model.l2 = nn.Linear(53, 24, bias=False)
+        model.l2.bias = nn.Parameter(torch.zeros(25))
+    if what == "order" and rank == 1:
+        params = list(model.parameters())
+        params[1], params[2] = params[2], params[1]
+    else:
+        params = list(model.parameters())
+    if what == "stage" and rank == 1:
+        kw["stage"] = 1
+    if what == "bucket" and rank == 1:
+        kw["reduce_bucket_size"] = 2000
+    if what == "dtype" and rank == 1:
+        model.double()
+        params = list(model.parameters())
+    if what == "lr" and rank == 1:
+        kw["lr"] = 0.5
+    opt = shardopt.ShardedOptimizer(params, optim=torch.optim.AdamW, **kw)
+    shardopt.ShardedDDP(model, opt)
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("shape", "l2.bias|param 3|shape"),      # different model
+    ("order", "param 1"),                    # same params, different order
+    ("stage", "stage"),
+    ("bucket", "reduce_bucket_size"),
+    ("dtype", "dtype"),
+    ("lr", "lr"),
+])
+def test_ranks_that_disagree_fail_at_construction(what, needle):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_mismatch, 2, what, timeout=120, collective_timeout=30)
+    msg = str(info.value)
+    # Every rank raises (no rank is left waiting), naming what differs.
+    assert msg.count("ranks disagree") == 2, msg
+    import re
+    assert re.search(needle, msg), msg
+
+
+# --------------------------------------------------------------- dead peers
+def _peer_dies(rank, world_size):
+    model, opt, wrapper = _build(rbs=300)
+    _one_step(wrapper, opt, 0, rank)
+    if rank == 1:
+        os._exit(3)  # SIGKILL-like: no cleanup, no goodbye
+    _one_step(wrapper, opt, 1, rank)
+
+
+def test_dead_peer_fails_loudly_instead_of_hanging():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_peer_dies, 2, timeout=90, collective_timeout=10)
+    msg = str(info.value)
+    assert "rank 1 died with exit code 3" in msg
+    assert "peer rank has probably exited" in msg or "Connection" in msg or "closed" in msg.lower(), msg
+
+
+# ------------------------------------------------------------- bad arguments
+def _bad_args(rank, world_size):
+    import shardopt
+
+    model = AwkwardNet()
+    errors = {}
+
+    def expect(name, exc, fn):
+        try:
+            fn()
+        except exc as e:
+            errors[name] = str(e)
+        else:
+            errors[name] = None
+
+    P = lambda: AwkwardNet().parameters()  # noqa: E731
+    expect("bucket<=0", ValueError, lambda: shardopt.ShardedOptimizer(P(), reduce_bucket_size=0))
+    expect("agbucket<=0", ValueError, lambda: shardopt.ShardedOptimizer(P(), allgather_bucket_size=-1))
+    expect("stage3", ValueError, lambda: shardopt.ShardedOptimizer(P(), stage=3))
+    expect("offload", ValueError, lambda: shardopt.ShardedOptimizer(P(), offload="nvme"))
+    expect("lbfgs", ValueError, lambda: shardopt.ShardedOptimizer(P(), optim=torch.optim.LBFGS))
+    expect("not-a-class", TypeError, lambda: shardopt.ShardedOptimizer(P(), optim="adam"))
+    expect("bad-kwarg", TypeError, lambda: shardopt.ShardedOptimizer(P(), lr=1e-3, betas2=0.1))
+    mixed = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3).double()])
+    expect("mixed-dtype", TypeError, lambda: shardopt.ShardedOptimizer(mixed.parameters()))
+    meta = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, device="meta"))]
+    expect("mixed-device", ValueError, lambda: shardopt.ShardedOptimizer(meta))
+    expect("no-trainable", ValueError,
+           lambda: shardopt.ShardedOptimizer(nn.Linear(2, 2).requires_grad_(False).parameters()))
+
+    # The model has a trainable parameter the optimizer does not know.
+    opt = shardopt.ShardedOptimizer(list(model.parameters())[1:], optim=torch.optim.SGD, lr=0.1)
+    expect("param-not-in-opt", ValueError, lambda: shardopt.ShardedDDP(model, opt))
+
+    # step() without ShardedDDP, and step() before any backward.
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    expect("no-ddp", RuntimeError, opt.step)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    expect("step-before-backward", RuntimeError, opt.step)
+
+    # A sparse gradient.
+    sparse = nn.Embedding(10, 4, sparse=True)
+    opt = shardopt.ShardedOptimizer(sparse.parameters(), optim=torch.optim.SGD, lr=0.1)
+    w = shardopt.ShardedDDP(sparse, opt)
+    expect("sparse-grad", RuntimeError, lambda: w(torch.tensor([1, 2])).sum().backward())
+    expect("add-group", NotImplementedError, lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}))
+    expect("state-dict", NotImplementedError, opt.state_dict)
+    return errors
+
+
+def test_bad_arguments_raise_clear_errors():
+    errors = run_ranks(_bad_args, 2)[0]
+    needles = {
+        "bucket<=0": "reduce_bucket_size", "agbucket<=0": "allgather_bucket_size", "stage3": "stage",
+        "offload": "offload", "lbfgs": "LBFGS", "not-a-class": "torch.optim.Optimizer class",
+        "bad-kwarg": "betas2", "mixed-dtype": "one parameter dtype", "mixed-device": "one device",
+        "no-trainable": "requires grad", "param-not-in-opt": "not in the ShardedOptimizer",
+        "no-ddp": "ShardedDDP", "step-before-backward": "before any backward", "sparse-grad": "sparse",
+        "add-group": "after construction", "state-dict": "not implemented",
+    }
+    for name, needle in needles.items():
+        assert errors[name] is not None, f"{name}: no error raised"
+        assert needle in errors[name], f"{name}: {errors[name]!r} does not mention {needle!r}"
