@@ -3,13 +3,23 @@ from __future__ import annotations
 
 import dataclasses
 
-# Defaults, in elements (as DeepSpeed counts them). Chosen from measurements on
-# gloo with 2 ranks on 2 CPU cores (benchmarks/results/): step time is flat from
-# about 2M to 50M elements per bucket and grows below 1M (per-collective latency)
-# and, with overlap, when one bucket holds most of the model (nothing to
-# overlap). 25M elements = 100 MB fp32 staging per in-flight bucket.
-DEFAULT_REDUCE_BUCKET_SIZE = 25_000_000
-DEFAULT_ALLGATHER_BUCKET_SIZE = 25_000_000
+# Note [Default bucket sizes]
+# A bucket is the unit of overlap and, in stage 2, of transient full-size
+# gradient memory (num_staging_buffers buckets exist at once). One bucket for
+# the whole model means no overlap and no stage-2 saving; tiny buckets pay the
+# per-collective latency. So by default (None) a model is cut into about
+# AUTO_BUCKETS buckets, clamped to [AUTO_MIN, AUTO_MAX] elements. Measured on
+# gloo, 2 ranks on 2 CPU cores: see benchmarks/results/ and the README.
+AUTO_BUCKETS = 8
+AUTO_MIN = 1 << 19          # 2 MiB of fp32: below this, per-collective latency shows
+AUTO_MAX = 25_000_000       # 100 MB of fp32 per bucket
+DEFAULT_REDUCE_BUCKET_SIZE = None
+DEFAULT_ALLGATHER_BUCKET_SIZE = None
+
+
+def auto_bucket_size(total_numel: int) -> int:
+    """The default bucket size for a model of total_numel trainable elements."""
+    return max(AUTO_MIN, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS)))
 
 STAGES = (1, 2)
 OFFLOADS = ("none",)
@@ -24,12 +34,13 @@ class ShardConfig:
     """1: shard optimizer state; full-size gradients persist in one flat buffer.
     2: also shard gradients: a bucket's full-size gradient memory is reused as
     soon as it is reduce-scattered; each rank keeps only its gradient chunks."""
-    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE
     """Elements per gradient bucket: one reduce-scatter each (rounded up to a
-    multiple of lcm(world_size, 128))."""
-    allgather_bucket_size: int = DEFAULT_ALLGATHER_BUCKET_SIZE
+    multiple of lcm(world_size, 128)). None: see Note [Default bucket sizes]."""
+    allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE
     """Elements per parameter all-gather after a step. All-gathers never span two
-    reduce buckets, so values above reduce_bucket_size gather whole buckets."""
+    reduce buckets, so values above reduce_bucket_size gather whole buckets.
+    None: the same as the reduce bucket size."""
     overlap_comm: bool = True
     """Launch a bucket's reduce-scatter from backward as soon as all its
     gradients exist, and wait only when its staging buffer is needed again or
@@ -48,6 +59,8 @@ class ShardConfig:
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (stage 3 is not supported)")
         for field in ("reduce_bucket_size", "allgather_bucket_size"):
             v = getattr(self, field)
+            if v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{field} must be a positive whole number of elements, got {v!r} "
                                  f"(e.g. {field}=int(5e7))")

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from shardopt import _ext
-from shardopt.config import DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig
+from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig,
+                             auto_bucket_size)
 from shardopt.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
 
@@ -68,8 +69,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optim=torch.optim.AdamW, *, stage: int = 2,
-                 reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
-                 allgather_bucket_size: int = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
+                 reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE,
+                 allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
                  offload: str = "none", process_group=None, num_staging_buffers: int = 2,
                  comm_impl: str = "auto", **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
@@ -93,7 +94,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_params()
         names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
                  for g, group in enumerate(trainable)]
-        self.layout: Layout = plan_layout(names, self.world_size, reduce_bucket_size, allgather_bucket_size)
+        total = sum(p.numel() for p in self._params)
+        rbs = reduce_bucket_size if reduce_bucket_size is not None else auto_bucket_size(total)
+        agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
+        self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs)
         self.dtype, self.device = self._params[0].dtype, self._params[0].device
         check_same_across_ranks(
             self.config.signature() + [f"optimizer {optim.__module__}.{optim.__qualname__}",

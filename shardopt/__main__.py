@@ -1,0 +1,5 @@
+import sys
+
+from shardopt.cli import main
+
+sys.exit(main())

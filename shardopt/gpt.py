@@ -1,0 +1,81 @@
+"""A small GPT-like model for the demo, benchmarks and estimates (not a model zoo)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model."""
+
+    vocab: int = 4096
+    """Vocabulary size (the embedding is tied with the output head)."""
+    dim: int = 256
+    """Width of the residual stream."""
+    layers: int = 4
+    """Transformer blocks."""
+    heads: int = 4
+    """Attention heads per block."""
+    seq: int = 128
+    """Maximum sequence length (learned positions)."""
+
+
+PRESETS = {
+    "tiny": GPTConfig(vocab=512, dim=64, layers=2, heads=2, seq=32),
+    "small": GPTConfig(),                                                # ~4.3M parameters
+    "30m": GPTConfig(vocab=8192, dim=512, layers=8, heads=8, seq=128),   # ~29.6M parameters
+}
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.dim)
+        self.attn = nn.MultiheadAttention(c.dim, c.heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(c.dim)
+        self.mlp = nn.Sequential(nn.Linear(c.dim, 4 * c.dim), nn.GELU(), nn.Linear(4 * c.dim, c.dim))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab, c.dim)
+        self.pos = nn.Embedding(c.seq, c.dim)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln = nn.LayerNorm(c.dim)
+        self.head = nn.Linear(c.dim, c.vocab, bias=False)
+        self.head.weight = self.tok.weight
+        # GPT-2's init: unit-variance embeddings tied to the head give logits of
+        # size sqrt(dim) and a first loss far above log(vocab).
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.ln(x))
+
+
+def synthetic_batch(c: GPTConfig, batch: int, seq: int, step: int, rank: int):
+    """Token sequences with learnable structure (next token = a fixed function of the current one)."""
+    g = torch.Generator().manual_seed(step * 1009 + rank)
+    start = torch.randint(0, c.vocab, (batch, 1), generator=g)
+    idx = (start * 31 + 7 * torch.arange(seq + 1)) % c.vocab
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
