@@ -1,0 +1,99 @@
+"""Runs a function on N real ranks: fresh processes joined by a gloo group over 127.0.0.1 (tests, benchmarks).
+
+Each call gets its own FileStore in a temp dir, so parallel tests never share a
+port or a rendezvous; gloo itself binds ephemeral ports on loopback. Every
+collective has the group's timeout, and the parent kills every rank if the
+whole run exceeds `timeout`, so a broken test fails with the rank's traceback
+instead of hanging.
+"""
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+
+# Spawned ranks re-import the test module; keep them single-threaded so 4 ranks
+# on 2 cores do not fight over torch's intra-op pool.
+_RANK_THREADS = 1
+
+
+def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, args, kwargs):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(_RANK_THREADS)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already failing; the traceback above matters
+                pass
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, **kwargs):
+    """Runs fn(rank, world_size, *args, **kwargs) on `world_size` ranks; returns [result of rank r].
+
+    fn must be a module-level function (ranks are spawned, not forked, so torch
+    state from the test process never leaks in). Raises RankFailure with every
+    failing rank's traceback, or after `timeout` seconds naming the ranks that
+    never finished.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="shardopt-store-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main,
+                             args=(fn, r, world_size, store_path, collective_timeout, results, args, kwargs),
+                             daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out, errors = {}, {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(out) + len(errors) < world_size:
+                left = (deadline - datetime.datetime.now()).total_seconds()
+                if left <= 0:
+                    missing = sorted(set(range(world_size)) - set(out) - set(errors))
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout}s"
+                                      + _format(errors))
+                try:
+                    rank, ok, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs)
+                            if not p.is_alive() and r not in out and r not in errors and p.exitcode != 0]
+                    for r in dead:
+                        errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                    continue
+                (out if ok else errors)[rank] = value
+                if errors and len(out) + len(errors) < world_size:
+                    # One rank failed: the rest would wait for it in a collective
+                    # until their timeout. Give them a moment to report, then stop.
+                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise RankFailure(_format(errors))
+        return [out[r] for r in range(world_size)]
+
+
+def _format(errors):
+    return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
