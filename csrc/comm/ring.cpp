@@ -145,26 +145,37 @@ class Ring {
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
 
+  // Posting can fail too (gloo throws at once on a closed connection), so both
+  // posting and waiting report which peer and which op.
   WorkPtr send_right(const at::Tensor& t) const {
-    std::vector<at::Tensor> ts{t};
-    return pg_->send(ts, right(), tag_);
+    return guarded("sending to", right(), [&] {
+      std::vector<at::Tensor> ts{t};
+      return pg_->send(ts, right(), tag_);
+    });
   }
   WorkPtr recv_left(const at::Tensor& t) const {
-    std::vector<at::Tensor> ts{t};
-    return pg_->recv(ts, left(), tag_);
+    return guarded("receiving from", left(), [&] {
+      std::vector<at::Tensor> ts{t};
+      return pg_->recv(ts, left(), tag_);
+    });
   }
-  void wait_recv(const WorkPtr& w) const { wait(w, "receiving from", left()); }
-  void wait_send(const WorkPtr& w) const { wait(w, "sending to", right()); }
+  void wait_recv(const WorkPtr& w) const {
+    guarded("receiving from", left(), [&] { return w->wait(timeout_); });
+  }
+  void wait_send(const WorkPtr& w) const {
+    guarded("sending to", right(), [&] { return w->wait(timeout_); });
+  }
 
  private:
   int right() const { return static_cast<int>((rank_ + 1) % world_); }
   int left() const { return static_cast<int>((rank_ + world_ - 1) % world_); }
 
-  void wait(const WorkPtr& w, const char* what, int peer) const {
+  template <typename F>
+  auto guarded(const char* what, int peer, F&& f) const -> decltype(f()) {
     try {
-      w->wait(timeout_);
+      return f();
     } catch (const std::exception& e) {
-      const c10::Error* ce = dynamic_cast<const c10::Error*>(&e);
+      const auto* ce = dynamic_cast<const c10::Error*>(&e);
       TORCH_CHECK_WITH(DistBackendError, false, "shardopt ", op_, " on rank ", rank_, " of ",
                        world_, ": failed ", what, " rank ", peer, " (process group timeout ",
                        timeout_.count(), " ms; tag ", tag_,

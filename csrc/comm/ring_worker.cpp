@@ -30,13 +30,15 @@ c10::intrusive_ptr<c10::ivalue::Future> RingWork::getFuture() {
 }
 
 void RingWork::complete(std::exception_ptr error) {
-  // The future first: a thread woken by wait() may immediately ask for it.
+  // Work first, future second: whoever is woken by the future must already see
+  // isCompleted(). (One woken by wait() and then reading future.value() at once
+  // could still race; future.wait() never does.)
+  finish(error);
   if (error) {
     future_->setError(error);
   } else {
     future_->markCompleted(c10::IValue(outputs_));
   }
-  finish(error);
 }
 
 // ---------------------------------------------------------------------------
