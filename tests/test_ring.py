@@ -78,7 +78,8 @@ def _exactness(rank, world_size):
     assert _C.ring_is_default(dist.group.WORLD)  # "auto" means the ring on gloo
     _C.set_ring_piece_bytes(SMALL_PIECE)
     seed = 0
-    for impl in ("auto", "ring", "native"):
+    # ("auto" is the ring here, as asserted above; the last block below runs it.)
+    for impl in ("ring", "native"):
         for depth in ((1, 4) if impl == "ring" else (4,)):
             _C.set_ring_depth(depth)
             for dtype in DTYPES:
@@ -163,9 +164,9 @@ def _many_in_flight(rank, world_size):
     return True
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_many_buckets_in_flight(world_size):
-    assert run_ranks(_many_in_flight, world_size) == [True] * world_size
+def test_many_buckets_in_flight():
+    # 3 ranks: messages are forwarded around the ring, not just exchanged.
+    assert run_ranks(_many_in_flight, 3) == [True] * 3
 
 
 def _bad_inputs(rank, world_size):
@@ -217,7 +218,7 @@ def _peer_fails(rank, world_size, how):
 
     if rank == 1:
         if how == "hangs":
-            time.sleep(GROUP_TIMEOUT + 6)
+            time.sleep(GROUP_TIMEOUT + 2)  # outlive rank 0's wait, then leave
         return None
     x, out = torch.ones(1 << 16), torch.empty(1 << 15)
     if how == "dies":
