@@ -36,9 +36,10 @@ namespace shardopt::comm {
 // Messages are processed strictly in m order, so piece j of step s+1 can be
 // sent as soon as piece j of step s was received and reduced, while the later
 // pieces of step s are still on the wire: receiving overlaps reducing, and the
-// ring never waits for a whole chunk. For reduce-scatter, receives land in a
-// small ring of `depth` piece-sized scratch slots (posted `depth` messages
-// ahead), so the memory cost is depth * piece bytes whatever the bucket size.
+// ring never waits for a whole chunk. For reduce-scatter, receives land in
+// `output` (a chunk's worth of receives posted ahead), or, when output is
+// input's chunk r, in a small ring of `depth` piece-sized scratch slots (posted
+// `depth` messages ahead): memory cost depth * piece bytes whatever the bucket.
 // Partial sums are accumulated in place in `input`, which is why
 // reduce-scatter clobbers it: input chunk c is written when its partial sum
 // arrives, then only sent, and chunk r (the own addend of the last step) is only
@@ -222,10 +223,17 @@ void ring_reduce_scatter(const Ring& ring, const at::Tensor& input, const at::Te
   }
   const Pieces pieces(n, std::min(piece, n));
   const int64_t p = pieces.count, messages = (w - 1) * p;
-  const int64_t slots = std::min(messages, std::max<int64_t>(1, depth));
-  at::Tensor scratch = at::empty({slots, pieces.piece}, input.options());
+  // Where messages land (Note [Ring schedule], pipelining): in `output` itself
+  // when it is a separate buffer, piece j of every step in output's piece j, so
+  // a whole chunk of receives is posted ahead at no memory cost; when output is
+  // input's own chunk (in place) it still holds our last addend, so messages
+  // land in `depth` piece-sized scratch slots instead.
+  const bool land_in_output = output.data_ptr() != chunk(r).data_ptr();
+  const int64_t slots = land_in_output ? p : std::min(messages, std::max<int64_t>(1, depth));
+  at::Tensor scratch = land_in_output ? at::Tensor() : at::empty({slots, pieces.piece}, input.options());
   // Message m lands in slot m % slots, trimmed to piece m % p's length.
   auto slot = [&](int64_t m) {
+    if (land_in_output) return pieces.of(output, m % p);
     return scratch[m % slots].narrow(0, 0, pieces.of(output, m % p).numel());
   };
 
@@ -242,7 +250,11 @@ void ring_reduce_scatter(const Ring& ring, const at::Tensor& input, const at::Te
     if (s == w - 2) {
       // Last step: chunk r, plus our own addend, is the result.
       at::Tensor result = pieces.of(output, j);
-      at::add_out(result, pieces.of(chunk(r), j), got);
+      if (land_in_output) {
+        result.add_(pieces.of(chunk(r), j));  // `got` is this very piece
+      } else {
+        at::add_out(result, pieces.of(chunk(r), j), got);
+      }
     } else {
       at::Tensor partial = pieces.of(chunk(r - 2 - s), j);
       partial.add_(got);
