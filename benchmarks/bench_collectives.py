@@ -102,17 +102,21 @@ def _sweep_rank(rank, world_size, sizes, trials, pieces, depths):
         n -= n % world_size
         bucket, out_chunk = torch.ones(n), torch.empty(n // world_size)
         chunk, out_bucket = torch.ones(n // world_size), torch.empty(n)
+        own = bucket[rank * (n // world_size):(rank + 1) * (n // world_size)]
         configs = [(p, d) for p in pieces for d in depths]
-        times = {(c, op): [] for c in configs for op in ("RS", "AG")}
+        times = {(c, op): [] for c in configs for op in ("RS", "RS in place", "AG")}
         for t in range(trials + 1):  # trial 0 is warm-up
             for piece, depth in configs[t % len(configs):] + configs[:t % len(configs)]:
                 _C.set_ring_piece_bytes(piece)
                 _C.set_ring_depth(depth)
                 bucket.fill_(1.0)
                 rs = _timed(lambda: comm.start_reduce_scatter(bucket, out_chunk).wait())
+                bucket.fill_(1.0)
+                rs_ip = _timed(lambda: comm.start_reduce_scatter(bucket, own).wait())
                 ag = _timed(lambda: comm.start_all_gather(chunk, out_bucket).wait())
                 if t:
                     times[((piece, depth), "RS")].append(rs)
+                    times[((piece, depth), "RS in place")].append(rs_ip)
                     times[((piece, depth), "AG")].append(ag)
         for key, ts in times.items():
             results[(size,) + key] = _slowest_rank(ts)
@@ -161,12 +165,13 @@ def _sweep_table(world_sizes, sizes, trials, pieces, depths):
         res = run_ranks(_sweep_rank, ws, sizes, trials, pieces, depths, timeout=3600,
                         collective_timeout=600)[0]
         for size in sizes:
-            lines.append(f"\n### piece sweep, world size {ws}, {_fmt_size(size)} bucket: median ms RS / AG\n")
+            lines.append(f"\n### piece sweep, world size {ws}, {_fmt_size(size)} bucket: median ms "
+                         "RS / RS in place / AG (only in-place RS uses the depth)\n")
             lines.append("| piece | " + " | ".join(f"depth {d}" for d in depths) + " |")
             lines.append("|---" * (len(depths) + 1) + "|")
             for p in pieces:
-                cells = [f"{statistics.median(res[(size, (p, d), 'RS')]) * 1e3:.1f} / "
-                         f"{statistics.median(res[(size, (p, d), 'AG')]) * 1e3:.1f}" for d in depths]
+                cells = [" / ".join(f"{statistics.median(res[(size, (p, d), op)]) * 1e3:.1f}"
+                                    for op in ("RS", "RS in place", "AG")) for d in depths]
                 lines.append(f"| {_fmt_size(p)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -190,7 +195,7 @@ def main():
     if args.sweep:
         sizes = [16 * MB, 64 * MB] if not args.quick else [16 * MB]
         body = _sweep_table(args.world_sizes, sizes, args.trials or 3,
-                            pieces=[64 << 10, 256 << 10, 1 << 20, 4 << 20], depths=[2, 4, 8])
+                            pieces=[256 << 10, 1 << 20, 4 << 20, 16 << 20], depths=[2, 4, 8])
     else:
         sizes = [1 * MB, 4 * MB, 16 * MB] if args.quick else [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
         trials = args.trials or (3 if args.quick else 7)
