@@ -19,7 +19,8 @@ namespace shardopt::comm {
 RingWork::RingWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs)
     : c10d::Work(rank, op_type),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
 
 std::vector<at::Tensor> RingWork::result() {
   return outputs_;
