@@ -59,8 +59,10 @@ WorkPtr start_all_gather(const GroupPtr& pg, at::Tensor input, at::Tensor output
 WorkPtr start_reduce_scatter_native(const GroupPtr& pg, at::Tensor input, at::Tensor output);
 WorkPtr start_all_gather_native(const GroupPtr& pg, at::Tensor input, at::Tensor output);
 
-// Which implementation to run. kAuto: the ring on gloo (measured 3-4x faster
-// there, see benchmarks/results/), native everywhere else.
+// Which implementation to run. kAuto: the ring when the group's CPU backend is
+// gloo (from 4 MB buckets up, reduce-scatter measured 1.5-5x and all-gather
+// 1.1-3.7x faster than gloo's own; benchmarks/results/2026-11-22-collectives.md),
+// native everywhere else (NCCL keeps its own collectives).
 enum class Impl { kAuto, kRing, kNative };
 Impl parse_impl(const std::string& name);  // "auto" | "ring" | "native"
 bool ring_is_default(const GroupPtr& pg);
