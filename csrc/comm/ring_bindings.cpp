@@ -1,0 +1,44 @@
+// Python bindings of the ring collectives (csrc/comm/ring.h). Groups arrive as
+// torch.distributed.ProcessGroup objects and the returned handle is a regular
+// torch.distributed Work: torch binds both with intrusive_ptr holders.
+#include <torch/csrc/utils/pybind.h>
+
+#include "../module.h"
+#include "ring.h"
+
+namespace py = pybind11;
+
+namespace shardopt {
+
+void init_ring_bindings(py::module& m) {
+  using comm::GroupPtr;
+  // Starting an op may block briefly (queue lock, the native backend's own
+  // enqueue), so the GIL is released for all of it.
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+
+  m.def("ring_reduce_scatter",
+        [](const GroupPtr& group, at::Tensor input, at::Tensor output, const std::string& impl) {
+          return comm::start_reduce_scatter_auto(group, input, output, comm::parse_impl(impl));
+        },
+        py::arg("group"), py::arg("input"), py::arg("output"), py::arg("impl") = "auto", nogil,
+        "Starts a sum reduce-scatter of 1-D `input` into `output` (chunk `rank`); returns a Work.\n"
+        "impl: \"auto\" (ring on gloo, native otherwise), \"ring\" or \"native\". The ring uses\n"
+        "`input` as scratch: its contents are unspecified afterwards. See csrc/comm/ring.h.");
+  m.def("ring_all_gather",
+        [](const GroupPtr& group, at::Tensor input, at::Tensor output, const std::string& impl) {
+          return comm::start_all_gather_auto(group, input, output, comm::parse_impl(impl));
+        },
+        py::arg("group"), py::arg("input"), py::arg("output"), py::arg("impl") = "auto", nogil,
+        "Starts an all-gather of every rank's 1-D `input` into `output`, in rank order; returns\n"
+        "a Work. `input` may be output's chunk `rank` (in place). See csrc/comm/ring.h.");
+  m.def("ring_is_default", &comm::ring_is_default, py::arg("group"), nogil,
+        "Whether impl=\"auto\" picks the ring for CPU tensors of this group.");
+  m.def("ring_piece_bytes", &comm::ring_piece_bytes);
+  m.def("set_ring_piece_bytes", &comm::set_ring_piece_bytes, py::arg("bytes"),
+        "Ring message size; must be equal on all ranks. For benchmarks.");
+  m.def("ring_depth", &comm::ring_depth);
+  m.def("set_ring_depth", &comm::set_ring_depth, py::arg("depth"),
+        "Reduce-scatter receives posted ahead. For benchmarks.");
+}
+
+}  // namespace shardopt

@@ -1,0 +1,244 @@
+"""Ring reduce-scatter / all-gather (csrc/comm/ring.cpp) on real gloo ranks.
+
+One spawn per world size runs every configuration in a loop (spawning costs
+seconds; the collectives milliseconds). References:
+- integer-valued data: every partial sum is an integer well inside the exact
+  range of bfloat16 (|sum| <= 4 * 8 < 256), so ours must equal torch's
+  all_reduce + slice / all_gather_into_tensor bit for bit, whatever the order;
+- random data: a float64 sum of every rank's (regenerated) input, within the
+  error bound of summing in the dtype (see _check_close).
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Chunk sizes (elements per rank), with pieces of SMALL_PIECE bytes:
+#   0: empty buckets still run (and agree across ranks);
+#   1, 7: a chunk smaller than a piece, and smaller than the ring;
+#   129: not a multiple of the piece (16 fp32 / 32 bf16 elements), so the
+#        last piece is short (1 element);
+#   1000: many pieces, more than the scratch depth, so slots are reused.
+CHUNKS = (0, 1, 7, 129, 1000)
+SMALL_PIECE = 64  # bytes
+
+
+def _inputs(kind, chunk, world_size, rank, dtype, seed):
+    """Rank `rank`'s input; any rank can regenerate any other's for a reference."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    n = chunk * world_size
+    if kind == "int":
+        return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def _check_close(ours, inputs_all, rank, chunk, dtype, world_size):
+    """Random data against a float64 reference.
+
+    Ours adds world_size terms in `dtype`, rounding after each of the
+    world_size-1 additions; each rounding errs by at most u = eps/2 of the
+    partial sum, and |partial| <= sum_i |x_i|. So |ours - exact| <=
+    (world_size-1) * u * sum_i |x_i|, elementwise. (The inputs are exactly
+    representable: they were rounded to dtype before anyone summed them.)
+    """
+    sl = slice(rank * chunk, (rank + 1) * chunk)
+    parts = torch.stack([x[sl].double() for x in inputs_all])
+    exact, magnitude = parts.sum(0), parts.abs().sum(0)
+    u = torch.finfo(dtype).eps / 2
+    bound = (world_size - 1) * u * magnitude
+    err = (ours.double() - exact).abs()
+    assert bool((err <= bound).all()), (
+        f"{dtype} chunk {chunk}: max error {err.max().item()} exceeds bound "
+        f"{bound[err.argmax()].item()}")
+
+
+def _reference_rs(x):
+    """torch's answer: all_reduce + slice (exact for integer data)."""
+    full = x.clone()
+    dist.all_reduce(full)
+    r, w = dist.get_rank(), dist.get_world_size()
+    n = x.numel() // w
+    return full[r * n:(r + 1) * n]
+
+
+def _reference_ag(x):
+    out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x)
+    return out
+
+
+def _exactness(rank, world_size):
+    from shardopt import _C, comm
+
+    assert _C.ring_is_default(dist.group.WORLD)  # "auto" means the ring on gloo
+    _C.set_ring_piece_bytes(SMALL_PIECE)
+    seed = 0
+    # ("auto" is the ring here, as asserted above; the last block below runs it.)
+    for impl in ("ring", "native"):
+        for depth in ((1, 4) if impl == "ring" else (4,)):
+            _C.set_ring_depth(depth)
+            for dtype in DTYPES:
+                for chunk in CHUNKS:
+                    seed += 1
+                    where = f"impl={impl} depth={depth} {dtype} chunk={chunk}"
+                    # Reduce-scatter, integer data: bitwise equal to all_reduce + slice.
+                    x = _inputs("int", chunk, world_size, rank, dtype, seed)
+                    out = torch.full((chunk,), float("nan"), dtype=dtype)
+                    comm.start_reduce_scatter(x.clone(), out, impl=impl).wait()
+                    assert torch.equal(out, _reference_rs(x)), where
+
+                    # Same, in place: output is input's own chunk.
+                    buf = x.clone()
+                    own = buf[rank * chunk:(rank + 1) * chunk]
+                    comm.start_reduce_scatter(buf, own, impl=impl).wait()
+                    assert torch.equal(own, _reference_rs(x)), where + " in-place"
+
+                    # Random data, against float64.
+                    xs = [_inputs("randn", chunk, world_size, r, dtype, seed) for r in range(world_size)]
+                    out = torch.empty(chunk, dtype=dtype)
+                    comm.start_reduce_scatter(xs[rank].clone(), out, impl=impl).wait()
+                    _check_close(out, xs, rank, chunk, dtype, world_size)
+
+                    # All-gather: bitwise equal to all_gather_into_tensor; input untouched.
+                    y = _inputs("randn", chunk, 1, rank, dtype, seed)
+                    y_before = y.clone()
+                    gathered = torch.full((chunk * world_size,), float("nan"), dtype=dtype)
+                    comm.start_all_gather(y, gathered, impl=impl).wait()
+                    assert torch.equal(gathered, _reference_ag(y)), where
+                    assert torch.equal(y, y_before), where + " all-gather wrote its input"
+
+                    # In place: input is a view of output's own chunk; the rest is garbage.
+                    flat = torch.full((chunk * world_size,), float("nan"), dtype=dtype)
+                    flat[rank * chunk:(rank + 1) * chunk] = y
+                    comm.start_all_gather(flat[rank * chunk:(rank + 1) * chunk], flat, impl=impl).wait()
+                    assert torch.equal(flat, _reference_ag(y)), where + " in-place"
+    # One size spanning several default-size pieces, with the default depth.
+    _C.set_ring_piece_bytes(1 << 20)
+    _C.set_ring_depth(4)
+    chunk = (3 << 20) // 4 + 5  # 3 MB of fp32 per chunk: 4 pieces, the last 20 bytes
+    x = _inputs("int", chunk, world_size, rank, torch.float32, 999)
+    out = torch.empty(chunk)
+    comm.start_reduce_scatter(x.clone(), out).wait()
+    assert torch.equal(out, _reference_rs(x))
+    gathered = torch.empty(chunk * world_size)
+    comm.start_all_gather(out, gathered).wait()
+    assert torch.equal(gathered, _reference_ag(out))
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_exact_against_torch(world_size):
+    assert run_ranks(_exactness, world_size, timeout=200) == [True] * world_size
+
+
+def _many_in_flight(rank, world_size):
+    """8 reduce-scatters and 8 all-gathers of different sizes and dtypes, all
+    started before any is waited for: each must still get its own data."""
+    from shardopt import _C, comm
+
+    _C.set_ring_piece_bytes(256)
+    ops = []
+    for i in range(8):
+        dtype = DTYPES[i % 3]
+        chunk = 50 * i + 3
+        x = _inputs("int", chunk, world_size, rank, dtype, 100 + i)
+        out = torch.empty(chunk, dtype=dtype)
+        y = _inputs("int", chunk, 1, rank, dtype, 200 + i)
+        gathered = torch.empty(chunk * world_size, dtype=dtype)
+        ops.append((x, comm.start_reduce_scatter(x.clone(), out), y, comm.start_all_gather(y, gathered)))
+    # torch's references run on gloo's own threads and tags, concurrently with ours.
+    for x, rs, y, ag in ops:
+        assert torch.equal(rs.wait(), _reference_rs(x))
+        assert torch.equal(ag.wait(), _reference_ag(y))
+    # The handle is a regular torch Work, whose future yields the output.
+    x = _inputs("int", 4, world_size, rank, torch.float32, 300)
+    h = comm.start_reduce_scatter(x.clone(), torch.empty(4))
+    (out,) = h.work.get_future().wait()
+    assert h.is_completed()
+    assert torch.equal(out, _reference_rs(x))
+    return True
+
+
+def test_many_buckets_in_flight():
+    # 3 ranks: messages are forwarded around the ring, not just exchanged.
+    assert run_ranks(_many_in_flight, 3) == [True] * 3
+
+
+def _bad_inputs(rank, world_size):
+    from shardopt import _C, comm
+
+    f = torch.zeros
+    cases = [
+        # (reduce-scatter input, output, message fragment)
+        (f(8, 2), f(8), "1-D"),
+        (f(16)[::2], f(4), "contiguous"),
+        (f(8), f(4, dtype=torch.float16), "dtypes differ"),
+        (f(8, dtype=torch.int32), f(4, dtype=torch.int32), "dtype must be"),
+        (f(7), f(3), "not a multiple of world size"),
+        (f(8), f(3), "must be input numel / world size"),
+    ]
+    for impl in ("ring", "native"):
+        for x, out, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                comm.start_reduce_scatter(x, out, impl=impl)
+        with pytest.raises(ValueError, match="must be world size"):
+            comm.start_all_gather(f(4), f(7), impl=impl)
+        buf = f(8)
+        with pytest.raises(ValueError, match="not exactly its chunk"):
+            comm.start_reduce_scatter(buf, buf[1:5], impl=impl)  # overlaps, wrong place
+        with pytest.raises(ValueError, match="not exactly its chunk"):
+            comm.start_all_gather(buf[1:5], buf, impl=impl)
+    with pytest.raises(ValueError, match="impl must be"):
+        comm.start_reduce_scatter(f(8), f(4), impl="fast")
+    with pytest.raises(ValueError, match="positive"):
+        _C.set_ring_piece_bytes(0)
+    # Refused inputs never reached the queue: the group still works.
+    x = _inputs("int", 4, world_size, rank, torch.float32, 1)
+    assert torch.equal(comm.start_reduce_scatter(x.clone(), f(4)).wait(), _reference_rs(x))
+    return True
+
+
+def test_bad_inputs_raise_before_anything_runs():
+    assert run_ranks(_bad_inputs, 2) == [True, True]
+
+
+GROUP_TIMEOUT = 3  # seconds
+
+
+def _peer_fails(rank, world_size, how):
+    """Rank 1 never joins the collective: it exits ("dies") or idles ("hangs").
+    Rank 0 must get an error from wait() within the group timeout (plus slack),
+    and every later op of the group must fail at once (Note [Failure is sticky])."""
+    from shardopt import comm
+
+    if rank == 1:
+        if how == "hangs":
+            time.sleep(GROUP_TIMEOUT + 2)  # outlive rank 0's wait, then leave
+        return None
+    x, out = torch.ones(1 << 16), torch.empty(1 << 15)
+    if how == "dies":
+        time.sleep(1)  # let rank 1 get out of the group first
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as err:
+        comm.start_reduce_scatter(x, out).wait()
+    elapsed = time.monotonic() - t0
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistBackendError, match="earlier shardopt collective"):
+        comm.start_all_gather(out, x).wait()
+    return str(err.value), elapsed, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_dead_peer_makes_wait_raise(how):
+    (msg, elapsed, later), _ = run_ranks(_peer_fails, 2, how, timeout=60, collective_timeout=GROUP_TIMEOUT)
+    assert "shardopt ring reduce_scatter on rank 0 of 2" in msg and "rank 1" in msg, msg
+    assert elapsed < GROUP_TIMEOUT + 5, f"wait() took {elapsed:.1f}s, group timeout {GROUP_TIMEOUT}s"
+    if how == "hangs":  # nothing tells rank 0 but the clock: the group's timeout must be the one used
+        assert elapsed > GROUP_TIMEOUT * 0.9, f"gave up after {elapsed:.1f}s, before the group timeout"
+    assert later < 1.0, f"the op after the failure took {later:.1f}s to fail"
+
