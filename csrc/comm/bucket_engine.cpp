@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "collectives.h"
+#include "ring.h"
 
 namespace shardopt {
 
@@ -15,7 +15,7 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
       flat_grad_(std::move(flat_grad)),
       shard_grad_(std::move(shard_grad)),
       overlap_(overlap),
-      impl_(std::move(impl)) {
+      impl_(comm::parse_impl(impl)) {
   TORCH_CHECK(pg_, "BucketEngine needs a process group");
   TORCH_CHECK(stage_ == 1 || stage_ == 2, "stage must be 1 or 2, got ", stage_);
   TORCH_CHECK(num_staging >= 1, "num_staging must be >= 1");
@@ -178,7 +178,7 @@ void BucketEngine::launch(int64_t b) {
   if (world_size_ == 1) {
     out.copy_(input);
   } else {
-    work = comm::start_reduce_scatter(pg_, input, out, impl_);
+    work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
   }
   inflight_.push_back(InFlight{b, std::move(work), slot, std::move(out), accumulate});
   if (!overlap_) finish_oldest();
@@ -260,21 +260,34 @@ void BucketEngine::all_gather_params(const at::Tensor& flat) {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(flat.is_contiguous() && flat.dim() == 1, "flat parameter buffer must be contiguous 1-D");
   if (world_size_ == 1) return;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<int64_t> buckets;
+  struct Gather {
+    c10::intrusive_ptr<c10d::Work> work;
+    int64_t bucket;
+    at::Tensor rows;    // where the result belongs: [world_size, n], contiguous rows
+    at::Tensor staged;  // defined when rows is strided: gathered here, copied to rows after
+  };
+  std::vector<Gather> gathers;
   for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
     const int64_t b = plan_.gather_bucket[i];
     const int64_t chunk = plan_.bucket_numel[b] / world_size_;
-    // Rows r = rank r's chunk; columns [lo, hi) of each row: a strided view
-    // of the bucket whose rows are contiguous, written in place.
+    // Row r = rank r's chunk; columns [lo, hi) of each row. A whole-chunk span
+    // is the bucket itself: gathered in place. A partial span is strided; the
+    // collectives want one contiguous output, so it is gathered into a staging
+    // copy (an extra pass over the span; only when allgather_bucket_size is
+    // smaller than the reduce bucket).
     auto rows = flat.narrow(0, plan_.bucket_start[b], plan_.bucket_numel[b])
                     .view({world_size_, chunk})
                     .narrow(1, plan_.gather_lo[i], plan_.gather_hi[i] - plan_.gather_lo[i]);
-    works.push_back(comm::start_all_gather_rows(pg_, rows, impl_));
-    buckets.push_back(b);
+    at::Tensor staged = rows.is_contiguous() ? at::Tensor() : rows.contiguous();
+    const at::Tensor& target = staged.defined() ? staged : rows;
+    auto work = comm::start_all_gather_auto(pg_, target.select(0, rank_), target.view({-1}), impl_);
+    gathers.push_back(Gather{std::move(work), b, rows, staged});
     ++n_all_gathers_;
   }
-  for (size_t i = 0; i < works.size(); ++i) wait(works[i], "all-gather", buckets[i]);
+  for (auto& gth : gathers) {
+    wait(gth.work, "all-gather", gth.bucket);
+    if (gth.staged.defined()) gth.rows.copy_(gth.staged);
+  }
 }
 
 }  // namespace shardopt

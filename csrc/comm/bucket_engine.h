@@ -33,6 +33,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ring.h"
+
 namespace shardopt {
 
 struct BucketPlan {
@@ -107,7 +109,7 @@ class BucketEngine {
   at::Tensor shard_grad_;
   std::vector<int64_t> chunk_offset_;
   bool overlap_;
-  std::string impl_;
+  comm::Impl impl_;
   int64_t rank_, world_size_;
   std::vector<std::vector<int64_t>> param_buckets_;  // buckets each param overlaps
 
