@@ -5,6 +5,8 @@ Public API only; each name is implemented in its own module.
 import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from shardopt._ext import _C
+from shardopt import _ops  # noqa: F401  (fake kernels of the torch.ops.shardopt ops)
+from shardopt.cpu_adam import CPUAdam
 
 
 def cpu_features():
@@ -17,5 +19,5 @@ def cpu_features():
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
 
 
-__all__ = ["cpu_features"]
+__all__ = ["CPUAdam", "cpu_features"]
 __version__ = "0.1.0"
