@@ -12,26 +12,12 @@
 #include <torch/library.h>
 
 #include "../cpu_features.h"
+#include "adam_dispatch.h"
 #include "adam_kernel.h"
 #include "multi_tensor.h"
 
 namespace shardopt {
 namespace {
-
-AdamKernelFn kernel_for(Isa isa) {
-  switch (isa) {
-#if defined(SHARDOPT_HAVE_AVX512)
-    case Isa::Avx512: return adam_kernel_avx512;
-#endif
-#if defined(SHARDOPT_HAVE_AVX2)
-    case Isa::Avx2: return adam_kernel_avx2;
-#endif
-#if defined(SHARDOPT_HAVE_NEON)
-    case Isa::Neon: return adam_kernel_neon;
-#endif
-    default: return adam_kernel_scalar;
-  }
-}
 
 void check_fp32_like(const at::Tensor& t, const char* list, size_t i, const at::Tensor& param) {
   TORCH_CHECK(t.defined(), "adam_step: ", list, "[", i, "] is undefined");
@@ -109,7 +95,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     numels[i] = params[i].numel();
   }
 
-  const AdamKernelFn kernel = kernel_for(active_isa());
+  const AdamKernelFn kernel = adam_kernel_for(active_isa());
   parallel_over_tensors(numels, kDefaultGrain, [&](size_t i, int64_t begin, int64_t end) {
     kernel(&hyper, &tensors[i], begin, end);
   });
