@@ -45,7 +45,9 @@ class CPUAdam(torch.optim.Optimizer):
     Same update and state as torch.optim.Adam / AdamW (state keys ``step``,
     ``exp_avg``, ``exp_avg_sq``, ``step`` a float32 scalar tensor), so state
     dicts move between them in either direction. ``bias_correction=False``
-    skips Adam's bias corrections (torch has no such option). Parameters of a
+    skips Adam's bias corrections (torch has no such option). Note that
+    ``weight_decay`` defaults to 0, as in torch.optim.Adam, while
+    torch.optim.AdamW defaults to 0.01. Parameters of a
     group whose grads are not None and that share a step count are updated by
     one kernel call.
     """
@@ -115,37 +117,66 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, gi, group):
+        # Note [Lean step loop]: with 200 small tensors, per-parameter Python
+        # work is a real share of a step. The loop below only gathers tensors;
+        # the op validates every tensor in C++ before touching any of them, and
+        # only if it refuses do we walk the group again in Python to name the
+        # offending parameter with a ValueError/TypeError.
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for pi, p in enumerate(group["params"]):
+        for p in group["params"]:
             if p.grad is None:
                 continue  # as torch: a parameter without a gradient is not stepped at all
-            grad = _checked_grad(gi, pi, p)
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            else:
-                _check_state(gi, pi, p, state)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if m.shape != p.shape or v.shape != p.shape:  # the op itself only compares numel
+                self._diagnose(gi, group)
+            g = p.grad
             params.append(p)
-            grads.append(grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+            if g.layout == torch.strided and not g.is_contiguous():
+                g = g.contiguous()  # a strided grad is fine to read (a sparse one the op refuses)
+            grads.append(g)
+            exp_avgs.append(m)
+            exp_avg_sqs.append(v)
             steps.append(state["step"])
         if not params:
             return
+        try:
+            self._launch(gi, group, params, grads, exp_avgs, exp_avg_sqs, steps)
+        except RuntimeError:
+            self._diagnose(gi, group)  # raises if it finds what the op refused
+            raise
         torch._foreach_add_(steps, 1.0)
-        # Normally every param of a group has the same step; params added or
-        # loaded at different times may not. One kernel call per distinct step.
+
+    def _launch(self, gi, group, params, grads, exp_avgs, exp_avg_sqs, steps):
+        # Normally every param of a group has the same step count; params added
+        # or loaded at different times may not. One kernel call per count.
         by_step = {}
         for i, s in enumerate(torch.stack(steps).tolist()):
-            by_step.setdefault(s, []).append(i)
+            by_step.setdefault(s + 1, []).append(i)
+        if len(by_step) > 1:
+            # Validate all before the first call, so a bad tensor cannot leave
+            # the group half stepped.
+            self._diagnose(gi, group)
         beta1, beta2 = group["betas"]
         for step, idx in by_step.items():
-            pick = (lambda xs: xs) if len(idx) == len(params) else (lambda xs: [xs[i] for i in idx])
+            def pick(xs):
+                return xs if len(idx) == len(xs) else [xs[i] for i in idx]
             fused_adam_step(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr=group["lr"],
                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                             adamw=group["adamw"], step=step, bias_correction=group["bias_correction"])
+
+    def _diagnose(self, gi, group):
+        """Raises a ValueError/TypeError naming the first parameter the kernel cannot take."""
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            _check_param(gi, pi, p)
+            _check_grad(gi, pi, p)
+            _check_state(gi, pi, p, self.state[p])
 
 
 def _refuse_torch_options(options, where):
@@ -181,8 +212,7 @@ def _check_param(gi, pi, p):
                          "as flat memory")
 
 
-def _checked_grad(gi, pi, p):
-    _check_param(gi, pi, p)  # a param can be changed after construction (e.g. .data = ...)
+def _check_grad(gi, pi, p):
     g = p.grad
     if g.is_sparse or g.layout != torch.strided:
         raise TypeError(f"{_describe(gi, pi, p)} has a sparse gradient; CPUAdam does not support sparse "
@@ -193,7 +223,6 @@ def _checked_grad(gi, pi, p):
         raise TypeError(f"{_describe(gi, pi, p)}: gradient has dtype {g.dtype}; CPUAdam needs torch.float32")
     if g.shape != p.shape:
         raise ValueError(f"{_describe(gi, pi, p)}: gradient has shape {tuple(g.shape)}")
-    return g.contiguous()  # a strided grad is fine to read; the kernel wants flat memory
 
 
 def _check_state(gi, pi, p, state):

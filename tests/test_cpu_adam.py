@@ -164,6 +164,19 @@ def test_params_without_grad_are_skipped_like_torch():
     assert_close_to_torch([p.detach() for p in ours], [p.detach() for p in theirs])
 
 
+def test_strided_grad_is_read_correctly():
+    a, b = make_params([12]), make_params([12])
+    a = [torch.nn.Parameter(a[0].detach().view(3, 4))]
+    b = [torch.nn.Parameter(b[0].detach().view(3, 4))]
+    opt_a, opt_b = shardopt.CPUAdam(a, lr=1e-2), shardopt.CPUAdam(b, lr=1e-2)
+    g = torch.randn(4, 3)
+    a[0].grad = g.t()  # same values, transposed strides
+    b[0].grad = g.t().contiguous()
+    assert not a[0].grad.is_contiguous()
+    opt_a.step(), opt_b.step()
+    assert torch.equal(a[0].detach(), b[0].detach())
+
+
 def test_state_dict_uses_torch_keys_and_types():
     (p,) = make_params([17])
     opt = shardopt.CPUAdam([p])
