@@ -20,4 +20,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_isa_override", &shardopt::set_isa_override, py::arg("name"),
         "Force a SIMD variant (\"\" restores the default). For tests and benchmarks.");
   shardopt::init_comm_bindings(m);
+  shardopt::init_adam_bindings(m);
 }

@@ -5,4 +5,5 @@
 
 namespace shardopt {
 void init_comm_bindings(pybind11::module& m);
+void init_adam_bindings(pybind11::module& m);
 }  // namespace shardopt

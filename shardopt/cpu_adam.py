@@ -7,6 +7,7 @@ share.
 import torch
 
 from shardopt import _ops  # noqa: F401  (fake implementations of the ops)
+from shardopt._ext import _C
 
 # torch.optim.Adam/AdamW options this optimizer does not implement, with the
 # value that means "off". Passing anything else is refused rather than ignored.
@@ -145,18 +146,23 @@ class CPUAdam(torch.optim.Optimizer):
         if not params:
             return
         try:
-            self._launch(gi, group, params, grads, exp_avgs, exp_avg_sqs, steps)
+            step_values = _C.advance_steps(steps, 1.0)  # torch's `step += 1`, as one C++ call
         except RuntimeError:
+            self._diagnose(gi, group)
+            raise
+        try:
+            self._launch(gi, group, params, grads, exp_avgs, exp_avg_sqs, step_values)
+        except RuntimeError:
+            _C.advance_steps(steps, -1.0)  # the op changed nothing; neither should the step
             self._diagnose(gi, group)  # raises if it finds what the op refused
             raise
-        torch._foreach_add_(steps, 1.0)
 
-    def _launch(self, gi, group, params, grads, exp_avgs, exp_avg_sqs, steps):
+    def _launch(self, gi, group, params, grads, exp_avgs, exp_avg_sqs, step_values):
         # Normally every param of a group has the same step count; params added
         # or loaded at different times may not. One kernel call per count.
         by_step = {}
-        for i, s in enumerate(torch.stack(steps).tolist()):
-            by_step.setdefault(s + 1, []).append(i)
+        for i, s in enumerate(step_values):
+            by_step.setdefault(s, []).append(i)
         if len(by_step) > 1:
             # Validate all before the first call, so a bad tensor cannot leave
             # the group half stepped.
@@ -226,6 +232,11 @@ def _check_grad(gi, pi, p):
 
 
 def _check_state(gi, pi, p, state):
+    step = state.get("step")
+    if not (torch.is_tensor(step) and step.numel() == 1 and step.dtype == torch.float32
+            and step.device.type == "cpu"):
+        raise TypeError(f"{_describe(gi, pi, p)}: state 'step' must be a float32 CPU scalar tensor, got "
+                        f"{step!r}")
     for key in ("exp_avg", "exp_avg_sq"):
         t = state.get(key)
         if t is None:

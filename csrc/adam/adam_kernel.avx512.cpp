@@ -1,5 +1,8 @@
 // AVX-512 variant: 16 floats per iteration, scalar tail. Same operations in
 // the same order as adam_element (Note [Adam operation order]): no FMA.
+// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its
+// `__m512 __Y = __Y;` idiom) once inlined at -O3: a false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include "adam_element.h"
