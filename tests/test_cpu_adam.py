@@ -294,11 +294,19 @@ def test_sparse_grad_is_named():
 def test_param_made_non_contiguous_after_construction_is_named():
     groups = _two_groups(torch.nn.Parameter(torch.zeros(3, 4)))
     opt = shardopt.CPUAdam(groups)
+    for g in opt.param_groups:
+        for q in g["params"]:
+            q.grad = torch.ones_like(q)
+    opt.step()
     p = groups[1]["params"][2]
     p.data = torch.zeros(4, 3).t()
     p.grad = torch.zeros(3, 4)
+    before = [q.detach().clone() for q in groups[1]["params"]]
     with pytest.raises(ValueError, match=NAME + r"\(3, 4\).*not contiguous"):
         opt.step()
+    # A refused step changes nothing: not the params, not the step counters.
+    assert all(torch.equal(q.detach(), b) for q, b in zip(groups[1]["params"], before))
+    assert all(opt.state[q]["step"].item() == 1 for q in groups[1]["params"])
 
 
 def test_state_shape_mismatch_is_named():
