@@ -132,8 +132,8 @@ class CPUAdam(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            if m.shape != p.shape or v.shape != p.shape:  # the op itself only compares numel
+            m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+            if m is None or v is None or m.shape != p.shape or v.shape != p.shape:  # the op compares numel only
                 self._diagnose(gi, group)
             g = p.grad
             params.append(p)
@@ -142,19 +142,20 @@ class CPUAdam(torch.optim.Optimizer):
             grads.append(g)
             exp_avgs.append(m)
             exp_avg_sqs.append(v)
-            steps.append(state["step"])
+            steps.append(state.get("step"))
         if not params:
             return
         try:
             step_values = _C.advance_steps(steps, 1.0)  # torch's `step += 1`, as one C++ call
-        except RuntimeError:
+        except (RuntimeError, TypeError):  # TypeError: a step that is not a tensor at all
             self._diagnose(gi, group)
             raise
         try:
             self._launch(gi, group, params, grads, exp_avgs, exp_avg_sqs, step_values)
-        except RuntimeError:
+        except Exception as e:
             _C.advance_steps(steps, -1.0)  # the op changed nothing; neither should the step
-            self._diagnose(gi, group)  # raises if it finds what the op refused
+            if isinstance(e, RuntimeError):
+                self._diagnose(gi, group)  # raises if it finds what the op refused
             raise
 
     def _launch(self, gi, group, params, grads, exp_avgs, exp_avg_sqs, step_values):

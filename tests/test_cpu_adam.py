@@ -323,6 +323,19 @@ def test_state_shape_mismatch_is_named():
         opt.step()
 
 
+def test_bad_step_state_is_named():
+    params = make_params([2, 3])
+    opt = shardopt.CPUAdam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.state[params[1]]["step"] = torch.tensor(1.0, dtype=torch.float64)
+    before = opt.state[params[0]]["step"].item()
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(3,\)\).*'step'"):
+        opt.step()
+    assert opt.state[params[0]]["step"].item() == before
+
+
 def _op_args(n, **over):
     t = [torch.randn(n) for _ in range(4)]
     args = dict(params=[t[0]], grads=[t[1]], exp_avgs=[t[2]], exp_avg_sqs=[t[3].abs()])
