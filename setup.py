@@ -33,6 +33,13 @@ IS_ARM = MACHINE in ("aarch64", "arm64")
 # (without it every sqrt is a scalar call that may set errno: 4x slower Adam).
 COMMON_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
 
+# Flags of every ISA translation unit on top of COMMON_FLAGS. No contraction of
+# a*b+c into FMA: kernels choose their instructions explicitly, and contraction
+# would make the scalar variant's results depend on the target (aarch64 has FMA
+# in its baseline), breaking the bitwise agreement between variants that
+# tests/test_isa.py checks (Note [Adam operation order] in csrc/adam/adam_element.h).
+ISA_COMMON_FLAGS = ["-ffp-contract=off"]
+
 # Per-ISA flags, the same as CMakeLists.txt. A variant whose flags this
 # architecture does not have is not built, and the dispatcher never offers it.
 ISA_FLAGS = {"scalar": []}
@@ -71,7 +78,7 @@ class BuildExt(BuildExtension):
     def build_extensions(self):
         for ext in self.extensions:
             for src in getattr(ext, "isa_sources", []):
-                flags = ["-std=c++17", "-fPIC"] + COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
+                flags = ["-std=c++17", "-fPIC"] + COMMON_FLAGS + ISA_COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
                 objs = self.compiler.compile([src], output_dir=self.build_temp, extra_postargs=flags)
                 ext.extra_objects.extend(objs)
         super().build_extensions()

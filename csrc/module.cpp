@@ -21,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
         "Force a SIMD variant (\"\" restores the default). For tests and benchmarks.");
   shardopt::init_comm_bindings(m);
   shardopt::init_ring_bindings(m);
+  shardopt::init_adam_bindings(m);
 }

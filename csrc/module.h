@@ -6,4 +6,5 @@
 namespace shardopt {
 void init_comm_bindings(pybind11::module& m);
 void init_ring_bindings(pybind11::module& m);
+void init_adam_bindings(pybind11::module& m);
 }  // namespace shardopt

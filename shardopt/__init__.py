@@ -5,7 +5,9 @@ Public API only; each name is implemented in its own module.
 import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from shardopt._ext import _C
+from shardopt import _ops  # noqa: F401  (fake kernels of the torch.ops.shardopt ops)
 from shardopt.config import ShardConfig
+from shardopt.cpu_adam import CPUAdam
 from shardopt.ddp import ShardedDDP
 from shardopt.optimizer import ShardedOptimizer, register_elementwise_optimizer
 
@@ -20,5 +22,6 @@ def cpu_features():
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
 
 
-__all__ = ["ShardConfig", "ShardedDDP", "ShardedOptimizer", "cpu_features", "register_elementwise_optimizer"]
+__all__ = ["CPUAdam", "ShardConfig", "ShardedDDP", "ShardedOptimizer", "cpu_features",
+           "register_elementwise_optimizer"]
 __version__ = "0.1.0"

@@ -1,0 +1,47 @@
+"""Plain-PyTorch references of shardopt's kernels, for tests.
+
+One function per kernel. Each does in tensor ops exactly what its kernel
+promises, favouring clarity over speed, and is the ground truth the kernel's
+tests compare against.
+"""
+import math
+
+import torch
+
+
+def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
+                        adamw, step, bias_correction=True):
+    """One Adam/AdamW step on fp32 tensors, in place; the reference of ``shardopt::adam_step``.
+
+    ``step`` counts the step being taken (1 for the first). Bias corrections and
+    every scalar coefficient are computed in double and rounded to fp32 once,
+    as torch's fused Adam does; the element-wise math is fp32 with each
+    operation rounded separately, in the kernel's order (Note [Adam operation
+    order] in csrc/adam/adam_element.h):
+
+        g = grad + weight_decay * param            (Adam, weight_decay != 0)
+        param = param * (1 - lr * weight_decay)    (AdamW)
+        exp_avg = exp_avg * beta1 + g * (1 - beta1)
+        exp_avg_sq = exp_avg_sq * beta2 + (g * g) * (1 - beta2)
+        param = param - (lr / bc1 * exp_avg) / (sqrt(exp_avg_sq) / sqrt(bc2) + eps)
+
+    with bc1 = 1 - beta1**step and bc2 = 1 - beta2**step, or both 1 when
+    ``bias_correction`` is False. Returns ``param``.
+    """
+    def f32(x):  # a double rounded to fp32 once, as a 0-dim tensor (torch would keep a Python float in double)
+        return torch.tensor(x, dtype=torch.float32)
+
+    bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
+    g = grad
+    if not adamw and weight_decay != 0:
+        g = g + param * f32(weight_decay)
+    p = param * f32(1.0 - lr * weight_decay) if adamw else param.clone()
+    exp_avg.copy_(exp_avg * f32(beta1) + g * f32(1.0 - beta1))
+    exp_avg_sq.copy_(exp_avg_sq * f32(beta2) + (g * g) * f32(1.0 - beta2))
+    # The kernel's sqrt is IEEE (correctly rounded); torch's vectorised fp32 sqrt
+    # is off by an ulp now and then. sqrt in double rounded to fp32 is exact.
+    sqrt_v = exp_avg_sq.double().sqrt().float()
+    denom = sqrt_v / f32(math.sqrt(bc2)) + f32(eps)
+    param.copy_(p - (f32(lr / bc1) * exp_avg) / denom)
+    return param

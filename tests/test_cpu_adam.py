@@ -1,0 +1,432 @@
+"""shardopt.CPUAdam and the shardopt::adam_step op against the reference and torch.optim.
+
+Two kinds of comparison:
+- against shardopt.reference.adam_step_reference: bitwise. The reference does
+  the kernel's fp32 operations in the kernel's order, each correctly rounded
+  (Note [Adam operation order] in csrc/adam/adam_element.h), so any difference
+  is a bug, not rounding.
+- against torch.optim.Adam / AdamW: within TOL (see assert_close_to_torch).
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+import shardopt
+from shardopt.cpu_adam import fused_adam_step
+from shardopt.reference import adam_step_reference
+
+# Odd sizes on purpose: 0 (no work), 1, 7/15/17 (vector tails only, or body +
+# tail, for 8- and 16-wide vectors), 8/16 (exact vector widths), 1023 (many
+# vectors + a 15-element tail), 100k (several threads' worth of work).
+SIZES = [0, 1, 7, 8, 15, 16, 17, 1023, 100_000]
+STEPS = 55
+
+
+def make_params(sizes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+
+
+def grads_for(params, step, seed=1):
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    return [torch.randn(p.shape, generator=gen) for p in params]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+def assert_close_to_torch(ours, theirs):
+    """fp32 agreement with torch.optim within a relative 1e-6.
+
+    Why not bitwise: torch.optim's default CPU path rounds differently in a few
+    places (lerp for exp_avg, addcdiv for the update, a fused multiply-add for
+    the L2 term, a vectorised sqrt that is sometimes an ulp off), so the two
+    differ by a few ulps per step, and those differences compound over 50+
+    steps. They stay at a few 1e-7 of the parameters' scale. The tolerance is
+    relative to each tensor's largest magnitude, not element-wise, because an
+    element that passes close to zero keeps the absolute rounding error it
+    picked up while it was large.
+    """
+    for a, b in zip(ours, theirs):
+        scale = max(b.abs().max().item(), 1e-30) if b.numel() else 1.0
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * scale)
+
+
+def torch_optimizer(adamw, params, **kw):
+    return (torch.optim.AdamW if adamw else torch.optim.Adam)(params, foreach=False, **kw)
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_matches_reference_bitwise(adamw, weight_decay, bias_correction):
+    params = make_params(SIZES)
+    ref = [p.detach().clone() for p in params]
+    ref_m = [torch.zeros_like(p) for p in ref]
+    ref_v = [torch.zeros_like(p) for p in ref]
+    opt = shardopt.CPUAdam(params, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay,
+                           adamw=adamw, bias_correction=bias_correction)
+    for step in range(1, STEPS + 1):
+        grads = grads_for(params, step)
+        set_grads(params, grads)
+        opt.step()
+        for p, g, m, v in zip(ref, grads, ref_m, ref_v):
+            adam_step_reference(p, g, m, v, lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=weight_decay,
+                                adamw=adamw, step=step, bias_correction=bias_correction)
+    for p, r, m, v in zip(params, ref, ref_m, ref_v):
+        assert torch.equal(p.detach(), r)
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert opt.state[p]["step"].item() == STEPS
+    # The update must have moved every non-empty param (guards against a no-op kernel).
+    assert all(not torch.equal(p.detach(), q) for p, q in zip(params, make_params(SIZES)) if p.numel())
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_matches_torch_optim(adamw, weight_decay):
+    ours, theirs = make_params(SIZES), make_params(SIZES)
+    opt = shardopt.CPUAdam(ours, lr=1e-2, weight_decay=weight_decay, adamw=adamw)
+    ref = torch_optimizer(adamw, theirs, lr=1e-2, weight_decay=weight_decay)
+    for step in range(1, STEPS + 1):
+        grads = grads_for(ours, step)
+        set_grads(ours, grads), set_grads(theirs, grads)
+        opt.step(), ref.step()
+    assert_close_to_torch([p.detach() for p in ours], [p.detach() for p in theirs])
+    for a, b in zip(ours, theirs):
+        assert_close_to_torch([opt.state[a]["exp_avg_sq"]], [ref.state[b]["exp_avg_sq"]])
+
+
+def _groups(params):
+    return [
+        {"params": params[:3]},
+        {"params": params[3:6], "lr": 3e-3, "betas": (0.5, 0.9), "weight_decay": 0.2},
+        {"params": params[6:], "lr": 2e-2, "eps": 1e-4, "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_param_groups_and_schedulers_match_torch(adamw):
+    ours, theirs = make_params(SIZES, seed=3), make_params(SIZES, seed=3)
+    opt = shardopt.CPUAdam(_groups(ours), lr=1e-2, weight_decay=0.01, adamw=adamw)
+    ref = torch_optimizer(adamw, _groups(theirs), lr=1e-2, weight_decay=0.01)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5) for o in (opt, ref)]
+    lambdas = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref)]
+    for step in range(1, STEPS + 1):
+        grads = grads_for(ours, step)
+        set_grads(ours, grads), set_grads(theirs, grads)
+        opt.step(), ref.step()
+        for s in scheds + lambdas:
+            s.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+    assert opt.param_groups[0]["lr"] < 1e-2 / 10  # the schedulers really changed lr
+    assert_close_to_torch([p.detach() for p in ours], [p.detach() for p in theirs])
+
+
+def test_scheduled_lr_matches_reference_bitwise():
+    # The lr a scheduler sets must reach the kernel on the very next step.
+    (p,) = make_params([1023])
+    ref, m, v = p.detach().clone(), torch.zeros(1023), torch.zeros(1023)
+    opt = shardopt.CPUAdam([p], lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    for step in range(1, STEPS + 1):
+        (g,) = grads_for([p], step)
+        lr = opt.param_groups[0]["lr"]
+        p.grad = g.clone()
+        opt.step()
+        sched.step()
+        adam_step_reference(ref, g, m, v, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            adamw=True, step=step)
+    assert torch.equal(p.detach(), ref)
+
+
+def test_params_without_grad_are_skipped_like_torch():
+    ours, theirs = make_params([5, 17, 33]), make_params([5, 17, 33])
+    opt = shardopt.CPUAdam(ours, lr=1e-2, weight_decay=0.01)
+    ref = torch_optimizer(True, theirs, lr=1e-2, weight_decay=0.01)
+    frozen = ours[1].detach().clone()
+    for step in range(1, 21):
+        grads = grads_for(ours, step)
+        # param 1 never gets a grad; param 2 only on even steps, so the group
+        # ends up holding params with different step counts.
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            has = i == 0 or (i == 2 and step % 2 == 0)
+            a.grad = grads[i].clone() if has else None
+            b.grad = grads[i].clone() if has else None
+        opt.step(), ref.step()
+    assert torch.equal(ours[1].detach(), frozen)
+    assert ours[1] not in opt.state
+    assert opt.state[ours[0]]["step"].item() == 20 and opt.state[ours[2]]["step"].item() == 10
+    assert_close_to_torch([p.detach() for p in ours], [p.detach() for p in theirs])
+
+
+def test_strided_grad_is_read_correctly():
+    a, b = make_params([12]), make_params([12])
+    a = [torch.nn.Parameter(a[0].detach().view(3, 4))]
+    b = [torch.nn.Parameter(b[0].detach().view(3, 4))]
+    opt_a, opt_b = shardopt.CPUAdam(a, lr=1e-2), shardopt.CPUAdam(b, lr=1e-2)
+    g = torch.randn(4, 3)
+    a[0].grad = g.t()  # same values, transposed strides
+    b[0].grad = g.t().contiguous()
+    assert not a[0].grad.is_contiguous()
+    opt_a.step(), opt_b.step()
+    assert torch.equal(a[0].detach(), b[0].detach())
+
+
+def test_state_dict_uses_torch_keys_and_types():
+    (p,) = make_params([17])
+    opt = shardopt.CPUAdam([p])
+    p.grad = torch.ones(17)
+    opt.step()
+    st = opt.state_dict()["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+    assert torch.is_tensor(st["step"]) and st["step"].dtype == torch.float32 and st["step"].dim() == 0
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
+def test_state_dict_round_trip_continues_identically(adamw, direction):
+    """Train 10 steps with one optimizer, move its state to the other, train on.
+
+    The continued run must match an uninterrupted run of the second kind (and
+    so the uninterrupted torch run) as closely as CPUAdam matches torch.
+    """
+    sizes = [7, 1023, 16]
+    first_cls = (lambda ps: torch_optimizer(adamw, _groups(ps), lr=1e-2, weight_decay=0.05)) \
+        if direction == "torch_to_ours" else \
+        (lambda ps: shardopt.CPUAdam(_groups(ps), lr=1e-2, weight_decay=0.05, adamw=adamw))
+    second_cls = (lambda ps: shardopt.CPUAdam(_groups(ps), lr=1e-2, weight_decay=0.05, adamw=adamw)) \
+        if direction == "torch_to_ours" else \
+        (lambda ps: torch_optimizer(adamw, _groups(ps), lr=1e-2, weight_decay=0.05))
+    sizes = sizes * 3  # 9 params over the 3 groups of _groups
+    params = make_params(sizes)
+    first = first_cls(params)
+    baseline_params = make_params(sizes)
+    baseline = torch_optimizer(adamw, _groups(baseline_params), lr=1e-2, weight_decay=0.05)
+    for step in range(1, 11):
+        grads = grads_for(params, step)
+        set_grads(params, grads), set_grads(baseline_params, grads)
+        first.step(), baseline.step()
+    saved = copy.deepcopy(first.state_dict())
+    second = second_cls(params)
+    second.load_state_dict(saved)
+    for p in params:
+        assert second.state[p]["step"].item() == 10
+    for step in range(11, 31):
+        grads = grads_for(params, step)
+        set_grads(params, grads), set_grads(baseline_params, grads)
+        second.step(), baseline.step()
+    assert_close_to_torch([p.detach() for p in params], [p.detach() for p in baseline_params])
+    # And the saved state itself survives a second round trip unchanged.
+    again = first_cls(make_params(sizes))
+    again.load_state_dict(copy.deepcopy(second.state_dict()))
+    for a, b in zip(again.state_dict()["state"].values(), second.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and a["step"].item() == b["step"].item()
+
+
+def test_loading_adam_state_into_adamw_is_refused():
+    params = make_params([4])
+    torch_adam = torch.optim.Adam(params, lr=1e-3)  # decoupled_weight_decay=False
+    params[0].grad = torch.ones(4)
+    torch_adam.step()
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False.*adamw=True"):
+        shardopt.CPUAdam(params, adamw=True).load_state_dict(torch_adam.state_dict())
+
+
+def test_loading_amsgrad_state_is_refused():
+    params = make_params([4])
+    torch_adamw = torch.optim.AdamW(params, amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        shardopt.CPUAdam(params).load_state_dict(torch_adamw.state_dict())
+
+
+@pytest.mark.parametrize("option,value", [("amsgrad", True), ("maximize", True), ("foreach", True),
+                                          ("capturable", True), ("differentiable", True), ("fused", True)])
+def test_refuses_torch_options(option, value):
+    with pytest.raises(ValueError, match=f"{option}={value}"):
+        shardopt.CPUAdam(make_params([3]), **{option: value})
+    with pytest.raises(ValueError, match=f"{option}={value}"):
+        shardopt.CPUAdam([{"params": make_params([3]), option: value}])
+
+
+def test_refuses_unknown_arguments_and_bad_hyper_parameters():
+    with pytest.raises(TypeError, match="'momentum'"):
+        shardopt.CPUAdam(make_params([3]), momentum=0.9)
+    for kw, word in [({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.9)}, "betas"), ({"eps": -1.0}, "eps"),
+                     ({"weight_decay": -0.1}, "weight_decay")]:
+        with pytest.raises(ValueError, match=word):
+            shardopt.CPUAdam(make_params([3]), **kw)
+
+
+def _two_groups(bad):
+    return [{"params": make_params([2, 3])}, {"params": make_params([4, 5]) + [bad]}]
+
+
+NAME = r"param_groups\[1\]\['params'\]\[2\] \(shape "
+
+
+@pytest.mark.parametrize("bad,exc,shape", [
+    (torch.nn.Parameter(torch.zeros(2, 3, device="meta")), ValueError, r"\(2, 3\)"),   # not on the CPU
+    (torch.nn.Parameter(torch.zeros(6, dtype=torch.float64)), TypeError, r"\(6,\)"),
+    (torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16)), TypeError, r"\(6,\)"),
+    (torch.nn.Parameter(torch.zeros(3, 4).t()), ValueError, r"\(4, 3\)"),              # not contiguous
+])
+def test_bad_params_are_named(bad, exc, shape):
+    with pytest.raises(exc, match=NAME + shape):
+        shardopt.CPUAdam(_two_groups(bad))
+
+
+def test_sparse_grad_is_named():
+    groups = _two_groups(torch.nn.Parameter(torch.zeros(6)))
+    opt = shardopt.CPUAdam(groups)
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    groups[1]["params"][2].grad = torch.zeros(6).to_sparse()
+    with pytest.raises(TypeError, match=NAME + r"\(6,\).*sparse"):
+        opt.step()
+
+
+def test_param_made_non_contiguous_after_construction_is_named():
+    groups = _two_groups(torch.nn.Parameter(torch.zeros(3, 4)))
+    opt = shardopt.CPUAdam(groups)
+    for g in opt.param_groups:
+        for q in g["params"]:
+            q.grad = torch.ones_like(q)
+    opt.step()
+    p = groups[1]["params"][2]
+    p.data = torch.zeros(4, 3).t()
+    p.grad = torch.zeros(3, 4)
+    before = [q.detach().clone() for q in groups[1]["params"]]
+    with pytest.raises(ValueError, match=NAME + r"\(3, 4\).*not contiguous"):
+        opt.step()
+    # A refused step changes nothing: not the params, not the step counters.
+    assert all(torch.equal(q.detach(), b) for q, b in zip(groups[1]["params"], before))
+    assert all(opt.state[q]["step"].item() == 1 for q in groups[1]["params"])
+
+
+def test_state_shape_mismatch_is_named():
+    params = make_params([2, 3, 4])
+    donor = shardopt.CPUAdam(make_params([2, 3, 5]))  # last state has 5 elements, not 4
+    for p in donor.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    donor.step()
+    opt = shardopt.CPUAdam(params)
+    opt.load_state_dict(donor.state_dict())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] \(shape \(4,\)\).*exp_avg"):
+        opt.step()
+
+
+def test_bad_step_state_is_named():
+    params = make_params([2, 3])
+    opt = shardopt.CPUAdam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.state[params[1]]["step"] = torch.tensor(1.0, dtype=torch.float64)
+    before = opt.state[params[0]]["step"].item()
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(3,\)\).*'step'"):
+        opt.step()
+    assert opt.state[params[0]]["step"].item() == before
+
+
+def _op_args(n, **over):
+    t = [torch.randn(n) for _ in range(4)]
+    args = dict(params=[t[0]], grads=[t[1]], exp_avgs=[t[2]], exp_avg_sqs=[t[3].abs()])
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"exp_avgs": [torch.zeros(10, 2).t()]}, r"exp_avgs\[0\] must be contiguous"),
+    ({"grads": [torch.zeros(19)]}, r"grads\[0\] has 19 elements"),
+    ({"exp_avg_sqs": [torch.zeros(20, dtype=torch.float64)]}, r"exp_avg_sqs\[0\] must be float32"),
+    # A sparse tensor never reaches our kernel: the dispatcher refuses it by backend.
+    ({"grads": [torch.zeros(20).to_sparse()]}, r"'shardopt::adam_step' with arguments from the 'SparseCPU'"),
+    ({"grads": []}, "same length"),
+])
+def test_op_checks_name_the_tensor(over, match):
+    a = _op_args(20, **over)
+    with pytest.raises(RuntimeError, match=match):
+        fused_adam_step(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], lr=1e-3, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, step=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 17, 1023, 100_000])
+def test_low_precision_copy_equals_param_to_dtype(dtype, n):
+    a = _op_args(n)
+    out = [torch.full((n,), 7.0, dtype=dtype)]
+    for step in range(1, 4):
+        fused_adam_step(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], lr=0.5, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True, step=step, lowp_out=out)
+        assert torch.equal(out[0], a["params"][0].to(dtype))
+
+
+def test_low_precision_copy_leaves_fp32_results_unchanged():
+    a, b = _op_args(1023), _op_args(1023)
+    b = {k: [t.clone() for t in v] for k, v in a.items()}
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=False, step=3)
+    fused_adam_step(*a.values(), **kw)
+    fused_adam_step(*b.values(), lowp_out=[torch.empty(1023, dtype=torch.bfloat16)], **kw)
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(a.values(), b.values()))
+
+
+def test_stream_limit_moves_all_28_bytes():
+    # The benchmark's bandwidth limit must really read 4 and write 3 arrays,
+    # across tensor boundaries: p <- v, m <- p, v <- m + g.
+    sizes = [0, 5, 70_001, 33]
+    p, g, m, v = ([torch.randn(n) for n in sizes] for _ in range(4))
+    want = ([x.clone() for x in v], [x.clone() for x in p], [a + b for a, b in zip(m, g)])
+    torch.ops.shardopt.stream_limit(p, g, m, v)
+    for got, exp in zip((p, m, v), want):
+        assert all(torch.equal(a, b) for a, b in zip(got, exp))
+
+
+def test_opcheck():
+    a = _op_args(33)
+    for lowp in ([], [torch.empty(33, dtype=torch.bfloat16)]):
+        torch.library.opcheck(torch.ops.shardopt.adam_step.default,
+                              (a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], lowp,
+                               1e-3, 0.9, 0.999, 1e-8, 0.01, True, 2.0, True))
+    torch.library.opcheck(torch.ops.shardopt.stream_limit.default,
+                          (a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"]))
+
+
+def test_thread_count_does_not_change_results():
+    # One parallel pass splits the work differently with 1 and 2 threads; the
+    # result must not depend on it.
+    sizes = [70_001, 3, 70_003, 70_005]
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            params = make_params(sizes)
+            opt = shardopt.CPUAdam(params, lr=1e-2, weight_decay=0.1)
+            for step in range(1, 4):
+                set_grads(params, grads_for(params, step))
+                opt.step()
+            results.append([p.detach() for p in params])
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_bias_correction_in_double():
+    # At step 1e4 with beta2 = 0.9999, 1 - beta2**step in fp32 loses digits;
+    # the kernel must agree with the double-precision formula.
+    p, g = torch.tensor([1.0]), torch.tensor([0.5])
+    m, v = torch.tensor([0.2]), torch.tensor([0.04])
+    fused_adam_step([p], [g], [m], [v], lr=1e-3, beta1=0.9, beta2=0.9999, eps=0.0, weight_decay=0.0,
+                    adamw=True, step=10_000)
+    bc1, bc2 = 1 - 0.9 ** 10_000, 1 - 0.9999 ** 10_000
+    m64, v64 = 0.2 * 0.9 + 0.5 * 0.1, 0.04 * 0.9999 + 0.25 * 1e-4
+    want = 1.0 - 1e-3 / bc1 * m64 / (math.sqrt(v64) / math.sqrt(bc2))
+    assert p.item() == pytest.approx(want, rel=1e-7, abs=1e-7)
