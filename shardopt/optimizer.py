@@ -31,6 +31,12 @@ _ELEMENTWISE: set[type] = {
 }
 
 
+def _known_elementwise() -> set[type]:
+    from shardopt.cpu_adam import CPUAdam
+
+    return _ELEMENTWISE | {CPUAdam}
+
+
 def register_elementwise_optimizer(cls: type) -> type:
     """Declares that `cls` updates every element independently, so it may run on shards."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -42,8 +48,8 @@ def register_elementwise_optimizer(cls: type) -> type:
 def _check_elementwise(cls) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optim must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), got {cls!r}")
-    if cls not in _ELEMENTWISE:
-        known = ", ".join(sorted(c.__name__ for c in _ELEMENTWISE))
+    if cls not in _known_elementwise():
+        known = ", ".join(sorted(c.__name__ for c in _known_elementwise()))
         raise ValueError(
             f"{cls.__name__} is not known to be elementwise. ShardedOptimizer runs the inner optimizer on "
             f"flat 1-D slices of parameters, which is wrong for optimizers that need whole parameter shapes "

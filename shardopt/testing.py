@@ -7,6 +7,7 @@ whole run exceeds `timeout`, so a broken test fails with the rank's traceback
 instead of hanging.
 """
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -29,7 +30,12 @@ def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, ar
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # torch.save copies tensor data into the bytes; a tensor put on the
+        # queue as is would be shared through a file descriptor that dies with
+        # this process.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -79,7 +85,12 @@ def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, **kwarg
                     for r in dead:
                         errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
                     continue
-                (out if ok else errors)[rank] = value
+                if ok:
+                    import torch
+
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    errors[rank] = value
                 if errors and len(out) + len(errors) < world_size:
                     # One rank failed: the rest would wait for it in a collective
                     # until their timeout. Give them a moment to report, then stop.

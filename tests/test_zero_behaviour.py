@@ -104,6 +104,28 @@ def test_reduce_scatter_starts_during_backward(overlap):
     assert 0 < launched_before_l1 < nbuckets
 
 
+# ------------------------------------------------------------ wrap-time sync
+def _broadcast_at_wrap(rank, world_size):
+    import shardopt
+
+    torch.manual_seed(rank)  # every rank starts from different weights and buffers
+    model = AwkwardNet()
+    model.norm.running_mean.fill_(float(rank))
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, reduce_bucket_size=300)
+    shardopt.ShardedDDP(model, opt)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_parameters_and_buffers_come_from_rank_0():
+    states = run_ranks(_broadcast_at_wrap, 3)
+    torch.manual_seed(0)
+    want = AwkwardNet().state_dict()
+    want["norm.running_mean"].fill_(0.0)
+    for rank, state in enumerate(states):
+        for k, v in want.items():
+            assert torch.equal(state[k], v), f"rank {rank}: {k} differs from rank 0's"
+
+
 # ---------------------------------------------------------- rank disagreement
 def _mismatch(rank, world_size, what):
     import shardopt

@@ -21,10 +21,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from models import AwkwardNet, batch, uses_branch
 
 STEPS = 20
-OPTIMS = {
-    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
-}
+
+
+def _optim(name):
+    """(class for ShardedOptimizer, its kwargs, class for the DDP reference, its kwargs)."""
+    import shardopt
+
+    adamw = dict(lr=1e-2, weight_decay=0.1)
+    return {
+        "adamw": (torch.optim.AdamW, adamw, torch.optim.AdamW, adamw),
+        "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01),) * 2,
+        "cpuadam": (shardopt.CPUAdam, dict(adamw, adamw=True), torch.optim.AdamW, adamw),
+        "adagrad": (torch.optim.Adagrad, dict(lr=5e-2),) * 2,
+        "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5),) * 2,
+    }[name]
+
+
+OPTIMS = ("adamw", "sgd")
 # 300: smaller than the big parameters (buckets round up to lcm(ws, 128) = 384 here);
 # 1000: parameters straddle buckets and chunks; 10**7: one bucket for the model.
 BUCKETS = [300, 1000, 10**7]
@@ -40,12 +53,12 @@ def _param_groups(model):
 def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip):
     import shardopt
 
-    cls, kw = OPTIMS[optim_name]
+    cls, kw, ref_cls, ref_kw = _optim(optim_name)
     torch.manual_seed(0)
     base = AwkwardNet()
     ref_model = copy.deepcopy(base)
     ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = cls(_param_groups(ref_model), **kw)
+    ref_opt = ref_cls(_param_groups(ref_model), **ref_kw)
     model = copy.deepcopy(base)
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, overlap_comm=overlap,
                                     reduce_bucket_size=rbs, allgather_bucket_size=agbs, **kw)
@@ -130,5 +143,18 @@ def test_parity_with_ddp(world_size):
     from dist_harness import run_ranks
 
     results = run_ranks(_matrix, world_size, _configs(world_size), timeout=600)
+    for rank, failed in enumerate(results):
+        assert not failed, f"rank {rank}: " + "\n".join(f"{k}: {v}" for k, v in failed.items())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_other_optimizers_match_ddp(world_size):
+    """shardopt.CPUAdam inside ShardedOptimizer against torch's AdamW, and the other elementwise optimizers."""
+    from dist_harness import run_ranks
+
+    configs = [("cpuadam", 2, True, 1000, 10**9, "accumulate", True),
+               ("adagrad", 1, True, 300, 256, "no_sync", False),
+               ("rmsprop", 2, False, 10**7, 10**9, "none", True)]
+    results = run_ranks(_matrix, world_size, configs, timeout=600)
     for rank, failed in enumerate(results):
         assert not failed, f"rank {rank}: " + "\n".join(f"{k}: {v}" for k, v in failed.items())
