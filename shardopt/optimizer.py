@@ -272,6 +272,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.inner is not None:
             # Torch.optim semantics: a parameter with no gradient anywhere is not
             # stepped at all (no weight decay, no momentum).
+            used = used.tolist()  # one conversion, not a tensor index per piece
             for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
                 t.grad = g if used[pc.param] else None
             for inner_group, group in zip(self.inner.param_groups, self.param_groups):
