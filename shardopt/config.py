@@ -7,12 +7,19 @@ import dataclasses
 # A bucket is the unit of overlap and, in stage 2, of transient full-size
 # gradient memory (num_staging_buffers buckets exist at once). One bucket for
 # the whole model means no overlap and no stage-2 saving; tiny buckets pay the
-# per-collective latency. So by default (None) a model is cut into about
-# AUTO_BUCKETS buckets, clamped to [AUTO_MIN, AUTO_MAX] elements. Measured on
-# gloo, 2 ranks on 2 CPU cores: see benchmarks/results/ and the README.
+# per-collective latency. Measured (benchmarks/results/2026-11-22-bucket-sweep.md,
+# 29.5M-parameter GPT, ZeRO-2, 2 gloo ranks on 2 CPU cores, step time / DDP's):
+#     bucket (elements)   0.25M   1M     4M     16M    64M
+#     8x128 tokens        1.12    0.88   0.85   0.94   0.99
+#     1x16 tokens         1.59    1.02   0.91   0.84   0.83
+# Below ~2M elements per-collective latency dominates; from 4M to 64M the
+# step is flat within noise, and memory favours the small end. So by default
+# (None) a model is cut into about AUTO_BUCKETS buckets, clamped to
+# [AUTO_MIN, AUTO_MAX] elements (DeepSpeed's default, 5e8, is one bucket for
+# most models: no overlap, and a full-size staging buffer).
 AUTO_BUCKETS = 8
-AUTO_MIN = 1 << 19          # 2 MiB of fp32: below this, per-collective latency shows
-AUTO_MAX = 25_000_000       # 100 MB of fp32 per bucket
+AUTO_MIN = 2_000_000        # 8 MB of fp32
+AUTO_MAX = 25_000_000       # 100 MB of fp32
 DEFAULT_REDUCE_BUCKET_SIZE = None
 DEFAULT_ALLGATHER_BUCKET_SIZE = None
 
