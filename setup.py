@@ -18,6 +18,7 @@ either copy; the AVX-512 one would then crash on older CPUs. Plain C++ types,
 import glob
 import os
 import platform
+import sys
 
 from setuptools import find_packages, setup
 
@@ -39,6 +40,15 @@ COMMON_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
 # in its baseline), breaking the bitwise agreement between variants that
 # tests/test_isa.py checks (Note [Adam operation order] in csrc/adam/adam_element.h).
 ISA_COMMON_FLAGS = ["-ffp-contract=off"]
+
+# Note [at::parallel_for needs -fopenmp]: torch's CPU wheel parallelises with
+# OpenMP, and at::parallel_for is an inline template that only forks threads
+# when the *including* file is compiled with OpenMP (_OPENMP defined); without
+# it every kernel silently runs on one thread. Linking adds DT_NEEDED
+# libgomp.so.1, which the loader matches by soname to the libgomp torch has
+# already loaded (torch is imported first), so there is still one OpenMP
+# runtime in the process (tests/test_isa.py checks both facts).
+OPENMP_FLAGS = [] if sys.platform == "darwin" else ["-fopenmp"]
 
 # Per-ISA flags, the same as CMakeLists.txt. A variant whose flags this
 # architecture does not have is not built, and the dispatcher never offers it.
@@ -87,13 +97,15 @@ class BuildExt(BuildExtension):
 def _extension():
     generic, isa, cuda = _sources()
     macros = [(f"SHARDOPT_HAVE_{name.upper()}", "1") for name in ISA_FLAGS]
-    cxx = ["-std=c++17"] + COMMON_FLAGS
+    cxx = ["-std=c++17"] + COMMON_FLAGS + OPENMP_FLAGS
     if _with_cuda():
         macros.append(("SHARDOPT_WITH_CUDA", "1"))
         ext = CUDAExtension("shardopt._C", generic + cuda, define_macros=macros,
-                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]})
+                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
+                            extra_link_args=OPENMP_FLAGS)
     else:
-        ext = CppExtension("shardopt._C", generic, define_macros=macros, extra_compile_args={"cxx": cxx})
+        ext = CppExtension("shardopt._C", generic, define_macros=macros, extra_compile_args={"cxx": cxx},
+                           extra_link_args=OPENMP_FLAGS)
     ext.isa_sources = isa
     return ext
 

@@ -15,6 +15,13 @@ PYBIND11_MODULE(_C, m) {
     for (auto isa : shardopt::supported_isas()) out.emplace_back(shardopt::isa_name(isa));
     return out;
   }, "SIMD variants this build and CPU can run, best last.");
+  m.def("intra_op_parallel", [] {
+#ifdef INTRA_OP_PARALLEL
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether at::parallel_for in this build forks threads (Note [at::parallel_for needs -fopenmp]).");
   m.def("best_isa", [] { return std::string(shardopt::isa_name(shardopt::best_isa())); });
   m.def("active_isa", [] { return std::string(shardopt::isa_name(shardopt::active_isa())); });
   m.def("set_isa_override", &shardopt::set_isa_override, py::arg("name"),

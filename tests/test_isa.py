@@ -122,3 +122,15 @@ def test_override_is_validated_and_restored():
     with forced_isa("scalar"):
         pass
     assert shardopt.cpu_features()["active"] == shardopt.cpu_features()["best"]
+
+
+def test_kernels_are_built_to_run_on_torchs_thread_pool():
+    """at::parallel_for only forks threads in files compiled with OpenMP; without it every kernel
+    silently ran on one thread (Note [at::parallel_for needs -fopenmp] in setup.py). And the
+    extension must share torch's OpenMP runtime, not load a second one that spins against it."""
+    from shardopt import _C
+
+    assert _C.intra_op_parallel()
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(gomp) <= 1, f"more than one OpenMP runtime loaded: {sorted(gomp)}"
