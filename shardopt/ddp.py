@@ -110,6 +110,13 @@ class ShardedDDP(nn.Module):
         self.optimizer._end_backward()
 
     def forward(self, *args, **kwargs):
+        if self._callback_queued:
+            # A backward pass started reducing and never finished (it raised). Its
+            # buckets are half launched here and maybe complete on other ranks:
+            # continuing would pair the wrong collectives.
+            raise RuntimeError("the previous backward pass did not finish (did it raise?), so gradient "
+                               "reduction is half done and ranks are out of step; restart training from "
+                               "the last checkpoint")
         # Exactly DDP's rule: buffers are broadcast before a forward if the
         # previous forward was one whose backward reduces (grad enabled, not in
         # no_sync), so once per accumulation cycle, at its first micro-step.

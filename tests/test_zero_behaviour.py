@@ -239,6 +239,33 @@ def _bad_args(rank, world_size):
     return errors
 
 
+def _backward_raises(rank, world_size):
+    model, opt, wrapper = _build(rbs=300)
+    x, y = batch(0, rank)
+    out = wrapper(x, True)
+
+    def boom(grad):
+        raise ValueError("user hook failed")
+
+    model.l1.weight.register_hook(boom)  # reached late in backward, after buckets launched
+    try:
+        nn.functional.cross_entropy(out.reshape(-1, 37), y.reshape(-1)).backward()
+    except ValueError:
+        pass
+    try:
+        wrapper(x, True)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_forward_after_a_failed_backward_refuses_to_continue():
+    # A backward that raised mid-way left buckets half reduced: training on would
+    # pair mismatched collectives, so the next forward says so instead.
+    msg = run_ranks(_backward_raises, 1)[0]
+    assert msg is not None and "did not finish" in msg
+
+
 def test_bad_arguments_raise_clear_errors():
     errors = run_ranks(_bad_args, 2)[0]
     needles = {
