@@ -79,7 +79,7 @@ def demo(args) -> int:
     say(f"shardopt demo: GPT '{args.model}' with {n / 1e6:.2f}M parameters, {ws} gloo ranks, "
         f"ZeRO-{args.stage}, AdamW, batch {args.batch}x{args.seq} per rank, {args.steps} steps")
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
-                                    fused=True, stage=args.stage)
+                                    fused=True, stage=args.stage, reduce_bucket_size=args.bucket)
     wrapper = shardopt.ShardedDDP(model, opt)
     losses, step_time = train(wrapper, opt, args.steps, f"ZeRO-{args.stage}")
     mem = opt.memory_stats()
@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--stage", type=int, default=2, choices=(1, 2))
     d.add_argument("--model", default="small", choices=("tiny", "small", "30m"))
     d.add_argument("--batch", type=int, default=8)
+    # The default bucket floor (2M elements, Note [Default bucket sizes]) is half
+    # of this small model; smaller buckets show stage 2's saving.
+    d.add_argument("--bucket", type=int, default=500_000, help="reduce_bucket_size in elements")
     d.add_argument("--seq", type=int, default=64)
     args = parser.parse_args(argv)
     if args.command == "demo":
