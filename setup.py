@@ -6,7 +6,7 @@
 Sources: every csrc/**/*.cpp (and csrc/**/*.cu when torch has CUDA). SIMD kernels
 are files named `<name>.<isa>.cpp` (isa in scalar/avx2/avx512/neon). Each of those
 is compiled on its own with that ISA's flags and linked in; the choice among
-them is made at run time (csrc/cpu_features.cpp). Never -march=native: the
+them is made at run time (csrc/cpu_features.cpp). Never a -march for the build machine: the
 binary must run on any CPU of its architecture.
 
 Note [ISA translation units]: a `.<isa>.cpp` file includes no torch or STL

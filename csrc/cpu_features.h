@@ -2,7 +2,7 @@
 //
 // Kernels are compiled once per ISA, each translation unit with its own flags
 // (see setup.py / CMakeLists.txt), and the variant is chosen here at run time
-// from what the CPU reports. The build never uses -march=native, so one wheel
+// from what the CPU reports. The build never targets the build machine, so one wheel
 // runs on any x86-64 or aarch64 machine.
 #pragma once
 
