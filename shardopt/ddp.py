@@ -96,10 +96,9 @@ class ShardedDDP(nn.Module):
                 self._callback_queued = True
             engine.mark_ready(index, p.grad)
             if stage1:
-                slot = opt.layout.params[index]
-                view = opt.flat_grad[slot.offset:slot.end]
-                if p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view.view(p.shape)
+                view = opt._grad_views[index]
+                if p.grad is not view:  # replaced by user code: the engine copied it back in
+                    p.grad = view
             else:
                 p.grad = None  # stage 2: the full-size gradient is released here
 

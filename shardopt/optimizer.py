@@ -122,10 +122,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Stage 1 keeps full-size gradients in one flat buffer (the params'
         # .grad are views of it); stage 2 keeps only this rank's chunks.
         self.flat_grad = None
+        self._grad_views: list[torch.Tensor] = []  # stage 1: each param's .grad, a view of flat_grad
         if self.config.stage == 1:
             self.flat_grad = torch.zeros_like(self.flat_param)
             for slot, p in zip(self.layout.params, self._params):
                 p.grad = self.flat_grad[slot.offset:slot.end].view(p.shape)
+                self._grad_views.append(p.grad)
         self.shard_grad = torch.zeros(self.layout.shard_numel(), dtype=self.dtype, device=self.device)
 
         # Pieces: the inner optimizer's parameters (see Note [Flat layout]).
@@ -183,7 +185,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                            self.config.overlap_comm, self.config.comm_impl)
 
     def add_param_group(self, param_group):
-        if getattr(self, "engine", None) is not None or hasattr(self, "layout"):
+        if hasattr(self, "layout"):  # torch.optim.Optimizer.__init__ adds the constructor's groups first
             raise NotImplementedError("ShardedOptimizer cannot add parameter groups after construction: "
                                       "pass every group to the constructor")
         super().add_param_group(param_group)
@@ -246,9 +248,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.world_size > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
             total = (local ** (1.0 / norm_type)).float()
-        coef = float(max_norm) / (total.item() + 1e-6)
-        if coef < 1.0:
-            g.mul_(coef)
+        # As torch.nn.utils.clip_grad_norm_: no host sync, scale by a clamped coefficient.
+        g.mul_(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to(g.dtype))
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:

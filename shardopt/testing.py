@@ -14,6 +14,8 @@ import queue
 import tempfile
 import traceback
 
+import torch
+
 # Spawned ranks re-import the test module; keep them single-threaded so 4 ranks
 # on 2 cores do not fight over torch's intra-op pool.
 _RANK_THREADS = 1
@@ -21,7 +23,6 @@ _RANK_THREADS = 1
 
 def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, args, kwargs):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(_RANK_THREADS)
@@ -86,8 +87,6 @@ def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, **kwarg
                         errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
                     continue
                 if ok:
-                    import torch
-
                     out[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:
                     errors[rank] = value
