@@ -30,6 +30,10 @@ MACHINE = platform.machine().lower()
 IS_X86 = MACHINE in ("x86_64", "amd64")
 IS_ARM = MACHINE in ("aarch64", "arm64")
 
+# torch's headers need C++20 from 2.14 on (2.13's already use C++20 features,
+# with warnings under C++17), so every file is C++20.
+CXX_STD = "-std=c++20"
+
 # Flags every translation unit gets. -fno-math-errno lets GCC vectorise sqrt
 # (without it every sqrt is a scalar call that may set errno: 4x slower Adam).
 COMMON_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
@@ -88,7 +92,7 @@ class BuildExt(BuildExtension):
     def build_extensions(self):
         for ext in self.extensions:
             for src in getattr(ext, "isa_sources", []):
-                flags = ["-std=c++17", "-fPIC"] + COMMON_FLAGS + ISA_COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
+                flags = [CXX_STD, "-fPIC"] + COMMON_FLAGS + ISA_COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
                 objs = self.compiler.compile([src], output_dir=self.build_temp, extra_postargs=flags)
                 ext.extra_objects.extend(objs)
         super().build_extensions()
@@ -97,11 +101,13 @@ class BuildExt(BuildExtension):
 def _extension():
     generic, isa, cuda = _sources()
     macros = [(f"SHARDOPT_HAVE_{name.upper()}", "1") for name in ISA_FLAGS]
-    cxx = ["-std=c++17"] + COMMON_FLAGS + OPENMP_FLAGS
+    cxx = [CXX_STD] + COMMON_FLAGS + OPENMP_FLAGS
     if _with_cuda():
         macros.append(("SHARDOPT_WITH_CUDA", "1"))
+        # No --use_fast_math: it makes division approximate and flushes
+        # subnormal gradients to zero, and the kernels must match their references.
         ext = CUDAExtension("shardopt._C", generic + cuda, define_macros=macros,
-                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
+                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", CXX_STD]},
                             extra_link_args=OPENMP_FLAGS)
     else:
         ext = CppExtension("shardopt._C", generic, define_macros=macros, extra_compile_args={"cxx": cxx},

@@ -6,6 +6,14 @@ gloo (CPU), against the ideal bytes per parameter for fp32 Adam:
   ZeRO-1 4 + 4 + 12/N                                      (full grads, plus the reduced
                                                            gradient shard and Adam state)
   ZeRO-2 4 + (4 + 8)/N = 4 + 12/N                          (grads sharded too)
+With offload="cpu" the master copy, gradient shard and Adam state move to
+host memory, so what stays with the model is its parameters and the staging
+buffers ("on device" column; on this CPU-only machine both are host RAM, but
+they are separate tensors and are counted separately). A bf16 model adds
+fp32 master chunks (4/N) and halves parameters (2):
+  ZeRO-2 fp32 offload  4 + (4 + 4 + 8)/N = 4 + 16/N (a separate master), on device 4
+  ZeRO-2 bf16          2 + (4 + 4 + 8)/N = 2 + 16/N, on device 2 + 16/N
+  ZeRO-2 bf16 offload                     on device 2 (+ staging)
 Two measurements: counting the tensors each holds, and the growth of the
 process's resident set (RSS) from before the model is built to after 3 steps,
 which also sees what counting misses (DDP's bucket copies of the gradients,
@@ -34,6 +42,13 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# variant -> (stage, offload, model dtype)
+SHARDED = {"zero1": (1, "none", torch.float32), "zero2": (2, "none", torch.float32),
+           "zero2+offload": (2, "cpu", torch.float32), "zero2 bf16": (2, "none", torch.bfloat16),
+           "zero2 bf16+offload": (2, "cpu", torch.bfloat16)}
+ROLES = ("params", "master", "grads", "optimizer_state", "staging")
+
+
 def _measure(rank, world_size, variant, model_name):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,12 +62,16 @@ def _measure(rank, world_size, variant, model_name):
     torch.manual_seed(0)
     model = GPT(cfg)
     n = num_params(model)
+    if variant != "ddp":
+        model = model.to(SHARDED[variant][2])
     if variant == "ddp":
         wrapper = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     else:
-        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, fused=True,
-                                        stage=int(variant[-1]))
+        stage, offload, _ = SHARDED[variant]
+        # AdamW either way: torch's fused one with the model, the fused CPU Adam (the default) offloaded.
+        kw = dict(optim=torch.optim.AdamW, fused=True) if offload == "none" else {}
+        opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-3, stage=stage, offload=offload, **kw)
         wrapper = shardopt.ShardedDDP(model, opt)
     for step in range(3):
         x, y = synthetic_batch(cfg, 2, 16, step, rank)
@@ -68,14 +87,19 @@ def _measure(rank, world_size, variant, model_name):
                    "grads": sum(p.numel() * 4 for p in params if p.grad is not None),
                    "optimizer_state": sum(v.numel() * v.element_size() for s in opt.state.values()
                                           for v in s.values() if torch.is_tensor(v) and v.numel() > 1),
-                   "staging": 0}
+                   "master": 0, "staging": 0}
+        counted["on_device"] = sum(counted[k] for k in ROLES)
     else:
         counted = opt.memory_stats()
     dist.barrier()
     return n, counted, grown
 
 
-IDEAL = {"ddp": lambda n: 16.0, "zero1": lambda n: 8 + 12 / n, "zero2": lambda n: 4 + 12 / n}
+IDEAL = {"ddp": lambda n: 16.0, "zero1": lambda n: 8 + 12 / n, "zero2": lambda n: 4 + 12 / n,
+         "zero2+offload": lambda n: 4 + 16 / n, "zero2 bf16": lambda n: 2 + 16 / n,
+         "zero2 bf16+offload": lambda n: 2 + 16 / n}
+# What stays on the model's device (staging excluded).
+IDEAL_ON_DEVICE = dict(IDEAL, **{"zero2+offload": lambda n: 4.0, "zero2 bf16+offload": lambda n: 2.0})
 
 
 def main():
@@ -93,25 +117,26 @@ def main():
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     rows = []
     for ws in [int(w) for w in args.world_sizes.split(",")]:
-        for variant in ("ddp", "zero1", "zero2"):
+        for variant in ("ddp",) + tuple(SHARDED):
             res = run_ranks(_measure, ws, variant, args.model, timeout=900)
             n, counted, grown = res[0]
-            total = sum(counted.values())
+            total = sum(counted[k] for k in ROLES)
             ideal = IDEAL[variant](ws) * n
             excess = (total - counted["staging"]) / ideal - 1
             rows.append((ws, variant, n, counted, total, grown, ideal, excess,
                          max(r[2] for r in res)))
     lines = [f"# Memory per rank — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
-             f"GPT '{args.model}' ({rows[0][2] / 1e6:.1f}M parameters), fp32, AdamW. "
+             f"GPT '{args.model}' ({rows[0][2] / 1e6:.1f}M parameters), AdamW, fp32 unless the row says bf16. "
              "Bytes per parameter; 'ideal' is the table in bench_memory.py's docstring.", "",
-             "| ws | variant | params | grads | opt state | staging | counted B/param | ideal | counted - staging vs ideal | RSS growth B/param (max rank) | RSS vs DDP |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ws | variant | params | master | grads | opt state | staging | counted B/param | ideal | counted - staging vs ideal | on device (ideal) | RSS growth B/param (max rank) | RSS vs DDP |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ddp_rss = {r[0]: r[8] for r in rows if r[1] == "ddp"}
     for ws, variant, n, c, total, grown, ideal, excess, max_grown in rows:
-        lines.append(f"| {ws} | {variant} | {c['params'] / n:.2f} | {c['grads'] / n:.2f} | "
+        lines.append(f"| {ws} | {variant} | {c['params'] / n:.2f} | {c['master'] / n:.2f} | {c['grads'] / n:.2f} | "
                      f"{c['optimizer_state'] / n:.2f} | {c['staging'] / n:.2f} | {total / n:.2f} | "
-                     f"{ideal / n:.2f} | {excess * 100:+.1f}% | {max_grown / n:.2f} | "
+                     f"{ideal / n:.2f} | {excess * 100:+.1f}% | {c['on_device'] / n:.2f} "
+                     f"({IDEAL_ON_DEVICE[variant](ws):.2f} + staging) | {max_grown / n:.2f} | "
                      f"{max_grown / ddp_rss[ws]:.2f}x |")
     report = "\n".join(lines)
     print(report)

@@ -17,4 +17,8 @@ TORCH_LIBRARY(shardopt, m) {
   m.def(
       "stream_limit(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs) -> ()");
+  // dst = src / divisor cast to dst's dtype, and found = 1 if src holds an
+  // inf/nan: the bucket engine's gradient copy (csrc/precision/unscale.cpp,
+  // csrc/cuda/unscale.cu). dst may alias src.
+  m.def("unscale_into(Tensor src, Tensor(a!) dst, float divisor, Tensor(b!) found) -> ()");
 }

@@ -10,6 +10,7 @@ from shardopt.config import ShardConfig
 from shardopt.cpu_adam import CPUAdam
 from shardopt.ddp import ShardedDDP
 from shardopt.optimizer import ShardedOptimizer, register_elementwise_optimizer
+from shardopt.precision import LossScaleConfig
 
 
 def cpu_features():
@@ -22,6 +23,6 @@ def cpu_features():
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
 
 
-__all__ = ["CPUAdam", "ShardConfig", "ShardedDDP", "ShardedOptimizer", "cpu_features",
+__all__ = ["CPUAdam", "LossScaleConfig", "ShardConfig", "ShardedDDP", "ShardedOptimizer", "cpu_features",
            "register_elementwise_optimizer"]
 __version__ = "0.1.0"

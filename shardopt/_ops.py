@@ -16,3 +16,8 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, lowp_out, lr, beta1, b
 @torch.library.register_fake("shardopt::stream_limit")
 def _stream_limit_fake(params, grads, exp_avgs, exp_avg_sqs):
     return None
+
+
+@torch.library.register_fake("shardopt::unscale_into")
+def _unscale_into_fake(src, dst, divisor, found):
+    return None

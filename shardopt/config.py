@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from shardopt.precision import NONFINITE_ACTIONS, LossScaleConfig
+
 # Note [Default bucket sizes]
 # A bucket is the unit of overlap and, in stage 2, of transient full-size
 # gradient memory (num_staging_buffers buckets exist at once). One bucket for
@@ -29,7 +33,8 @@ def auto_bucket_size(total_numel: int) -> int:
     return max(AUTO_MIN, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS)))
 
 STAGES = (1, 2)
-OFFLOADS = ("none",)
+OFFLOADS = ("none", "cpu")
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_IMPLS = ("auto", "native", "ring")
 
 
@@ -53,7 +58,24 @@ class ShardConfig:
     gradients exist, and wait only when its staging buffer is needed again or
     backward ends. False: reduce each bucket synchronously when it fills."""
     offload: str = "none"
-    """Where master weights and optimizer state live: "none" (with the model)."""
+    """Where this rank's fp32 master chunks, gradient chunks and optimizer state
+    live: "none" (with the model) or "cpu" (host memory; the step runs there,
+    on shardopt.CPUAdam by default)."""
+    pin_memory: bool = True
+    """With offload="cpu" and a CUDA model: pin the host chunks (faster,
+    asynchronous copies). Ignored on CPU-only machines."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype gradients are reduced in (float32, bfloat16 or float16). None:
+    float32, whatever the model's dtype."""
+    loss_scale: object = "auto"
+    """"auto" (dynamic scaling for fp16 models, none otherwise), "dynamic",
+    None, a number (static scale) or a shardopt.LossScaleConfig."""
+    nonfinite: str = "auto"
+    """When a gradient holds inf/nan on any rank: "skip" (every rank skips the
+    step; with fp16 the scale backs off), "raise" (every rank raises), or
+    "auto" (skip with a loss scaler, raise otherwise)."""
+    max_grad_norm: float | None = None
+    """If set, step() first clips the global gradient norm to this value."""
     num_staging_buffers: int = 2
     """Stage 2: bucket-sized staging buffers reused round-robin (2 = one bucket
     filling while the previous one is reduced)."""
@@ -75,6 +97,21 @@ class ShardConfig:
             raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be True or False, got {self.pin_memory!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be None or one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
+        if not (self.loss_scale in ("auto", "dynamic", None) or isinstance(self.loss_scale, LossScaleConfig)
+                or (isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
+                    and self.loss_scale > 0)):
+            raise ValueError(f"loss_scale must be 'auto', 'dynamic', None, a number > 0 or a "
+                             f"shardopt.LossScaleConfig, got {self.loss_scale!r}")
+        if self.nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_ACTIONS}, got {self.nonfinite!r}")
+        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
+                                               or not isinstance(self.max_grad_norm, (int, float))
+                                               or not self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a number > 0, got {self.max_grad_norm!r}")
         if isinstance(self.num_staging_buffers, bool) or not isinstance(self.num_staging_buffers, int) \
                 or self.num_staging_buffers < 1:
             raise ValueError(f"num_staging_buffers must be >= 1, got {self.num_staging_buffers!r}")

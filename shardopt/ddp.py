@@ -62,6 +62,7 @@ class ShardedDDP(nn.Module):
             dist.broadcast(optimizer.flat_param, src, group=group)
             others = [p.data for _, p in named if id(p) not in optimizer._index]
             self._broadcast_coalesced(others + [b for b in module.buffers()])
+            optimizer._load_master_from_model()
 
         for i, p in enumerate(optimizer._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))

@@ -5,13 +5,26 @@ Lifecycle of one iteration (see Note [Flat layout] in layout.py and Note
   backward  -> ShardedDDP's hooks hand gradients to the bucket engine, which
                reduce-scatters each bucket into this rank's gradient shard;
   clip      -> one all-reduce of the local squared norm;
-  step      -> one all-reduce of "which parameters got a gradient anywhere",
-               the inner torch optimizer steps this rank's pieces, and the
-               updated chunks are all-gathered straight into the model.
+  step      -> one all-reduce of "which parameters got a gradient anywhere,
+               and did any rank see an inf/nan", the inner torch optimizer
+               steps this rank's pieces (fp32 master values), and the updated
+               chunks are all-gathered straight into the model.
+
+Note [Master weights]
+---------------------
+When the model is fp32 and nothing is offloaded, this rank's chunks of the
+model's flat buffer ARE the optimizer's parameters (no copy). With a bf16/fp16
+model, or offload="cpu", the optimizer steps separate fp32 master chunks
+(`self.master`, on the host with offload, laid out like the gradient shard);
+after a step each bucket's chunk is cast into the model's buffer (by the CPU
+Adam kernel itself when it can write the low-precision copy in the same pass)
+and all-gathered in the model's dtype.
 """
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from typing import Callable
 
 import torch
@@ -20,8 +33,12 @@ import torch.distributed as dist
 from shardopt import _ext
 from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig,
                              auto_bucket_size)
+from shardopt import offload as _offload
 from shardopt.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
+from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # Optimizers whose update of an element depends only on that element (and
 # scalars): safe to run on flat slices of parameters.
@@ -74,15 +91,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Use with `ShardedDDP(model, optimizer)`, which feeds it gradients.
     """
 
-    def __init__(self, params, optim=torch.optim.AdamW, *, stage: int = 2,
+    def __init__(self, params, optim=None, *, stage: int = 2,
                  reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
-                 offload: str = "none", process_group=None, num_staging_buffers: int = 2,
-                 comm_impl: str = "auto", **optim_kwargs):
+                 offload: str = "none", pin_memory: bool = True, reduce_dtype: torch.dtype | None = None,
+                 loss_scale="auto", nonfinite: str = "auto", max_grad_norm: float | None = None,
+                 process_group=None, num_staging_buffers: int = 2, comm_impl: str = "auto", **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
-                                  offload=offload, num_staging_buffers=num_staging_buffers,
-                                  comm_impl=comm_impl)
+                                  offload=offload, pin_memory=pin_memory, reduce_dtype=reduce_dtype,
+                                  loss_scale=loss_scale, nonfinite=nonfinite, max_grad_norm=max_grad_norm,
+                                  num_staging_buffers=num_staging_buffers, comm_impl=comm_impl)
+        optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         _check_elementwise(optim)
         self.process_group = _default_group(process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -105,6 +125,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
         self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs)
         self.dtype, self.device = self._params[0].dtype, self._params[0].device
+        # fp32 master values for a low-precision model; otherwise the model's own dtype.
+        self.master_dtype = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
+        self.reduce_dtype = self.config.reduce_dtype or self.master_dtype
+        scale_config = resolve_loss_scale(self.config.loss_scale, self.dtype)
+        self.loss_scaler = LossScaler(scale_config) if scale_config is not None else None
+        self._nonfinite = resolve_nonfinite(self.config.nonfinite, self.loss_scaler is not None)
         check_same_across_ranks(
             self.config.signature() + [f"optimizer {optim.__module__}.{optim.__qualname__}",
                                        f"dtype {self.dtype}"] + self.layout.signature()
@@ -128,25 +154,49 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for slot, p in zip(self.layout.params, self._params):
                 p.grad = self.flat_grad[slot.offset:slot.end].view(p.shape)
                 self._grad_views.append(p.grad)
-        self.shard_grad = torch.zeros(self.layout.shard_numel(), dtype=self.dtype, device=self.device)
+        offloaded = self.config.offload == "cpu"
+        self.master_device = torch.device("cpu") if offloaded else self.device
+        pin = offloaded and self.config.pin_memory
+        self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin)
+        # See Note [Master weights].
+        self.master = None
+        if offloaded or self.master_dtype != self.dtype:
+            self.master = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin)
 
         # Pieces: the inner optimizer's parameters (see Note [Flat layout]).
         chunk_offsets = self.layout.chunk_offsets()
+        self._chunks = []  # per bucket: (this rank's chunk of the model buffer, its master chunk)
+        for b, bucket in enumerate(self.layout.buckets):
+            lo, hi = bucket.chunk(self.rank)
+            model_chunk = self.flat_param[lo:hi]
+            master_chunk = self.master[chunk_offsets[b]:chunk_offsets[b] + hi - lo] if self.master is not None \
+                else model_chunk
+            self._chunks.append((model_chunk, master_chunk))
         self._pieces = self.layout.pieces(self.rank)
         self._piece_params, self._piece_grads = [], []
         inner_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in self.param_groups]
         for pc in self._pieces:
             bucket = self.layout.buckets[pc.bucket]
             at = chunk_offsets[pc.bucket] + pc.start - bucket.chunk(self.rank)[0]
-            t = self.flat_param[pc.start:pc.end]
+            t = self.master[at:at + pc.numel] if self.master is not None else self.flat_param[pc.start:pc.end]
             self._piece_params.append(t)
             self._piece_grads.append(self.shard_grad[at:at + pc.numel])
             inner_groups[bucket.group]["params"].append(t)
         self.inner = optim(inner_groups, **optim_kwargs) if self._pieces else None
+        self._load_master_from_model()
+        # The CPU Adam kernel can write the model's bf16/fp16 copy itself (Note [Master weights]).
+        self._kernel_writes_model = _offload.attach_lowp_copies(
+            self.inner, self._piece_params, [self.flat_param[pc.start:pc.end] for pc in self._pieces],
+            separate_master=self.master is not None)
 
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
         self._backwards = 0         # backward passes reduced since the last step
         self._global_used = None    # per parameter: got a gradient on some rank (cached until step)
+        self._found_nonfinite = False  # some rank's gradients held inf/nan (valid with _global_used)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        # Cumulative seconds per phase, for benchmarks (see phase_seconds()).
+        self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)
 
     # ----------------------------------------------------------------- setup
     def _check_params(self) -> None:
@@ -162,7 +212,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  "move the whole model to one device before building the optimizer")
             if p.dtype != first.dtype:
                 raise TypeError(f"{where} has dtype {p.dtype} but parameter 0 has {first.dtype}: "
-                                "ShardedOptimizer needs one parameter dtype (cast the model, e.g. model.float())")
+                                "ShardedOptimizer needs one parameter dtype (cast the model, e.g. model.float() "
+                                "or model.bfloat16())")
 
     def _attach(self, positions: list[int]) -> None:
         """Called by ShardedDDP: builds the bucket engine in the model's backward order."""
@@ -179,10 +230,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan.gather_bucket = [g.bucket for g in lay.gather_spans]
         plan.gather_lo = [g.lo for g in lay.gather_spans]
         plan.gather_hi = [g.hi for g in lay.gather_spans]
+        opts = _ext._C.EngineOptions()
+        opts.stage = self.config.stage
+        opts.num_staging = self.config.num_staging_buffers
+        opts.overlap = self.config.overlap_comm
+        opts.impl = self.config.comm_impl
+        opts.grad_dtype = self.dtype
+        opts.reduce_dtype = self.reduce_dtype
+        opts.device = self.device
         flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
-        self.engine = _ext._C.BucketEngine(self.process_group, plan, self.config.stage, flat_grad,
-                                           self.shard_grad, self.config.num_staging_buffers,
-                                           self.config.overlap_comm, self.config.comm_impl)
+        self.engine = _ext._C.BucketEngine(self.process_group, plan, opts, flat_grad, self.shard_grad)
+        self.engine.set_loss_scale(self.loss_scale)
 
     def add_param_group(self, param_group):
         if hasattr(self, "layout"):  # torch.optim.Optimizer.__init__ adds the constructor's groups first
@@ -207,7 +265,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:
                     engine.mark_ready(i, p.grad)
                     p.grad = None
+        t0 = time.perf_counter()
         engine.flush()
+        self._phase["reduce"] += time.perf_counter() - t0
         self._backwards += 1
 
     def _finish_grad_sync(self) -> torch.Tensor:
@@ -219,13 +279,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # have, and wait for its share of every bucket: reduce zeros.
                 self._end_backward()
                 self._backwards = 0
-            flags = torch.cat([engine.used().to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32)])
+            # One small all-reduce answers every cross-rank question of this step.
+            flags = torch.cat([engine.used().to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32),
+                               engine.found_nonfinite().cpu().to(torch.int32)])
             if self.world_size > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-            if flags[-1].item() == 0:
+            backwards, found = flags[-2:].tolist()
+            if backwards == 0:
                 raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
                                    "step on every rank: call loss.backward() first")
-            self._global_used = flags[:-1].bool()
+            self._global_used = flags[:-2].bool()
+            self._found_nonfinite = bool(found)
+            if self._found_nonfinite and self._nonfinite == "raise":
+                raise FloatingPointError(
+                    "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
+                    "probably diverged: lower the learning rate, clip gradients (max_grad_norm=...), or check "
+                    "the data. To skip such steps instead, pass nonfinite='skip' to ShardedOptimizer "
+                    "(fp16 models skip by default, with loss scaling).")
         return self._global_used
 
     @torch.no_grad()
@@ -263,28 +333,100 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._global_used = None
 
     # ------------------------------------------------------------------- step
+    # ------------------------------------------------------ loss scaling
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without a loss scaler)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss times the current loss scale: call `opt.scale_loss(loss).backward()` (loss itself without one).
+
+        Gradients are unscaled during their reduction (Note [Unscaling inside
+        the reduction] in precision.py), so clip_grad_norm and step see true
+        gradients; there is nothing else to call.
+        """
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        """One optimizer step on every rank, or a skip on every rank if any rank saw inf/nan (see nonfinite)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         used = self._finish_grad_sync()
-        if self.inner is not None:
-            # Torch.optim semantics: a parameter with no gradient anywhere is not
-            # stepped at all (no weight decay, no momentum).
-            used = used.tolist()  # one conversion, not a tensor index per piece
-            for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
-                t.grad = g if used[pc.param] else None
-            for inner_group, group in zip(self.inner.param_groups, self.param_groups):
-                for k, v in group.items():
-                    if k != "params":
-                        inner_group[k] = v
-            self.inner.step()
-        self.engine.all_gather_params(self.flat_param)
+        skip = self._found_nonfinite
+        if not skip:
+            if self.config.max_grad_norm is not None:
+                self.clip_grad_norm(self.config.max_grad_norm)
+            t0 = time.perf_counter()
+            self._step_inner(used)
+            self._phase["step"] += time.perf_counter() - t0
+            self._publish_params(copy_master=not self._kernel_writes_model)
+        elif self.loss_scaler is None:
+            warnings.warn("ShardedOptimizer skipped a step: gradients held inf/nan on some rank "
+                          "(nonfinite='skip')", RuntimeWarning, stacklevel=2)
+        self.skipped_steps += int(skip)
+        self.last_step_skipped = skip
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(skip)
+            self.engine.set_loss_scale(self.loss_scaler.scale)
         self._backwards = 0
         self._global_used = None
+        self._found_nonfinite = False
         return loss
+
+    def _step_inner(self, used: torch.Tensor) -> None:
+        if self.inner is None:
+            return
+        # Torch.optim semantics: a parameter with no gradient anywhere is not
+        # stepped at all (no weight decay, no momentum).
+        used = used.tolist()  # one conversion, not a tensor index per piece
+        for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
+            t.grad = g if used[pc.param] else None
+        for inner_group, group in zip(self.inner.param_groups, self.param_groups):
+            for k, v in group.items():
+                if k != "params":
+                    inner_group[k] = v
+        self.inner.step()
+
+    def _load_master_from_model(self) -> None:
+        """Master chunks take the model's values (at construction, and after ShardedDDP's broadcast)."""
+        if self.master is not None:
+            with torch.no_grad():
+                for model_chunk, master_chunk in self._chunks:
+                    master_chunk.copy_(model_chunk)
+
+    def _publish_params(self, copy_master: bool = True) -> None:
+        """Every rank's updated chunks into the model: cast from master per bucket, then all-gather.
+
+        A collective: every rank calls it. copy_master=False when the step's
+        kernel already wrote the model's copy (Note [Master weights]).
+        """
+        t0 = time.perf_counter()
+        if self.master is not None and copy_master:
+            with torch.no_grad():
+                for model_chunk, master_chunk in self._chunks:
+                    model_chunk.copy_(master_chunk, non_blocking=model_chunk.device != master_chunk.device)
+        t1 = time.perf_counter()
+        self._require_engine().all_gather_params(self.flat_param)
+        self._phase["publish"] += t1 - t0
+        self._phase["gather"] += time.perf_counter() - t1
+
+    def phase_seconds(self) -> dict:
+        """Cumulative wall seconds this rank spent per phase since construction.
+
+        reduce: waiting for reductions at the end of backward (communication
+        not hidden behind backward); copy: moving reduced chunks into the
+        gradient shard (device to host with offload; inside reduce or
+        backward); step: the inner optimizer; publish: master chunks into the
+        model (when separate); gather: the all-gather of updated parameters.
+        """
+        out = dict(self._phase)
+        out["copy"] = self.engine.copy_seconds if self.engine is not None else 0.0
+        return out
 
     def state_dict(self):
         raise NotImplementedError("ShardedOptimizer state_dict / checkpoints are not implemented yet "
@@ -296,16 +438,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ inspection
     def memory_stats(self) -> dict:
-        """Bytes this rank holds in parameters, gradients, optimizer state and staging buffers."""
+        """Bytes this rank holds in parameters, master weights, gradients, optimizer state and staging
+        buffers, and how much of it is on the model's device vs offloaded to the host."""
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts)
         state = []
         if self.inner is not None:
             for s in self.inner.state.values():
                 state += [v for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
-        return {
+        stats = {
             "params": nbytes([self.flat_param]),
+            "master": nbytes([self.master]) if self.master is not None else 0,
             "grads": nbytes([self.shard_grad] + ([self.flat_grad] if self.flat_grad is not None else [])),
             "optimizer_state": nbytes(state),
             "staging": self.engine.staging_bytes if self.engine is not None else 0,
         }
+        # Where they live: with offload, master, gradient shard and state are host memory.
+        host = stats["master"] + nbytes([self.shard_grad]) + stats["optimizer_state"] \
+            if self.config.offload == "cpu" else 0
+        stats["offloaded"] = host
+        stats["on_device"] = sum(stats[k] for k in ("params", "master", "grads", "optimizer_state", "staging")) \
+            - host
+        return stats

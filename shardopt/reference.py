@@ -45,3 +45,17 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
     denom = sqrt_v / f32(math.sqrt(bc2)) + f32(eps)
     param.copy_(p - (f32(lr / bc1) * exp_avg) / denom)
     return param
+
+
+def unscale_into_reference(src, dst, divisor, found):
+    """``dst = src / divisor`` cast to dst's dtype; ``found`` set to 1 if src holds an inf/nan.
+
+    The reference of ``shardopt::unscale_into`` (the bucket engine's gradient
+    copy: Note [Unscaling inside the reduction] in shardopt/precision.py). The
+    division is in fp32, rounded once into dst's dtype.
+    """
+    v = src.float()
+    if not torch.isfinite(v).all():
+        found.fill_(1.0)
+    dst.copy_(v / torch.tensor(divisor, dtype=torch.float32))
+    return dst

@@ -21,12 +21,21 @@ void init_comm_bindings(pybind11::module& m) {
       .def_readwrite("gather_lo", &BucketPlan::gather_lo)
       .def_readwrite("gather_hi", &BucketPlan::gather_hi);
 
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_readwrite("stage", &EngineOptions::stage)
+      .def_readwrite("num_staging", &EngineOptions::num_staging)
+      .def_readwrite("overlap", &EngineOptions::overlap)
+      .def_readwrite("impl", &EngineOptions::impl)
+      .def_readwrite("grad_dtype", &EngineOptions::grad_dtype)
+      .def_readwrite("reduce_dtype", &EngineOptions::reduce_dtype)
+      .def_readwrite("device", &EngineOptions::device);
+
   using gil_release = py::call_guard<py::gil_scoped_release>;
   py::class_<BucketEngine>(m, "BucketEngine")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, BucketPlan, int64_t, at::Tensor, at::Tensor,
-                    int64_t, bool, std::string>(),
-           py::arg("process_group"), py::arg("plan"), py::arg("stage"), py::arg("flat_grad"),
-           py::arg("shard_grad"), py::arg("num_staging"), py::arg("overlap"), py::arg("impl"))
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, BucketPlan, EngineOptions, at::Tensor, at::Tensor>(),
+           py::arg("process_group"), py::arg("plan"), py::arg("options"), py::arg("flat_grad"),
+           py::arg("shard_grad"))
       .def("mark_ready", &BucketEngine::mark_ready, py::arg("param"), py::arg("grad"), gil_release())
       .def("note_used", &BucketEngine::note_used, py::arg("param"))
       .def("unready_params", &BucketEngine::unready_params)
@@ -35,11 +44,14 @@ void init_comm_bindings(pybind11::module& m) {
       .def("zero_grad", &BucketEngine::zero_grad, gil_release())
       .def("used", &BucketEngine::used)
       .def("has_grad", &BucketEngine::has_grad)
+      .def("set_loss_scale", &BucketEngine::set_loss_scale, py::arg("scale"))
+      .def("found_nonfinite", &BucketEngine::found_nonfinite)
       .def("all_gather_params", &BucketEngine::all_gather_params, py::arg("flat"), gil_release())
       .def_property_readonly("num_reduce_scatters", &BucketEngine::num_reduce_scatters)
       .def_property_readonly("num_all_gathers", &BucketEngine::num_all_gathers)
       .def_property_readonly("num_staging_buffers", &BucketEngine::num_staging_buffers)
-      .def_property_readonly("staging_bytes", &BucketEngine::staging_bytes);
+      .def_property_readonly("staging_bytes", &BucketEngine::staging_bytes)
+      .def_property_readonly("copy_seconds", &BucketEngine::copy_seconds);
 }
 
 }  // namespace shardopt

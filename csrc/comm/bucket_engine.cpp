@@ -1,26 +1,29 @@
 #include "bucket_engine.h"
 
+#include <chrono>
+
 #include <c10/util/Exception.h>
 
+#include "../precision/unscale.h"
 #include "ring.h"
 
 namespace shardopt {
 
-BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, int64_t stage,
-                           at::Tensor flat_grad, at::Tensor shard_grad, int64_t num_staging,
-                           bool overlap, std::string impl)
+BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, EngineOptions options,
+                           at::Tensor flat_grad, at::Tensor shard_grad)
     : pg_(std::move(pg)),
       plan_(std::move(plan)),
-      stage_(stage),
+      stage_(options.stage),
       flat_grad_(std::move(flat_grad)),
       shard_grad_(std::move(shard_grad)),
-      overlap_(overlap),
-      impl_(comm::parse_impl(impl)) {
+      overlap_(options.overlap),
+      impl_(comm::parse_impl(options.impl)) {
   TORCH_CHECK(pg_, "BucketEngine needs a process group");
   TORCH_CHECK(stage_ == 1 || stage_ == 2, "stage must be 1 or 2, got ", stage_);
-  TORCH_CHECK(num_staging >= 1, "num_staging must be >= 1");
+  TORCH_CHECK(options.num_staging >= 1, "num_staging must be >= 1");
   rank_ = pg_->getRank();
   world_size_ = pg_->getSize();
+  divisor_ = static_cast<double>(world_size_);
   const auto nb = static_cast<int64_t>(plan_.bucket_start.size());
   const auto np = static_cast<int64_t>(plan_.param_offset.size());
   TORCH_CHECK(static_cast<int64_t>(plan_.bucket_numel.size()) == nb &&
@@ -30,25 +33,32 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
               "inconsistent bucket plan");
   TORCH_CHECK(shard_grad_.defined() && shard_grad_.is_contiguous() && shard_grad_.dim() == 1,
               "shard_grad must be a contiguous 1-D tensor");
-  int64_t at = 0, max_bucket = 0;
+  int64_t at = 0;
   for (int64_t b = 0; b < nb; ++b) {
     TORCH_CHECK(plan_.bucket_numel[b] % world_size_ == 0, "bucket ", b, " does not split over ",
                 world_size_, " ranks");
     chunk_offset_.push_back(at);
     at += plan_.bucket_numel[b] / world_size_;
-    max_bucket = std::max(max_bucket, plan_.bucket_numel[b]);
+    max_bucket_ = std::max(max_bucket_, plan_.bucket_numel[b]);
   }
+  max_chunk_ = max_bucket_ / world_size_;
   TORCH_CHECK(shard_grad_.numel() == at, "shard_grad has ", shard_grad_.numel(),
               " elements, the plan needs ", at);
   if (stage_ == 1) {
-    TORCH_CHECK(flat_grad_.defined() && flat_grad_.is_contiguous(),
-                "stage 1 needs the flat gradient buffer");
-  } else {
-    // Allocated once; reused for every bucket of every backward.
-    for (int64_t i = 0; i < std::min<int64_t>(num_staging, nb); ++i) {
-      staging_.push_back(at::zeros({max_bucket}, shard_grad_.options()));
-      free_slots_.push_back(i);
-    }
+    TORCH_CHECK(flat_grad_.defined() && flat_grad_.is_contiguous() &&
+                    flat_grad_.scalar_type() == options.grad_dtype && flat_grad_.device() == options.device,
+                "stage 1 needs the flat gradient buffer, in the gradients' dtype and device");
+  }
+  reduce_options_ = at::TensorOptions().dtype(options.reduce_dtype).device(options.device);
+  // Stage 1 reduces its flat gradient buffer in place unless it must change dtype.
+  staged_ = stage_ == 2 || options.grad_dtype != options.reduce_dtype;
+  direct_ok_ = options.reduce_dtype == shard_grad_.scalar_type() && options.device == shard_grad_.device();
+  found_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(options.device));
+  // Allocated once; reused for every bucket of every backward.
+  for (int64_t i = 0; i < std::min<int64_t>(options.num_staging, nb); ++i) {
+    slots_.emplace_back();
+    if (staged_) slot_staging(i);
+    free_slots_.push_back(i);
   }
   param_buckets_.resize(np);
   for (int64_t b = 0; b < nb; ++b) {
@@ -57,6 +67,27 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
   has_data_.assign(nb, 0);
   used_ = at::zeros({np}, at::kByte);
   reset_backward();
+}
+
+at::Tensor BucketEngine::slot_staging(int64_t slot) {
+  auto& t = slots_[slot].staging;
+  if (!t.defined()) t = at::zeros({max_bucket_}, reduce_options_);
+  return t;
+}
+
+at::Tensor BucketEngine::slot_out(int64_t slot) {
+  // Only needed when results cannot land in the shard directly, or must be
+  // added to it: allocated the first time that happens.
+  auto& t = slots_[slot].out;
+  if (!t.defined()) t = at::empty({max_chunk_}, reduce_options_);
+  return t;
+}
+
+void BucketEngine::set_loss_scale(double scale) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(scale > 0.0, "loss scale must be > 0, got ", scale);
+  TORCH_CHECK(!in_backward_, "the loss scale cannot change during a backward pass");
+  divisor_ = static_cast<double>(world_size_) * scale;
 }
 
 void BucketEngine::reset_backward() {
@@ -78,9 +109,8 @@ int64_t BucketEngine::acquire_slot() {
   if (free_slots_.empty()) {
     // Every buffer belongs to a bucket that waits for an earlier one in the
     // launch order: grow rather than deadlock (see Note [Bucket engine]).
-    int64_t max_bucket = staging_.empty() ? 0 : staging_[0].numel();
-    staging_.push_back(at::zeros({max_bucket}, shard_grad_.options()));
-    return static_cast<int64_t>(staging_.size()) - 1;
+    slots_.emplace_back();
+    return static_cast<int64_t>(slots_.size()) - 1;
   }
   int64_t s = free_slots_.back();
   free_slots_.pop_back();
@@ -116,6 +146,8 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
     // .grad is normally a view of the flat buffer and autograd accumulated in
     // place; if something replaced it, take its value.
     if (src.data_ptr() != dst.data_ptr()) dst.copy_(src);
+  } else if (!src.is_contiguous()) {
+    src = src.contiguous();
   }
   // Bucket by bucket, launching as soon as one completes: a parameter that
   // straddles many buckets then needs one staging buffer at a time, not one each.
@@ -124,14 +156,10 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
       if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
       const int64_t lo = std::max(off, plan_.bucket_start[b]);
       const int64_t hi = std::min(off + numel, plan_.bucket_start[b] + plan_.bucket_numel[b]);
-      auto dst = staging_[slot_of_[b]].narrow(0, lo - plan_.bucket_start[b], hi - lo);
-      auto part = src.narrow(0, lo - off, hi - lo);
-      // Pre-divide while copying: one pass, and the sum cannot overflow in low precision.
-      if (world_size_ > 1) {
-        at::div_out(dst, part, world_size_);
-      } else {
-        dst.copy_(part);
-      }
+      auto dst = slot_staging(slot_of_[b]).narrow(0, lo - plan_.bucket_start[b], hi - lo);
+      // Pre-divide (by world size and loss scale) while copying: one pass, the
+      // sum cannot overflow in low precision, and inf/nan are noticed here.
+      unscale_into(src.narrow(0, lo - off, hi - lo), dst, divisor_, found_);
     }
     --pending_[b];
     launch_ready_buckets();
@@ -148,15 +176,16 @@ void BucketEngine::launch_ready_buckets() {
 
 void BucketEngine::launch(int64_t b) {
   const int64_t start = plan_.bucket_start[b], numel = plan_.bucket_numel[b];
+  if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
+  const int64_t slot = slot_of_[b];
+  host_copier_.before_reuse(slot);  // its output buffer may still be on its way to the host
   at::Tensor input;
-  int64_t slot = -1;
   if (stage_ == 1) {
-    input = flat_grad_.narrow(0, start, numel);
-    if (world_size_ > 1) input.div_(world_size_);
+    auto grads = flat_grad_.narrow(0, start, numel);
+    input = staged_ ? slot_staging(slot).narrow(0, 0, numel) : grads;
+    unscale_into(grads, input, divisor_, found_);
   } else {
-    if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
-    slot = slot_of_[b];
-    input = staging_[slot].narrow(0, 0, numel);
+    input = slot_staging(slot).narrow(0, 0, numel);
     // Parameters that got no gradient on this rank contribute zeros, and so
     // does padding: the buffer last held another bucket (or the collective's
     // scratch), so neither may be assumed zero.
@@ -171,7 +200,8 @@ void BucketEngine::launch(int64_t b) {
     input.narrow(0, covered - start, start + numel - covered).zero_();
   }
   const bool accumulate = has_data_[b] != 0;
-  at::Tensor out = accumulate ? at::empty({numel / world_size_}, shard_grad_.options()) : chunk_view(b);
+  const bool direct = direct_ok_ && !accumulate;
+  at::Tensor out = direct ? chunk_view(b) : slot_out(slot).narrow(0, 0, numel / world_size_);
   has_data_[b] = 1;
   ++n_reduce_scatters_;
   c10::intrusive_ptr<c10d::Work> work;
@@ -180,7 +210,7 @@ void BucketEngine::launch(int64_t b) {
   } else {
     work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
   }
-  inflight_.push_back(InFlight{b, std::move(work), slot, std::move(out), accumulate});
+  inflight_.push_back(InFlight{b, std::move(work), slot, std::move(out), direct, accumulate});
   if (!overlap_) finish_oldest();
 }
 
@@ -200,13 +230,22 @@ void BucketEngine::finish_oldest() {
   InFlight f = std::move(inflight_.front());
   inflight_.pop_front();
   wait(f.work, "reduce-scatter", f.bucket);
-  if (f.accumulate) chunk_view(f.bucket).add_(f.out);
+  if (!f.direct) {
+    // Into the shard's dtype and device (the host, with offload), per bucket.
+    const auto t0 = std::chrono::steady_clock::now();
+    auto chunk = chunk_view(f.bucket);
+    if (f.accumulate) {
+      chunk.add_(f.out.device() == chunk.device() ? f.out : f.out.to(chunk.device()));
+    } else if (!host_copier_.start_copy(chunk, f.out, f.slot)) {
+      chunk.copy_(f.out);
+    }
+    copy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   if (stage_ == 1) {
     // The next backward accumulates into .grad views of this buffer again.
     flat_grad_.narrow(0, plan_.bucket_start[f.bucket], plan_.bucket_numel[f.bucket]).zero_();
-  } else {
-    free_slots_.push_back(f.slot);
   }
+  free_slots_.push_back(f.slot);
 }
 
 std::vector<int64_t> BucketEngine::unready_params() const {
@@ -230,6 +269,7 @@ void BucketEngine::flush() {
     ++next_launch_;
   }
   while (!inflight_.empty()) finish_oldest();
+  host_copier_.finish_all();  // the optimizer reads the shard next
   reset_backward();
 }
 
@@ -239,6 +279,7 @@ void BucketEngine::zero_grad() {
               "zero_grad() called while gradients of a backward pass are still being reduced");
   std::fill(has_data_.begin(), has_data_.end(), 0);
   used_.zero_();
+  found_.zero_();
   if (stage_ == 1) flat_grad_.zero_();
 }
 
@@ -252,7 +293,11 @@ bool BucketEngine::has_grad() const {
 
 int64_t BucketEngine::staging_bytes() const {
   int64_t n = 0;
-  for (const auto& s : staging_) n += s.numel() * s.element_size();
+  for (const auto& s : slots_) {
+    for (const auto* t : {&s.staging, &s.out}) {
+      if (t->defined()) n += t->numel() * t->element_size();
+    }
+  }
   return n;
 }
 

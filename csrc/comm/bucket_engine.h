@@ -18,6 +18,14 @@
 //  * at the end of backward (flush) launches the buckets whose parameters got
 //    no gradient on this rank (their part of the bucket reads as zeros), and
 //    waits for everything in flight.
+// Mixed precision and offload (Note [Unscaling inside the reduction] in
+// shardopt/precision.py): gradients arrive in the model's dtype, are reduced
+// in reduce_dtype, and land in the shard's dtype and device (fp32, and host
+// memory with offload). The copy into the reduce buffer divides by
+// world_size * loss_scale and flags inf/nan (shardopt::unscale_into), so the
+// shard holds true averaged gradients. A reduce-scatter writes straight into
+// the shard chunk when dtype and device allow; otherwise into the slot's
+// output buffer, copied (per bucket, as it finishes) into the shard.
 // A staging buffer is recycled when its reduce-scatter has finished; if every
 // buffer is held by a bucket that cannot launch yet (hooks fired out of
 // order), the pool grows by one rather than deadlock.
@@ -33,6 +41,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "host_copier.h"
 #include "ring.h"
 
 namespace shardopt {
@@ -49,14 +58,23 @@ struct BucketPlan {
   std::vector<int64_t> gather_hi;
 };
 
+struct EngineOptions {
+  int64_t stage = 2;
+  int64_t num_staging = 2;           // staging buffers allocated up front (the pool may grow)
+  bool overlap = true;               // false: each reduce-scatter is waited for at launch
+  std::string impl = "auto";         // "native", "ring" or "auto" (see ring.h)
+  at::ScalarType grad_dtype = at::kFloat;    // the model's gradients
+  at::ScalarType reduce_dtype = at::kFloat;  // what the collectives carry
+  at::Device device = at::kCPU;              // the model's device (staging lives there)
+};
+
 class BucketEngine {
  public:
   // flat_grad: stage 1's persistent full gradient buffer (undefined for stage 2).
-  // shard_grad: this rank's gradient chunks, concatenated in bucket order.
-  // impl: "native" (the process group's collectives) or "ring" / "auto" (see ring.h).
-  BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, int64_t stage,
-               at::Tensor flat_grad, at::Tensor shard_grad, int64_t num_staging, bool overlap,
-               std::string impl);
+  // shard_grad: this rank's gradient chunks, concatenated in bucket order
+  // (fp32; on the host with offload).
+  BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, EngineOptions options,
+               at::Tensor flat_grad, at::Tensor shard_grad);
 
   // A parameter's gradient of this backward is complete. Stage 2 copies it.
   void mark_ready(int64_t param, const at::Tensor& grad);
@@ -74,6 +92,10 @@ class BucketEngine {
   at::Tensor used() const { return used_; }
   // Whether any reduction wrote into the shard since zero_grad.
   bool has_grad() const;
+  // Gradients are divided by world_size * scale while being staged.
+  void set_loss_scale(double scale);
+  // One float32 element: 1 if a gradient staged since zero_grad held an inf/nan.
+  at::Tensor found_nonfinite() const { return found_; }
 
   // All-gathers every rank's updated chunks into `flat` (the flat parameter
   // buffer, in place), one collective per gather span; returns when done.
@@ -82,20 +104,30 @@ class BucketEngine {
   // Counters, for tests and benchmarks.
   int64_t num_reduce_scatters() const { return n_reduce_scatters_; }
   int64_t num_all_gathers() const { return n_all_gathers_; }
-  int64_t num_staging_buffers() const { return static_cast<int64_t>(staging_.size()); }
+  int64_t num_staging_buffers() const { return static_cast<int64_t>(slots_.size()); }
   int64_t staging_bytes() const;
+  // Seconds spent copying reduced chunks into the shard (offload: device to host).
+  double copy_seconds() const { return copy_seconds_; }
 
  private:
+  // A bucket's transient memory, reused round-robin.
+  struct Slot {
+    at::Tensor staging;  // bucket-sized, reduce dtype (when gradients are copied to be reduced)
+    at::Tensor out;      // chunk-sized, reduce dtype (when the result cannot go straight to the shard)
+  };
   struct InFlight {
     int64_t bucket;
     c10::intrusive_ptr<c10d::Work> work;  // null when done synchronously (world size 1)
-    int64_t slot;                          // staging slot (stage 2) or -1
+    int64_t slot;
     at::Tensor out;                        // reduce-scatter output
+    bool direct;                           // out is the shard chunk itself
     bool accumulate;                       // out must be added into the shard chunk
   };
 
   at::Tensor chunk_view(int64_t bucket) const;
   int64_t acquire_slot();
+  at::Tensor slot_staging(int64_t slot);
+  at::Tensor slot_out(int64_t slot);
   void launch(int64_t bucket);
   void launch_ready_buckets();
   void finish_oldest();
@@ -110,13 +142,19 @@ class BucketEngine {
   std::vector<int64_t> chunk_offset_;
   bool overlap_;
   comm::Impl impl_;
+  at::TensorOptions reduce_options_;  // reduce dtype on the model's device
+  bool staged_;        // gradients are copied into a staging buffer to be reduced
+  bool direct_ok_;     // a reduce-scatter may write into the shard chunk itself
+  int64_t max_bucket_ = 0, max_chunk_ = 0;
+  double divisor_;     // world_size * loss scale
+  at::Tensor found_;
   int64_t rank_, world_size_;
   std::vector<std::vector<int64_t>> param_buckets_;  // buckets each param overlaps
 
   // Per backward.
   std::vector<uint8_t> ready_;
   std::vector<int64_t> pending_;      // params not yet ready, per bucket
-  std::vector<int64_t> slot_of_;      // staging slot of each bucket, -1 if none
+  std::vector<int64_t> slot_of_;      // slot of each bucket, -1 if none yet
   size_t next_launch_ = 0;            // index into plan_.launch_order
   bool in_backward_ = false;
 
@@ -124,10 +162,12 @@ class BucketEngine {
   std::vector<uint8_t> has_data_;     // shard chunk holds a reduced gradient
   at::Tensor used_;
 
-  std::vector<at::Tensor> staging_;   // stage 2 staging buffers, bucket-sized
+  std::vector<Slot> slots_;
   std::vector<int64_t> free_slots_;
   std::deque<InFlight> inflight_;
   int64_t n_reduce_scatters_ = 0, n_all_gathers_ = 0;
+  double copy_seconds_ = 0.0;
+  HostCopier host_copier_;  // offload with CUDA: copies to the host on a side stream
   mutable std::mutex mu_;
 };
 

@@ -1,0 +1,374 @@
+"""Mixed precision (bf16/fp16 models with fp32 master weights), loss scaling, inf/nan handling and offload.
+
+References are plain PyTorch: the unscale kernel against shardopt.reference,
+offload against the same run without offload, a bf16 model against a
+single-process loop doing the same master-weight math, and fp16 overflow
+against the same run that simply leaves the poisoned step out.
+"""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+from models import AwkwardNet, batch, uses_branch
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------ the unscale op
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+def test_unscale_into_matches_reference(src_dtype, dst_dtype):
+    import shardopt  # noqa: F401  (loads the op)
+    from shardopt.reference import unscale_into_reference
+
+    # 0 and odd sizes; 100_003 spans several threads' ranges.
+    for n in (0, 1, 17, 100_003):
+        src = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 50).to(src_dtype)
+        for divisor in (1.0, 3.0, 2.0 * 65536):
+            got, want = torch.empty(n, dtype=dst_dtype), torch.empty(n, dtype=dst_dtype)
+            found, found_ref = torch.zeros(1), torch.zeros(1)
+            torch.ops.shardopt.unscale_into(src, got, divisor, found)
+            unscale_into_reference(src, want, divisor, found_ref)
+            assert torch.equal(got, want), (n, divisor)
+            assert found.item() == found_ref.item() == 0.0
+        if n:
+            for bad in (math.inf, -math.inf, math.nan):
+                poisoned = src.clone()
+                poisoned[n // 2] = bad
+                found = torch.zeros(1)
+                torch.ops.shardopt.unscale_into(poisoned, torch.empty(n, dtype=dst_dtype), 2.0, found)
+                assert found.item() == 1.0, (n, bad)
+    # In place (stage 1 reduces its flat gradient buffer where it is).
+    t = torch.randn(1000, dtype=torch.float32)
+    want = t / 3
+    torch.ops.shardopt.unscale_into(t, t, 3.0, torch.zeros(1))
+    assert torch.equal(t, want)
+
+
+def test_unscale_into_opcheck_and_errors():
+    import shardopt  # noqa: F401
+
+    args = (torch.randn(64, dtype=torch.bfloat16), torch.empty(64), 4.0, torch.zeros(1))
+    torch.library.opcheck(torch.ops.shardopt.unscale_into.default, args)
+    with pytest.raises(RuntimeError, match="elements"):
+        torch.ops.shardopt.unscale_into(torch.randn(4), torch.empty(5), 1.0, torch.zeros(1))
+    with pytest.raises(RuntimeError, match="divisor must be > 0"):
+        torch.ops.shardopt.unscale_into(torch.randn(4), torch.empty(4), 0.0, torch.zeros(1))
+    with pytest.raises(RuntimeError, match="float64, float32, bfloat16 or float16"):
+        torch.ops.shardopt.unscale_into(torch.ones(4, dtype=torch.int32), torch.empty(4), 1.0, torch.zeros(1))
+
+
+# ------------------------------------------------------------- loss scaler
+def test_loss_scaler_rules():
+    from shardopt.precision import LossScaleConfig, LossScaler, resolve_loss_scale, resolve_nonfinite
+
+    s = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=3, min_scale=2.0))
+    s.update(False), s.update(False)
+    assert s.scale == 8.0
+    s.update(False)
+    assert s.scale == 16.0            # grows after growth_interval clean steps
+    s.update(True)
+    assert s.scale == 8.0             # backs off at once with hysteresis=1 (torch's GradScaler rule)
+    s.update(True), s.update(True), s.update(True)
+    assert s.scale == 2.0             # never below min_scale
+    h = LossScaler(LossScaleConfig(init_scale=8.0, hysteresis=2, growth_interval=100))
+    h.update(True)
+    assert h.scale == 8.0             # first overflow tolerated (still skipped by the optimizer)
+    h.update(True)
+    assert h.scale == 4.0
+    restored = LossScaler(h.config)
+    restored.load_state_dict(h.state_dict())
+    assert restored.state_dict() == h.state_dict()
+    static = LossScaler(resolve_loss_scale(128.0, torch.float16))
+    static.update(True)
+    assert static.scale == 128.0
+    assert resolve_loss_scale("auto", torch.float16).dynamic
+    assert resolve_loss_scale("auto", torch.bfloat16) is None
+    assert resolve_nonfinite("auto", scaled=True) == "skip" and resolve_nonfinite("auto", False) == "raise"
+    for bad in (dict(growth_factor=1.0), dict(backoff_factor=1.5), dict(hysteresis=0), dict(min_scale=0.0)):
+        with pytest.raises(ValueError, match="LossScaleConfig"):
+            LossScaleConfig(**bad)
+    with pytest.raises(ValueError, match="loss_scale must be"):
+        resolve_loss_scale("sometimes", torch.float16)
+
+
+# ------------------------------------------------------ multi-rank helpers
+def _loss(wrapper, step, rank, micro=0, scale=None):
+    x, y = batch(step, rank, micro)
+    out = wrapper(x, uses_branch(step, rank)).float()
+    return nn.functional.cross_entropy(out.reshape(-1, 37), y.reshape(-1))
+
+
+def _sharded(model, **kw):
+    import shardopt
+
+    opt = shardopt.ShardedOptimizer(model.parameters(), reduce_bucket_size=kw.pop("rbs", 1000), **kw)
+    return opt, shardopt.ShardedDDP(model, opt)
+
+
+def _state(opt):
+    """This rank's master values and optimizer state, as plain tensors."""
+    out = [t.detach().clone() for t in opt._piece_params]
+    if opt.inner is not None:
+        for t in opt._piece_params:
+            out += [v.clone() for v in opt.inner.state.get(t, {}).values() if torch.is_tensor(v)]
+    return out
+
+
+# ----------------------------------------------------------------- offload
+def _offload_runs(rank, world_size):
+    import shardopt
+
+    failures = []
+    # With a bf16 model and CPUAdam, offload has the kernel write the bf16 copy in
+    # its pass; without, the optimizer casts the master: the same bits either way.
+    for stage, optim, kw, dtype in (
+            (2, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), torch.float32),
+            (1, torch.optim.SGD, dict(lr=5e-2, momentum=0.9), torch.float32),
+            (2, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01), torch.float32),
+            (2, shardopt.CPUAdam, dict(lr=1e-2, weight_decay=0.1), torch.bfloat16)):
+        results = []
+        for offload in ("none", "cpu"):
+            torch.manual_seed(0)
+            model = AwkwardNet().to(dtype)
+            opt, wrapper = _sharded(model, optim=optim, stage=stage, offload=offload, max_grad_norm=0.5, **kw)
+            for step in range(6):
+                _loss(wrapper, step, rank).backward()
+                opt.step()
+                opt.zero_grad()
+            results.append((model, opt))
+        (a, oa), (b, ob) = results
+        for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            if not torch.equal(p, q):
+                failures.append(f"stage {stage} {optim.__name__}: offload changed {name}")
+        stats = ob.memory_stats()
+        if ob.master is None or stats["offloaded"] != stats["master"] + ob.shard_grad.numel() * 4 \
+                + stats["optimizer_state"] or stats["on_device"] >= oa.memory_stats()["on_device"]:
+            failures.append(f"memory_stats do not show the offload: {stats}")
+    # The offload default (optim=None) is the fused CPU Adam with AdamW semantics.
+    torch.manual_seed(0)
+    ref_model = AwkwardNet()
+    ours = copy.deepcopy(ref_model)
+    ref, ref_w = _sharded(ref_model, lr=1e-2)
+    opt, wrapper = _sharded(ours, lr=1e-2, offload="cpu")
+    if type(opt.inner) is not shardopt.CPUAdam or opt.inner.defaults["weight_decay"] != 0.01:
+        failures.append(f"offload default is {type(opt.inner).__name__} {opt.inner.defaults}")
+    for step in range(6):
+        for w, o in ((ref_w, ref), (wrapper, opt)):
+            _loss(w, step, rank).backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), (_, q) in zip(ref_model.named_parameters(), ours.named_parameters()):
+        if not torch.allclose(p, q, rtol=1e-5, atol=1e-6):  # CPUAdam vs torch AdamW: ulps per step
+            failures.append(f"CPUAdam offload vs AdamW: {name} differs")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_offload_is_identical_to_no_offload(world_size):
+    for rank, failures in enumerate(run_ranks(_offload_runs, world_size)):
+        assert not failures, f"rank {rank}: {failures}"
+
+
+# ------------------------------------------------------------ bf16 / fp16
+def _reference_grads(ref_model, world_size, step, reduce_dtype=torch.float32):
+    """Single-process gradient math: every rank's micro-batch in the model dtype, each gradient
+    divided by the world size and rounded to reduce_dtype, summed in reduce_dtype (rank order)."""
+    grads = [None] * sum(1 for p in ref_model.parameters() if p.requires_grad)
+    losses = []
+    for r in range(world_size):
+        ref_model.zero_grad(set_to_none=True)
+        loss = _loss(lambda x, u: ref_model(x, u), step, r)
+        loss.backward()
+        losses.append(loss.item())
+        for i, p in enumerate(p for p in ref_model.parameters() if p.requires_grad):
+            if p.grad is not None:
+                g = (p.grad.float() / world_size).to(reduce_dtype)
+                grads[i] = g if grads[i] is None else grads[i] + g
+    return losses, [None if g is None else g.float() for g in grads]
+
+
+def _reference_apply(ref_model, master, ref_opt, grads):
+    """The fp32 master step, then a cast back into the model."""
+    for m, g in zip(master, grads):
+        m.grad = g
+    ref_opt.step()
+    with torch.no_grad():
+        for m, p in zip(master, (p for p in ref_model.parameters() if p.requires_grad)):
+            p.copy_(m)
+
+
+def _check_shard_grads(opt, model, ref_grads, rtol, what):
+    """This rank's reduced gradient pieces against the reference's full gradients."""
+    opt._finish_grad_sync()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for pc, g in zip(opt._pieces, opt._piece_grads):
+        slot = opt.layout.params[pc.param]
+        j = next(k for k, p in enumerate(params) if p is opt._params[pc.param])
+        if ref_grads[j] is None:
+            continue
+        want = ref_grads[j].reshape(-1)[pc.start - slot.offset:pc.end - slot.offset]
+        scale = ref_grads[j].abs().max().clamp_min(1e-30)
+        if (g - want).abs().max() > rtol * scale:
+            out.append(f"{what}: gradient piece of param {j} off by {((g - want).abs().max() / scale):.2e}")
+    return out
+
+
+def _bf16_runs(rank, world_size):
+    failures = []
+    # (stage, optimizer, kwargs, reduce_dtype, tolerance over 20 steps). Reducing in bf16 rounds
+    # each partial sum, in an order that differs by chunk (the ring) from the reference's, so its
+    # 20-step tolerance is looser; its gradients are checked exactly below instead.
+    configs = [(2, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), None, 2e-2),
+               (1, torch.optim.SGD, dict(lr=5e-2, momentum=0.9), None, 2e-2),
+               (2, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), torch.bfloat16, 1.5e-1)]
+    for stage, optim, kw, reduce_dtype, tol in configs:
+        torch.manual_seed(0)
+        model = AwkwardNet().to(torch.bfloat16)
+        ref_model = copy.deepcopy(model)
+        master = [p.detach().float().clone().requires_grad_() for p in ref_model.parameters() if p.requires_grad]
+        ref_opt = optim(master, **kw)
+        opt, wrapper = _sharded(model, optim=optim, stage=stage, reduce_dtype=reduce_dtype, **kw)
+        for step in range(20):
+            loss = _loss(wrapper, step, rank)
+            loss.backward()
+            ref_losses, ref_grads = _reference_grads(ref_model, world_size, step, reduce_dtype or torch.float32)
+            if step < (3 if reduce_dtype is None else 1):
+                # Reduced in fp32: a few fp32 ulps (summation order). In bf16: within
+                # one bf16 rounding per partial sum (2**-8 each, up to world_size - 1 of
+                # them); only the first step, as after it the models differ by those roundings.
+                rtol = 1e-5 if reduce_dtype is None else world_size * 2.0 ** -8
+                failures += _check_shard_grads(opt, model, ref_grads, rtol,
+                                               f"{optim.__name__} stage {stage} reduce {reduce_dtype} step {step}")
+            opt.step()
+            opt.zero_grad()
+            _reference_apply(ref_model, master, ref_opt, ref_grads)
+            if abs(loss.item() - ref_losses[rank]) > tol * max(1.0, abs(ref_losses[rank])):
+                failures.append(f"{optim.__name__} stage {stage} step {step}: loss {loss.item()} "
+                                f"vs {ref_losses[rank]}")
+        if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+            failures.append("model parameters are no longer bf16")
+        for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
+            err = ((p.float() - q.float()).abs().max() / p.float().abs().max()).item()
+            if err > tol:
+                failures.append(f"{optim.__name__} stage {stage} reduce {reduce_dtype}: {name} rel err {err:.2e}")
+        # The master is fp32 and tracks the reference's master closely, not just to bf16.
+        if reduce_dtype is None:
+            for pc, t in zip(opt._pieces, opt._piece_params):
+                if t.dtype != torch.float32:
+                    failures.append("master is not fp32")
+                    break
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_matches_master_weight_reference(world_size):
+    for rank, failures in enumerate(run_ranks(_bf16_runs, world_size, timeout=400)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+
+
+def _fp16_overflow(rank, world_size, poison_rank, poison_step):
+    from shardopt import LossScaleConfig
+
+    out = {}
+    for run in ("poisoned", "clean"):
+        torch.manual_seed(0)
+        model = AwkwardNet().half()
+        opt, wrapper = _sharded(model, optim=torch.optim.SGD, lr=5e-2, momentum=0.9,
+                                loss_scale=LossScaleConfig(init_scale=2.0 ** 12, growth_interval=1000))
+        log = []
+        for step in range(8):
+            if run == "clean" and step == poison_step:
+                continue  # the reference leaves the poisoned step out
+            loss = _loss(wrapper, step, rank)
+            if run == "poisoned" and step == poison_step and rank == poison_rank:
+                loss = loss * math.inf
+            opt.scale_loss(loss).backward()
+            before = ([p.detach().clone() for p in model.parameters()], _state(opt))
+            opt.step()
+            opt.zero_grad()
+            if step == poison_step:
+                after = ([p.detach().clone() for p in model.parameters()], _state(opt))
+                unchanged = all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
+                log.append(("at poison", opt.last_step_skipped, opt.skipped_steps, opt.loss_scale, unchanged))
+        out[run] = (log, [p.detach().float().clone() for p in model.parameters()], opt.skipped_steps,
+                    opt.loss_scale)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_fp16_overflow_on_one_rank_skips_everywhere(world_size):
+    poison_rank, poison_step = world_size - 1, 3
+    results = run_ranks(_fp16_overflow, world_size, poison_rank, poison_step)
+    for rank, out in enumerate(results):
+        log, params, skipped, scale = out["poisoned"]
+        assert log == [("at poison", True, 1, 2.0 ** 11, True)], f"rank {rank}: {log}"
+        assert skipped == 1 and scale == 2.0 ** 11
+        # After the skip, training continues exactly as if the step had never happened
+        # (the scale is a power of two, so scaling and unscaling are exact).
+        _, clean, clean_skipped, clean_scale = out["clean"]
+        assert clean_skipped == 0 and clean_scale == 2.0 ** 12
+        for p, q in zip(params, clean):
+            assert torch.allclose(p, q, rtol=1e-3, atol=1e-4)
+        for p, q in zip(params, results[0]["poisoned"][1]):
+            assert torch.equal(p, q)  # lockstep: every rank holds the same model
+
+
+# ------------------------------------------------------------ inf/nan policy
+def _nonfinite(rank, world_size, dtype, nonfinite):
+    import warnings
+
+    torch.manual_seed(0)
+    model = AwkwardNet().to(dtype)
+    kw = {} if nonfinite is None else {"nonfinite": nonfinite}
+    opt, wrapper = _sharded(model, optim=torch.optim.SGD, lr=0.1, **kw)
+    _loss(wrapper, 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    loss = _loss(wrapper, 1, rank)
+    if rank == 0:
+        loss = loss * math.nan
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+    except FloatingPointError as e:
+        return "raised", str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad()
+    _loss(wrapper, 2, rank).backward()  # training goes on after a skip
+    opt.step()
+    return "skipped", (unchanged, opt.skipped_steps, [str(w.message) for w in caught])
+
+
+def _nonfinite_cases(rank, world_size):
+    return {case: _nonfinite(rank, world_size, *case)
+            for case in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, "skip"))}
+
+
+def test_nonfinite_gradients_raise_by_default_or_skip():
+    """A nan on rank 0 only: without a loss scaler every rank raises (the default) or skips ('skip')."""
+    for results in run_ranks(_nonfinite_cases, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            kind, detail = results[(dtype, None)]
+            assert kind == "raised" and "inf or nan" in detail and "nonfinite='skip'" in detail, dtype
+        kind, (unchanged, skipped, warned) = results[(torch.float32, "skip")]
+        assert kind == "skipped" and unchanged and skipped == 1
+        assert any("skipped a step" in w for w in warned)
+
+
+def test_mixed_precision_arguments_are_checked():
+    import shardopt
+
+    for kw, match in ((dict(reduce_dtype=torch.int8), "reduce_dtype"), (dict(nonfinite="ignore"), "nonfinite"),
+                      (dict(loss_scale=-1.0), "loss_scale"), (dict(max_grad_norm=0), "max_grad_norm"),
+                      (dict(offload="gpu"), "offload")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            shardopt.ShardConfig(**kw)
