@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
 import torch.nn.functional as F
