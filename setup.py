@@ -126,7 +126,10 @@ setup(
     # pull a multi-GB CUDA build. Install the torch you want first, then build
     # this package against it with --no-build-isolation.
     install_requires=["numpy"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout"]},
+    # Lightning is optional (shardopt.lightning); the tests cover it, so CI installs it.
+    # Developed and tested against lightning 2.6 (the strategy uses some of its internals).
+    extras_require={"lightning": ["lightning>=2.6"],
+                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6"]},
     entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

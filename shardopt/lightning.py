@@ -1,0 +1,458 @@
+"""PyTorch Lightning strategy: `Trainer(strategy="shardopt")` trains with ShardedOptimizer + ShardedDDP.
+
+    import shardopt.lightning            # registers "shardopt" (and variants) with Lightning
+    trainer = lightning.Trainer(strategy="shardopt", devices=2, precision="bf16-mixed")
+    trainer = lightning.Trainer(strategy=ShardedStrategy(stage=1, reduce_bucket_size=int(5e7)))
+
+Lightning finds strategy names only in its own package (it has no entry-point
+group for strategies), so the string form needs this module imported first.
+
+What the strategy does on top of Lightning's DDPStrategy (process group,
+launcher, samplers, reductions are DDP's):
+  * the optimizer from `configure_optimizers` is rebuilt as a ShardedOptimizer
+    with the same class, groups and hyper-parameters (Note [Rebinding LR schedulers]);
+  * the LightningModule is wrapped in ShardedDDP; `accumulate_grad_batches`
+    uses its `no_sync`;
+  * `gradient_clip_val` clips the global norm over every rank's shard;
+  * precision goes through ShardedPrecision (bf16/fp16 model, fp32 master
+    weights in the optimizer, loss scaling for fp16);
+  * `trainer.save_checkpoint(path)` writes shardopt's sharded checkpoint (a
+    directory; every rank writes its own part) and `fit(ckpt_path=...)` loads
+    it at any number of devices.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+import shutil
+import weakref
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning_utilities import apply_to_collection
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("shardopt.lightning needs the `lightning` package: pip install 'shardopt[lightning]'") from e
+
+import shardopt
+from shardopt.config import ShardConfig
+from shardopt.ddp import ShardedDDP
+from shardopt.optimizer import ShardedOptimizer
+
+# Arguments of ShardedOptimizer the strategy fills in itself.
+_OWN_OPTIMIZER_ARGS = ("params", "optim", "process_group")
+
+
+def _optimizer_options() -> set[str]:
+    """ShardedOptimizer's keyword-only options (stage, bucket sizes, offload, loss scaling, ...)."""
+    sig = inspect.signature(ShardedOptimizer.__init__).parameters
+    return {n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY and n not in _OWN_OPTIMIZER_ARGS}
+
+
+# ------------------------------------------------------------------ precision
+_PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class ShardedPrecision(Precision):
+    """Precision of ShardedStrategy: the model's parameters in `dtype`, fp32 master weights in the optimizer.
+
+    "32-true": nothing changes. "bf16-mixed" / "16-mixed": the module is cast to
+    bf16 / fp16 before the optimizer is built, floating-point inputs are cast to
+    it, and ShardedOptimizer keeps fp32 master chunks (as DeepSpeed's bf16/fp16
+    modes do; no autocast). With fp16, `opt.scale_loss` scales the loss before
+    backward and the optimizer unscales, skips non-finite steps and adapts the
+    scale. On CPU Lightning turns `precision="16-mixed"` into "bf16-mixed"
+    before a strategy sees it; pass `ShardedStrategy(precision_plugin=
+    ShardedPrecision("16-mixed"))` to get fp16 there.
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"ShardedStrategy does not support precision={precision!r}; use one of "
+                             f"{sorted(_PRECISIONS)} (bf16/fp16 models always get fp32 master weights, so there "
+                             "is no separate '-true' half mode)")
+        self.precision = precision
+        self.dtype = _PRECISIONS[precision]
+        self.optimizer: ShardedOptimizer | None = None  # set by connect() once the strategy built it
+
+    @property
+    def _cast(self) -> bool:
+        return self.dtype != torch.float32
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.dtype) if self._cast else module
+
+    def convert_input(self, data: Any) -> Any:
+        if not self._cast:
+            return data
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        # As Lightning's HalfPrecision: tensors a forward creates (masks, ...)
+        # get the model's dtype, so they combine with its activations.
+        if not self._cast:
+            yield
+            return
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    def connect(self, model, optimizers, lr_schedulers):
+        sharded = [o for o in optimizers if isinstance(o, ShardedOptimizer)]
+        self.optimizer = sharded[0] if sharded else None
+        return model, optimizers, lr_schedulers
+
+    def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
+        # Until issue 5 (mixed precision) merges, ShardedOptimizer has no
+        # scale_loss and fp32 needs none; afterwards it is always present.
+        if self.optimizer is not None and hasattr(self.optimizer, "scale_loss"):
+            tensor = self.optimizer.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        _unwrap(optimizer).clip_grad_norm(float(clip_val))
+
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        raise ValueError("ShardedStrategy clips by the global gradient norm only: use "
+                         "gradient_clip_algorithm='norm' (the default)")
+
+    def teardown(self) -> None:
+        self.optimizer = None
+
+
+def _precision_for(plugin: Optional[Precision]) -> Optional[ShardedPrecision]:
+    """The ShardedPrecision standing in for the plugin Lightning chose from `precision=`."""
+    if plugin is None or isinstance(plugin, ShardedPrecision):
+        return plugin
+    if type(plugin) is Precision:
+        return ShardedPrecision("32-true")
+    if type(plugin) is MixedPrecision:
+        return ShardedPrecision(plugin.precision)
+    raise ValueError(f"ShardedStrategy cannot use the precision plugin {type(plugin).__name__} (precision="
+                     f"{getattr(plugin, 'precision', '?')!r}): use Trainer(precision=...) with one of "
+                     f"{sorted(_PRECISIONS)}, or pass ShardedStrategy(precision_plugin=ShardedPrecision(...))")
+
+
+# -------------------------------------------------------------- optimizers
+def _unwrap(optimizer) -> ShardedOptimizer:
+    inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    if not isinstance(inner, ShardedOptimizer):
+        raise TypeError(f"expected the strategy's ShardedOptimizer, got {type(inner).__name__}")
+    return inner
+
+
+def _constructor_kwargs(cls: type, defaults: dict) -> dict:
+    """The entries of an optimizer's `defaults` its constructor accepts.
+
+    Some defaults are not constructor arguments (AdamW's decoupled_weight_decay);
+    they live on in every param group, which the sharded optimizer copies.
+    """
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
+
+
+# Note [Rebinding LR schedulers]
+# configure_optimizers returns a torch optimizer and schedulers built on it:
+# at construction a scheduler stored `optimizer`, set "initial_lr" and the
+# first scheduled "lr" in its param groups, and wrapped `optimizer.step` to
+# notice being stepped before the optimizer. The ShardedOptimizer is built
+# from those very param-group dicts (torch.optim.Optimizer keeps the dicts it
+# is given), so it starts from the scheduled lr, and any later write to a
+# group - by a scheduler, a callback or user code still holding the original
+# optimizer - reaches the sharded one too. Schedulers (and those nested in
+# SequentialLR / ChainedScheduler) are then pointed at the sharded optimizer,
+# since Lightning's LearningRateMonitor and torch's ordering check look at
+# `scheduler.optimizer`; the ordering check also wants `step` wrapped, which
+# _track_step_for_schedulers redoes for the new optimizer.
+def _shard_optimizer(optimizer: torch.optim.Optimizer, options: dict) -> ShardedOptimizer:
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer  # the user built it; their options win
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    cls = type(optimizer)
+    return ShardedOptimizer(optimizer.param_groups, optim=cls, **options,
+                            **_constructor_kwargs(cls, optimizer.defaults))
+
+
+def _rebind_schedulers(configs, old: torch.optim.Optimizer, new: ShardedOptimizer) -> None:
+    def visit(scheduler):
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+        for inner in getattr(scheduler, "_schedulers", ()):
+            visit(inner)
+
+    for config in configs:
+        visit(config.scheduler)
+    if configs:
+        _track_step_for_schedulers(new)
+
+
+def _track_step_for_schedulers(opt: torch.optim.Optimizer) -> None:
+    # torch.optim.lr_scheduler.LRScheduler warns on its first step unless
+    # `optimizer.step` carries `_wrapped_by_lr_sched` and has set `_opt_called`.
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    step = opt.step
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        opt._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper
+
+
+def _saved_under(path: str) -> list[str]:
+    """The checkpoints a directory holds (save_checkpoint adds one subdirectory per save; hidden ones are partial)."""
+    if not os.path.isdir(path):
+        return []
+    return [e for e in os.listdir(path) if not e.startswith(".") and os.path.isdir(os.path.join(path, e))]
+
+
+@torch.no_grad()
+def _masters_from_state_dict(opt: ShardedOptimizer, module: nn.Module, state_dict: dict) -> None:
+    """Sets the optimizer's master pieces from a full state dict (a plain checkpoint, e.g. from "ddp").
+
+    Loading a state dict writes the model's parameters; with a bf16/fp16 model
+    the fp32 masters are separate, and the next step would publish the stale
+    ones over it. The saved (possibly fp32) values are taken, not the model's
+    rounded copy. In fp32 the masters are the model's storage: a no-op copy.
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    for pc, master in zip(opt._pieces, opt._piece_params):
+        saved = state_dict.get(names[id(opt._params[pc.param])])
+        if saved is None:
+            continue  # strict=False and not in the file: the parameter kept its values
+        slot = opt.layout.params[pc.param]
+        master.copy_(saved.reshape(-1)[pc.start - slot.offset:pc.end - slot.offset])
+
+
+# Modules ShardedDDP has hooked: its gradient hooks cannot be removed, so a
+# second wrap would reduce every gradient twice (see _setup_model).
+_WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+# ------------------------------------------------------------------ strategy
+class ShardedStrategy(DDPStrategy):
+    """ZeRO-1/2 data parallel training: `Trainer(strategy="shardopt")` or `Trainer(strategy=ShardedStrategy(...))`.
+
+    Args:
+        stage, offload, reduce_bucket_size, allgather_bucket_size, overlap_comm:
+            as ShardedOptimizer's (bucket sizes in elements; None: automatic).
+        broadcast_buffers: ShardedDDP's: re-broadcast buffers from rank 0 before
+            each forward that reduces gradients, as DDP does.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io,
+        precision_plugin, process_group_backend, timeout, start_method:
+            as Lightning's DDPStrategy ("popen" relaunches the script, "spawn"
+            starts processes from the Trainer).
+        **more: further ShardedOptimizer options (num_staging_buffers,
+            comm_impl, and whatever else the installed version has).
+
+    Only one optimizer (from configure_optimizers) is supported; it may be any
+    elementwise torch optimizer and keeps its param groups and LR schedulers.
+    """
+
+    strategy_name = "shardopt"
+
+    def __init__(self, stage: int = 2, offload: str = "none", reduce_bucket_size: int | None = None,
+                 allgather_bucket_size: int | None = None, overlap_comm: bool = True,
+                 broadcast_buffers: bool = True, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 start_method: str = "popen", **more: Any) -> None:
+        options = dict(stage=stage, offload=offload, reduce_bucket_size=reduce_bucket_size,
+                       allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm, **more)
+        unknown = sorted(set(options) - _optimizer_options())
+        if unknown:
+            raise TypeError(f"ShardedStrategy got unknown options {unknown}; it accepts "
+                            f"{sorted(_optimizer_options() | {'broadcast_buffers'})} and DDPStrategy's "
+                            "launch arguments")
+        # Validate now (at Trainer construction) rather than after processes start.
+        fields = {f.name for f in dataclasses.fields(ShardConfig)}
+        ShardConfig(**{k: v for k, v in options.items() if k in fields})
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.optimizer_options = options
+        self.broadcast_buffers = broadcast_buffers
+        self._restored_sharded = False  # the last load_checkpoint read shardopt's format
+
+    # ---------------------------------------------------------- precision
+    @property
+    def precision_plugin(self) -> Precision:
+        # Not stored when unset: Lightning reads `_precision_plugin` to tell a
+        # plugin the user gave the strategy from none (then `precision=` wins).
+        return self._precision_plugin if self._precision_plugin is not None else ShardedPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning builds its own plugin from `precision=` and hands it to the
+        # strategy; ours replaces it (it has no hook to choose one itself).
+        self._precision_plugin = _precision_for(plugin)
+
+    # --------------------------------------------------------------- setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            if self.lightning_module in _WRAPPED:
+                raise RuntimeError(f"ShardedStrategy already trained this {type(self.lightning_module).__name__} "
+                                   "instance: its parameters keep the gradient hooks of that run, so fitting it "
+                                   "again would reduce every gradient twice. Create a new LightningModule for each "
+                                   "fit (load the weights, or pass ckpt_path= to continue)")
+            if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE and trainer.gradient_clip_val:
+                raise ValueError("ShardedStrategy clips by the global gradient norm only: use "
+                                 "gradient_clip_algorithm='norm' (the default)")
+            if self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+        # Cast before the optimizer exists: it is built on the model's final parameters.
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            self.model = self._setup_model(self.model)
+        else:
+            _sync_module_states(self.model)  # no wrapper, so broadcast rank 0's weights as DDP does
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(f"ShardedStrategy trains with exactly one optimizer, but configure_optimizers "
+                             f"returned {len(self.optimizers)}: put all parameters in one optimizer (use "
+                             "param groups for different hyper-parameters)")
+        old = self.optimizers[0]
+        sharded = _shard_optimizer(old, self.optimizer_options)
+        _rebind_schedulers(self.lr_scheduler_configs, old, sharded)
+        self.optimizers = [sharded]
+
+    def _setup_model(self, model: nn.Module) -> ShardedDDP:
+        wrapped = ShardedDDP(model, self._sharded_optimizer(), broadcast_buffers=self.broadcast_buffers)
+        _WRAPPED.add(self.lightning_module)
+        return wrapped
+
+    def _fitting(self) -> bool:
+        return self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+
+    def _sharded_optimizer(self) -> ShardedOptimizer:
+        return _unwrap(self.optimizers[0])
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        if isinstance(self.model, ShardedDDP):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    def optimizer_state(self, optimizer) -> dict:
+        # The sharded checkpoint holds the optimizer state; nothing to gather here.
+        return {}
+
+    def teardown(self) -> None:
+        if isinstance(self.model, ShardedDDP):
+            self.model = self.lightning_module
+        super().teardown()
+
+    # ---------------------------------------------------------- checkpoints
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
+        """Writes shardopt's sharded checkpoint: a directory at `filepath`, every rank writing its own part.
+
+        The weights (fp32 master values) and the optimizer state go in
+        shardopt's format, loadable at any world size; everything else
+        Lightning saves (loops, callbacks, LR schedulers, hyper-parameters) goes
+        in as its `extra`. Saving to a path again replaces what it held, as
+        Lightning expects. Weights-only saves (and saves outside fit) are
+        Lightning's usual single file: every rank holds the full weights.
+        """
+        if "optimizer_states" not in checkpoint or not self.optimizers:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("ShardedStrategy writes shardopt's checkpoint format and takes no storage_options")
+        filepath = self.broadcast(os.fspath(filepath))  # ranks may format names differently
+        older = _saved_under(filepath) if self.is_global_zero else []
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        saved = shardopt.save_checkpoint(filepath, self.lightning_module, self._sharded_optimizer(), extra=extra)
+        if self.is_global_zero:
+            for entry in older:
+                if entry != os.path.basename(os.path.normpath(saved)):
+                    shutil.rmtree(os.path.join(filepath, entry), ignore_errors=True)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
+        """Reads a sharded checkpoint directory (saved at any world size), or a plain Lightning checkpoint file."""
+        self._restored_sharded = False
+        if not os.path.isdir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Lightning's effective default for local files (torch.load's).
+        weights_only = True if weights_only is None else weights_only
+        path = os.fspath(checkpoint_path)
+        if not self._fitting():
+            # Not fitting: no optimizer to load into, so read the whole model
+            # state and let Lightning load it as from a plain checkpoint.
+            from shardopt.convert import checkpoint_to_torch
+
+            full = checkpoint_to_torch(path, weights_only=weights_only)
+            return {**(full["extra"] or {}), "state_dict": full["model"]}
+        extra = shardopt.load_checkpoint(path, self.lightning_module, self._sharded_optimizer(),
+                                         weights_only=weights_only)
+        self._restored_sharded = True
+        return extra
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the optimizer a checkpoint loads into exists only after setup
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._restored_sharded  # a sharded checkpoint restored it already
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if self._restored_sharded:
+            return  # load_checkpoint put the weights in place
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._fitting():
+            _masters_from_state_dict(self._sharded_optimizer(), self.lightning_module, checkpoint["state_dict"])
+
+    # ---------------------------------------------------------- registry
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        entries = (
+            ("shardopt", "ZeRO-2 with shardopt (ShardedOptimizer + ShardedDDP)", {}),
+            ("shardopt_stage_1", "shardopt ZeRO-1: optimizer state sharded", {"stage": 1}),
+            ("shardopt_offload", "shardopt ZeRO-2 with optimizer state and fp32 master weights on the CPU",
+             {"offload": "cpu"}),
+            ("shardopt_spawn", "shardopt ZeRO-2, processes started with start_method='spawn'",
+             {"start_method": "spawn"}),
+        )
+        for name, description, params in entries:
+            strategy_registry.register(name, cls, description=description, override=True, **params)
+
+
+ShardedStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ShardedPrecision", "ShardedStrategy"]

@@ -1,0 +1,388 @@
+"""Lightning's Trainer with strategy="shardopt" against the same Trainer with Lightning's own "ddp".
+
+Ranks are started by shardopt.testing.run_ranks (one gloo group per test, with
+timeouts), and LOCAL_RANK tells Lightning the processes exist already (as under
+torchrun), so several Trainers run in one spawn without Lightning relaunching
+anything. One test runs the example script through Lightning's own launcher.
+
+In fp32 both strategies reduce the same pre-divided gradients, so per-step
+losses and final weights agree within 1e-5 relative (as tests/test_zero_parity.py):
+a scheduler left on the old optimizer, clipping of the local instead of the
+global norm, accumulation that reduces every micro-batch, or a skipped
+micro-batch is far outside that. SGD with momentum is in the mix because Adam
+is scale-invariant and would hide a wrong gradient scale.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+from models import VOCAB, AwkwardNet, uses_branch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ, BATCH = 5, 3
+
+
+# ------------------------------------------------------------------ helpers
+def _dataset(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g),
+                         torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+def _loader(n: int, batch: int = BATCH) -> DataLoader:
+    return DataLoader(_dataset(n), batch_size=batch, shuffle=False)
+
+
+class AwkwardModule(pl.LightningModule):
+    """AwkwardNet (tied, frozen, sometimes-unused, odd sizes, BatchNorm) with two param groups and a scheduler."""
+
+    def __init__(self, optim="adamw", sched="step", two_optimizers=False, seed=0, same_data_split=False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = AwkwardNet()
+        self.optim, self.sched, self.two_optimizers = optim, sched, two_optimizers
+        # Training independent of how the global batch is split over ranks
+        # (checkpoints resumed at another world size): the branch follows the
+        # step only, and BatchNorm uses its running statistics.
+        self.same_data_split = same_data_split
+        # Lightning itself refuses several optimizers under automatic optimization.
+        self.automatic_optimization = not two_optimizers
+        self.losses = []
+        self.dtypes = set()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.same_data_split:
+            self.net.norm.eval()
+        rank = 0 if self.same_data_split else self.global_rank
+        out = self.net(x, uses_branch(self.global_step, rank))
+        loss = F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+        self.losses.append(loss.item())
+        self.dtypes.add(next(self.net.l1.parameters()).dtype)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x, False).reshape(-1, VOCAB), y.reshape(-1))
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optim == "adamw":
+            opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+        else:
+            opt = torch.optim.SGD(groups, lr=5e-2, momentum=0.9, weight_decay=0.01)
+        if self.two_optimizers:
+            return [opt, torch.optim.SGD(self.net.l1.parameters(), lr=0.1)]
+        if self.sched == "step":
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        else:  # warmup: the first scheduled lr is set before the optimizer is sharded
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 4))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _trainer(world_size, strategy, **kw):
+    kw = {"max_epochs": 1, "enable_checkpointing": False, **kw}
+    return pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+def _external_ranks(rank):
+    # Processes exist already (run_ranks made them and the gloo group):
+    # LOCAL_RANK makes Lightning's default environment use them as they are.
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+
+
+def _rel_errors(a, b):
+    return [abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)]
+
+
+# ------------------------------------------------------------- fp32 parity
+# (optimizer, scheduler, gradient_clip_val, accumulate_grad_batches, strategy options)
+PARITY = [
+    ("adamw", "step", None, 1, "shardopt"),                                  # the registered name
+    ("sgd", "warmup", 0.05, 2, {"stage": 2, "reduce_bucket_size": 1000}),    # clip active every step
+    ("adamw", "warmup", 0.5, 3, {"stage": 1, "reduce_bucket_size": 300, "overlap_comm": False}),
+]
+SAMPLES = 2 * BATCH * 9  # 9 micro-batches per rank: with accumulate 2 the last step has one
+
+
+def _fit(world_size, strategy, optim, sched, clip, accum):
+    model = AwkwardModule(optim, sched)
+    trainer = _trainer(world_size, strategy, gradient_clip_val=clip, accumulate_grad_batches=accum)
+    trainer.fit(model, _loader(SAMPLES))
+    return model, trainer
+
+
+def _parity(rank, world_size):
+    from shardopt import ShardedOptimizer
+    from shardopt.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    failures = []
+    for optim, sched, clip, accum, options in PARITY:
+        what = f"{optim}/{sched}/clip={clip}/accum={accum}/{options}"
+        ref, ref_trainer = _fit(world_size, DDPStrategy(find_unused_parameters=True), optim, sched, clip, accum)
+        strategy = options if isinstance(options, str) else ShardedStrategy(**options)
+        model, trainer = _fit(world_size, strategy, optim, sched, clip, accum)
+        if not isinstance(trainer.strategy, ShardedStrategy):
+            failures.append(f"{what}: strategy is {type(trainer.strategy).__name__}")
+        opt = trainer.optimizers[0]
+        if not isinstance(opt, ShardedOptimizer):
+            failures.append(f"{what}: optimizer is {type(opt).__name__}")
+        if trainer.lr_scheduler_configs[0].scheduler.optimizer is not opt:
+            failures.append(f"{what}: the LR scheduler still holds the original optimizer")
+        if len(model.losses) != len(ref.losses) or len(model.losses) != SAMPLES // world_size // BATCH:
+            failures.append(f"{what}: {len(model.losses)} micro-batches vs DDP's {len(ref.losses)}")
+        for step, err in enumerate(_rel_errors(ref.losses, model.losses)):
+            if err > 1e-5:
+                failures.append(f"{what}: micro-batch {step}: loss {ref.losses[step]!r} (ddp) vs "
+                                f"{model.losses[step]!r} (shardopt)")
+        ref_state, state = ref.state_dict(), model.state_dict()
+        for name, p in ref_state.items():
+            if not p.is_floating_point():
+                continue
+            err = ((p - state[name]).abs().max() / p.abs().max().clamp_min(1e-12)).item()
+            if err > 1e-5:
+                failures.append(f"{what}: final {name}: relative error {err:.2e}")
+        ref_lrs = [g["lr"] for g in ref_trainer.optimizers[0].param_groups]
+        lrs = [g["lr"] for g in opt.param_groups]
+        if ref_lrs != lrs or trainer.global_step != ref_trainer.global_step:
+            failures.append(f"{what}: lr {lrs} at step {trainer.global_step} vs DDP's {ref_lrs} at "
+                            f"{ref_trainer.global_step}")
+        # Accumulation goes through no_sync: one reduction per optimizer step.
+        if opt.engine.num_reduce_scatters != len(opt.layout.buckets) * trainer.global_step:
+            failures.append(f"{what}: {opt.engine.num_reduce_scatters} reduce-scatters for "
+                            f"{trainer.global_step} steps of {len(opt.layout.buckets)} buckets")
+    return failures + _setup_errors(world_size, model)
+
+
+def _setup_errors(world_size, trained):
+    """Bad configurations fail in setup, on every rank, with the fix in the message."""
+    from shardopt.lightning import ShardedStrategy
+
+    out = []
+    cases = [
+        ("two optimizers", AwkwardModule(two_optimizers=True), {}, "exactly one optimizer"),
+        ("clip by value", AwkwardModule(), dict(gradient_clip_val=0.5, gradient_clip_algorithm="value"),
+         "gradient_clip_algorithm='norm'"),
+        ("the same module again", trained, {}, "Create a new LightningModule"),
+    ]
+    for what, model, kw, expected in cases:
+        try:
+            _trainer(world_size, ShardedStrategy(), max_steps=1, **kw).fit(model, _loader(SAMPLES))
+            out.append(f"{what}: no error")
+        except (ValueError, RuntimeError) as e:
+            if expected not in str(e):
+                out.append(f"{what}: unexpected error {e!r}")
+    return out
+
+
+def test_fp32_matches_lightning_ddp():
+    """Clipping, accumulation, both stages, a scheduler and odd buckets: shardopt == DDP per step."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_parity, 2, timeout=240)
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------- construction errors
+def test_registry_precision_and_bad_options():
+    """Name registered, Lightning's precision plugins replaced by ours, bad input refused at Trainer(...)."""
+    from shardopt.lightning import ShardedPrecision, ShardedStrategy
+
+    t = pl.Trainer(strategy="shardopt_stage_1", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(t.strategy, ShardedStrategy) and t.strategy.optimizer_options["stage"] == 1
+    t = pl.Trainer(strategy="shardopt", accelerator="cpu", devices=2, logger=False, precision="bf16-mixed")
+    assert isinstance(t.precision_plugin, ShardedPrecision) and t.precision_plugin.dtype == torch.bfloat16
+    s = ShardedStrategy(precision_plugin=ShardedPrecision("16-mixed"))
+    t = pl.Trainer(strategy=s, accelerator="cpu", devices=2, logger=False)
+    assert t.precision_plugin.dtype == torch.float16
+    with pytest.raises(ValueError, match="cannot use the precision plugin DoublePrecision"):
+        pl.Trainer(strategy="shardopt", accelerator="cpu", devices=2, logger=False, precision="64-true")
+    with pytest.raises(ValueError, match="no separate '-true' half mode"):
+        ShardedPrecision("bf16-true")
+    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+        ShardedStrategy(stage=3)
+    with pytest.raises(TypeError, match=r"unknown options \['bucket_size'\]"):
+        ShardedStrategy(bucket_size=10)
+
+
+# ------------------------------------------------------ the example script
+def test_example_script_with_lightning_launcher(tmp_path):
+    """examples/lightning_gpt.py under Lightning's own launcher (it relaunches the script for rank 1)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "lightning_gpt.py"), "--devices", "2",
+           "--preset", "tiny", "--max-steps", "6", "--accumulate", "2"]
+    # Its own session, so a timeout kills the relaunched rank too.
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail("example did not finish in 120 s:\n" + out[-3000:])
+    assert proc.returncode == 0, out[-3000:]
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("final loss")]
+    assert len(losses) == 1 and losses[0] == losses[0], out[-3000:]
+
+
+# ===========================================================================
+# Checkpoints and mixed precision: they need shardopt.save_checkpoint /
+# load_checkpoint (the checkpoints branch) and bf16/fp16 parameters with fp32
+# masters and loss scaling (issue 5), which merge separately.
+# ===========================================================================
+CKPT_BATCH = 3      # per rank at 2 ranks; one rank takes both halves (6), so the global batch is the same
+CKPT_STEPS = 3      # optimizer steps per epoch
+
+
+def _ckpt_fit(world_size, strategy, ckpt_path=None, callbacks=(), seed=0, epochs=2):
+    model = AwkwardModule("sgd", "step", seed=seed, same_data_split=True)
+    trainer = _trainer(world_size, strategy, max_epochs=epochs, gradient_clip_val=0.3, callbacks=list(callbacks),
+                       enable_checkpointing=bool(callbacks))
+    loader = _loader(2 * CKPT_BATCH * CKPT_STEPS, batch=2 * CKPT_BATCH // world_size)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _rank_mean(per_rank):
+    """Losses of one rank's run at world size 1 correspond to the mean over the ranks of a 2-rank run."""
+    return [sum(xs) / len(xs) for xs in zip(*per_rank)]
+
+
+def _ckpt_two_ranks(rank, world_size, root):
+    """Uninterrupted run saving after epoch 0; resumes from it at 2 ranks; a DDP file resumed by shardopt."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from shardopt.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    fails = []
+    every_epoch = ModelCheckpoint(dirpath=os.path.join(root, "sharded"), filename="e{epoch}", every_n_epochs=1,
+                                  save_top_k=-1, auto_insert_metric_name=False)
+    full, full_trainer = _ckpt_fit(2, ShardedStrategy(reduce_bucket_size=300), callbacks=[every_epoch])
+    ckpt = os.path.join(root, "sharded", "e0.ckpt")
+    if not os.path.isdir(ckpt):
+        fails.append(f"{ckpt} is not a sharded checkpoint directory: {os.listdir(os.path.dirname(ckpt))}")
+    # Saving to a path again (here after fit) replaces the checkpoint there, as Lightning expects.
+    for _ in range(2):
+        full_trainer.save_checkpoint(os.path.join(root, "twice.ckpt"))
+    if rank == 0 and len([e for e in os.listdir(os.path.join(root, "twice.ckpt")) if not e.startswith(".")]) != 2:
+        fails.append(f"twice.ckpt holds {os.listdir(os.path.join(root, 'twice.ckpt'))}: one checkpoint + latest")
+
+    # Same world size, another layout (stage 1, one bucket), another seed: bitwise the same epoch 1.
+    resumed, trainer = _ckpt_fit(2, ShardedStrategy(stage=1), ckpt_path=ckpt, seed=7)
+    if len(resumed.losses) != CKPT_STEPS or max(_rel_errors(full.losses[CKPT_STEPS:], resumed.losses)) > 1e-6:
+        fails.append(f"resumed at 2 ranks: {resumed.losses} vs uninterrupted {full.losses[CKPT_STEPS:]}")
+    if trainer.global_step != 2 * CKPT_STEPS or len(resumed.losses) != CKPT_STEPS:
+        fails.append(f"resumed run ended at step {trainer.global_step} after {len(resumed.losses)} batches")
+
+    # Outside fit (no optimizer to load into) a sharded checkpoint gives the model its weights.
+    evaluated = AwkwardModule(seed=7)
+    _trainer(2, ShardedStrategy()).validate(evaluated, _loader(12), ckpt_path=os.path.join(root, "sharded", "e1.ckpt"))
+    for name, p in full.state_dict().items():
+        if not torch.equal(p, evaluated.state_dict()[name]):
+            fails.append(f"validate(ckpt_path=...): {name} differs from the trained model's")
+
+    # A plain Lightning file from "ddp" (torch.optim state) continued by shardopt; "ddp" and
+    # shardopt agree within 1e-5 (test_fp32_matches_lightning_ddp), so it must match `full`.
+    _, ddp_trainer = _ckpt_fit(2, DDPStrategy(find_unused_parameters=True), epochs=1)
+    ddp_file = os.path.join(root, "ddp-e0.ckpt")
+    ddp_trainer.save_checkpoint(ddp_file)
+    from_ddp, _ = _ckpt_fit(2, ShardedStrategy(), ckpt_path=ddp_file, seed=7)
+    errs = _rel_errors(full.losses[CKPT_STEPS:], from_ddp.losses)
+    if not os.path.isfile(ddp_file) or len(from_ddp.losses) != CKPT_STEPS or max(errs) > 1e-5:
+        fails.append(f"ddp file resumed by shardopt: {from_ddp.losses} vs {full.losses[CKPT_STEPS:]}")
+    return fails, full.losses
+
+
+def _ckpt_one_rank(rank, world_size, ckpt, expected):
+    from shardopt.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    resumed, trainer = _ckpt_fit(1, ShardedStrategy(reduce_bucket_size=1000), ckpt_path=ckpt, seed=7)
+    errs = _rel_errors(expected, resumed.losses)
+    fails = []
+    if len(resumed.losses) != len(expected) or max(errs) > 1e-5:
+        fails.append(f"resumed at 1 device: {resumed.losses} vs the 2-device run's {expected}")
+    if trainer.global_step != 2 * CKPT_STEPS:
+        fails.append(f"resumed run ended at step {trainer.global_step}")
+    return fails
+
+
+def test_checkpoint_resume_other_device_counts_and_from_ddp(tmp_path):
+    """(After the checkpoints branch merges.) ModelCheckpoint writes sharded directories; fit(ckpt_path=...)
+    continues exactly at 2 devices (other stage / buckets) and at 1 device; a "ddp" file continues too."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_ckpt_two_ranks, 2, str(tmp_path), timeout=240)
+    for rank, (fails, _) in enumerate(results):
+        assert not fails, f"rank {rank}:\n" + "\n".join(fails)
+    expected = _rank_mean([losses[CKPT_STEPS:] for _, losses in results])
+    fails = run_ranks(_ckpt_one_rank, 1, str(tmp_path / "sharded" / "e0.ckpt"), expected, timeout=120)[0]
+    assert not fails, "\n".join(fails)
+
+
+def _mixed(rank, world_size):
+    import shardopt
+    from shardopt.lightning import ShardedPrecision, ShardedStrategy
+
+    _external_ranks(rank)
+    fails = []
+
+    def fit(strategy, precision="32-true"):
+        model = AwkwardModule("sgd", "warmup")
+        trainer = _trainer(world_size, strategy, precision=precision, gradient_clip_val=0.5,
+                           accumulate_grad_batches=2)
+        trainer.fit(model, _loader(2 * BATCH * 6))
+        return model, trainer
+
+    ref, _ = fit(ShardedStrategy())
+    for name, strategy, precision, dtype, tol in [
+        ("bf16", ShardedStrategy(), "bf16-mixed", torch.bfloat16, 3e-2),
+        ("fp16", ShardedStrategy(precision_plugin=ShardedPrecision("16-mixed")), None, torch.float16, 1e-2),
+    ]:
+        model, trainer = fit(strategy, precision or "32-true")
+        opt = trainer.optimizers[0]
+        if model.dtypes != {dtype}:
+            fails.append(f"{name}: model parameters were {model.dtypes} in training_step")
+        if {t.dtype for t in opt._piece_params} - {torch.float32}:
+            fails.append(f"{name}: master pieces are {[t.dtype for t in opt._piece_params][:3]}, not fp32")
+        errs = _rel_errors(ref.losses, model.losses)
+        if max(errs) > tol:
+            fails.append(f"{name}: losses {model.losses} vs fp32 {ref.losses}")
+        if name == "fp16" and not opt.loss_scale > 1:
+            fails.append(f"fp16: loss scale {opt.loss_scale}: the loss was not scaled")
+        if name == "bf16" and opt.loss_scale != 1.0:
+            fails.append(f"bf16: loss scale {opt.loss_scale}, expected none")
+
+    # An fp16 scale that overflows at first: steps are skipped on every rank
+    # and the scale backs off, and training goes on to finite losses.
+    strategy = ShardedStrategy(precision_plugin=ShardedPrecision("16-mixed"),
+                               loss_scale=shardopt.LossScaleConfig(init_scale=2.0 ** 40))
+    model, trainer = fit(strategy)
+    opt = trainer.optimizers[0]
+    if opt.skipped_steps == 0 or not opt.loss_scale < 2.0 ** 40 or not all(x == x for x in model.losses):
+        fails.append(f"fp16 overflow: skipped {opt.skipped_steps}, scale {opt.loss_scale}, losses {model.losses}")
+    return fails
+
+
+def test_mixed_precision_bf16_fp16():
+    """(After issue 5 merges.) bf16-mixed and 16-mixed: half model, fp32 masters, loss scaling; near fp32."""
+    from dist_harness import run_ranks
+
+    for rank, fails in enumerate(run_ranks(_mixed, 2, timeout=240)):
+        assert not fails, f"rank {rank}:\n" + "\n".join(fails)
