@@ -121,9 +121,8 @@ class ShardedPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
-        # Until issue 5 (mixed precision) merges, ShardedOptimizer has no
-        # scale_loss and fp32 needs none; afterwards it is always present.
-        if self.optimizer is not None and hasattr(self.optimizer, "scale_loss"):
+        # The loss scale is the optimizer's (fp16); scale_loss is the identity otherwise.
+        if self.optimizer is not None:
             tensor = self.optimizer.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
