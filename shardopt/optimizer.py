@@ -286,13 +286,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._global_used = None
         return loss
 
+    # ------------------------------------------------ checkpoints (checkpoint.py)
+    def _publish_params(self) -> None:
+        """After the master values changed: refresh every rank's model parameters (a collective)."""
+        self.engine.all_gather_params(self.flat_param)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole optimizer state on rank `to` for state_dict() (call on every rank)."""
+        from shardopt import checkpoint
+        checkpoint.consolidate_state_dict(self, to)
+
     def state_dict(self):
-        raise NotImplementedError("ShardedOptimizer state_dict / checkpoints are not implemented yet "
-                                  "(sharded checkpoints are planned: shardopt.save_checkpoint)")
+        """The whole state in torch.optim's format, on the rank consolidate_state_dict(to=...) named."""
+        from shardopt import checkpoint
+        return checkpoint.optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("ShardedOptimizer.load_state_dict is not implemented yet "
-                                  "(sharded checkpoints are planned: shardopt.load_checkpoint)")
+        """Loads a whole torch.optim-format state dict (call on every rank; each takes its ranges)."""
+        from shardopt import checkpoint
+        checkpoint.load_optimizer_state_dict(self, state_dict)
 
     # ------------------------------------------------------------ inspection
     def memory_stats(self) -> dict:
