@@ -54,7 +54,7 @@ from torch import nn
 from shardopt.ckpt_io import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
                               atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
                               read_manifest, to_json)
-from shardopt.ckpt_state import Chunk, InnerStateSwap, assemble, cut, local_chunks, split_full_state
+from shardopt.ckpt_state import Chunk, InnerStateSwap, assemble, cut, local_chunks, split_state
 
 PARAM = ":param"  # the master values travel with a piece's state under this (non-identifier) key
 MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
@@ -142,10 +142,10 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _resolve_hyper(opt, saved: list, same_class: bool, where: str) -> list[dict]:
+def _resolve_hyper(opt, saved: list, same_class: bool, where: str, exc=CheckpointError) -> list[dict]:
     """The param groups' hyper-parameters after loading `saved` (torch's rule: the saved ones win)."""
     if len(saved) != len(opt.param_groups):
-        raise CheckpointError(f"{where} has {len(saved)} param groups but this optimizer has "
+        raise exc(f"{where} has {len(saved)} param groups but this optimizer has "
                               f"{len(opt.param_groups)}: build the optimizer with the same groups")
     out = []
     for g, s in zip(opt.param_groups, saved):
@@ -179,8 +179,6 @@ def _on_rank0(opt, fn):
         try:
             out = [("ok", fn())]
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            if opt.world_size == 1:
-                raise
             out = [("error", f"{type(e).__name__}: {e}")]
     if opt.world_size > 1:
         dist.broadcast_object_list(out, group=opt.process_group, group_src=0)
@@ -201,7 +199,8 @@ def _prepare_dir(path: str, tag: str | None) -> tuple[str, str, str]:
                          f"got {tag!r}")
     final = os.path.join(path, tag)
     if os.path.exists(final):
-        raise FileExistsError(f"{final} already exists: pass another tag, or delete it first (nothing was written)")
+        raise CheckpointError(f"{final} already exists: pass another tag, or delete it first (nothing was "
+                              "written)")
     partial = os.path.join(path, f".partial-{tag}")
     if os.path.exists(partial):  # left by a save that crashed
         shutil.rmtree(partial)
@@ -298,9 +297,6 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
         if opt.rank == 0:
             mine["rank0"] = _write_rank0_files(partial, info, extra)
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
-        if opt.world_size == 1:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
         mine = {"error": f"rank {opt.rank}: {type(e).__name__}: {e}"}
     everyone = [mine]
     if opt.world_size > 1:
@@ -308,15 +304,18 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
         dist.gather_object(mine, everyone, group=opt.process_group, group_dst=0)
 
     def commit():
-        if errors := [m["error"] for m in everyone if "error" in m]:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise CheckpointError("; ".join(errors) + f" (nothing was saved; {path}/{LATEST} is unchanged)")
-        rank0 = everyone[0]["rank0"]
-        files = dict(rank0["files"])
-        for m in everyone:
-            files.update(m["files"])
-        steps = sorted({s for m in everyone for s in m["steps"]})
-        return _commit(path, partial, final, tag, _manifest(opt, info, rank0, files, steps))
+        try:
+            if errors := [m["error"] for m in everyone if "error" in m]:
+                raise CheckpointError("; ".join(errors) + f" (nothing was saved; {path}/{LATEST} is unchanged)")
+            rank0 = everyone[0]["rank0"]
+            files = dict(rank0["files"])
+            for m in everyone:
+                files.update(m["files"])
+            steps = sorted({s for m in everyone for s in m["steps"]})
+            return _commit(path, partial, final, tag, _manifest(opt, info, rank0, files, steps))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # gone already if the rename happened
+            raise
 
     return _on_rank0(opt, commit)
 
@@ -552,7 +551,7 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
         raise ValueError("expected a torch.optim state dict ({'state': ..., 'param_groups': ...}), as "
                          "state_dict() returns after consolidate_state_dict()")
     saved_groups = state_dict["param_groups"]
-    hyper = _resolve_hyper(opt, [_hyper(g) for g in saved_groups], True, "the state dict")
+    hyper = _resolve_hyper(opt, [_hyper(g) for g in saved_groups], True, "the state dict", ValueError)
     for gi, (s, g) in enumerate(zip(saved_groups, opt.param_groups)):
         if len(s["params"]) != len(g["params"]):
             raise ValueError(f"param group {gi} has {len(s['params'])} parameters in the state dict but "
@@ -567,7 +566,7 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
         st = state_dict["state"].get(saved_index[index[id(p)]])
         if not st:
             continue
-        slices, scalars = split_full_state(st, tuple(p.shape), f"state of parameter {index[id(p)]}")
+        slices, scalars = split_state(st, tuple(p.shape), f"state of parameter {index[id(p)]}")
         slot = opt.layout.params[pc.param]
         a, b = pc.start - slot.offset, pc.end - slot.offset
         states[i] = {**{k: v[a:b].clone() for k, v in slices.items()},

@@ -39,23 +39,11 @@ class Chunk:
     """Per-parameter state (step, ...): the same on every chunk of a parameter."""
 
 
-def split_state(state: dict, numel: int, where: str) -> tuple[dict, dict]:
-    """A piece's inner-optimizer state as (elementwise slices, per-parameter scalars)."""
-    slices, scalars = {}, {}
-    for k, v in state.items():
-        if torch.is_tensor(v) and k not in SCALAR_KEYS and v.dim() == 1 and v.numel() == numel:
-            slices[k] = v
-        elif not torch.is_tensor(v) or v.numel() == 1:
-            scalars[k] = v
-        else:
-            raise CheckpointError(f"{where}: optimizer state {k!r} has shape {tuple(v.shape)}, neither "
-                                  f"elementwise ({numel} elements) nor a scalar; an optimizer with such "
-                                  "state cannot be sharded")
-    return slices, scalars
+def split_state(state: dict, shape: tuple, where: str) -> tuple[dict, dict]:
+    """Optimizer state of a tensor of `shape` as (elementwise entries, flattened; per-parameter scalars).
 
-
-def split_full_state(state: dict, shape: tuple, where: str) -> tuple[dict, dict]:
-    """A whole parameter's torch.optim state as (elementwise tensors, flattened; scalars)."""
+    A piece's state has shape (numel,); a whole parameter's (torch.optim format) the parameter's shape.
+    """
     slices, scalars = {}, {}
     for k, v in state.items():
         if torch.is_tensor(v) and k not in SCALAR_KEYS and tuple(v.shape) == tuple(shape):
@@ -63,8 +51,9 @@ def split_full_state(state: dict, shape: tuple, where: str) -> tuple[dict, dict]
         elif not torch.is_tensor(v) or v.numel() == 1:
             scalars[k] = v
         else:
-            raise CheckpointError(f"{where}: state {k!r} has shape {tuple(v.shape)}, expected the "
-                                  f"parameter's shape {tuple(shape)} or a scalar")
+            raise CheckpointError(f"{where}: optimizer state {k!r} has shape {tuple(v.shape)}, neither "
+                                  f"elementwise (shape {tuple(shape)}) nor a scalar; an optimizer with such "
+                                  "state cannot be sharded")
     return slices, scalars
 
 
@@ -77,7 +66,7 @@ def local_chunks(opt, keys: Sequence[Hashable], copy: bool) -> list[tuple[int, C
     for i, (pc, t) in enumerate(zip(opt._pieces, opt._piece_params)):
         slot = opt.layout.params[pc.param]
         state = opt.inner.state.get(t, {}) if opt.inner is not None else {}
-        slices, scalars = split_state(state, pc.numel, f"parameter {keys[pc.param]!r}")
+        slices, scalars = split_state(state, (pc.numel,), f"parameter {keys[pc.param]!r}")
         if copy:
             slices = {k: v.detach().to("cpu", copy=True) for k, v in slices.items()}
             scalars = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in scalars.items()}

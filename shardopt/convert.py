@@ -38,7 +38,9 @@ def checkpoint_to_torch(path, tag: str | None = None, weights_only: bool = True)
 
     model_dtype = parse_dtype(body["dtypes"]["model"])
     by_name = {}
-    for name, state in full.items():
+    for name, v in body["params"].items():
+        # An empty parameter has no pieces, so no chunk: nothing to read.
+        state = full.setdefault(name, {PARAM: torch.empty(v["shape"])})
         by_name[name] = state.pop(PARAM).to(model_dtype)
         for alias in body["params"][name]["aliases"]:
             by_name[alias] = by_name[name]  # the same tensor: torch.save keeps the tie
