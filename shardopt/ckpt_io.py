@@ -206,8 +206,9 @@ def manifest_bytes(body: dict) -> bytes:
     import hashlib
 
     digest = hashlib.sha256(_canonical(body)).hexdigest()
+    # Compact: every loading rank reads it (pretty-print with `python -m json.tool`).
     return json.dumps({"format": FORMAT, "version": VERSION, "sha256": digest, "body": body},
-                      indent=1).encode()
+                      separators=(",", ":")).encode()
 
 
 def read_manifest(directory: str) -> dict:

@@ -85,6 +85,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    convert(args.checkpoint, args.out, args.tag, weights_only=not args.trust_extra)
+    import sys
+
+    from shardopt.ckpt_io import CheckpointError
+
+    try:
+        convert(args.checkpoint, args.out, args.tag, weights_only=not args.trust_extra)
+    except CheckpointError as e:
+        print(f"shardopt convert: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}")
     return 0

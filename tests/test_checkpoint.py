@@ -16,6 +16,7 @@ need a checkpoint: the reference run ends with a rank SIGKILLed halfway
 through a save, so every resume also shows that the previous checkpoint still
 loads; the world-size-3 run first tries damaged copies of it.
 """
+import copy
 import os
 import shutil
 import signal
@@ -130,6 +131,11 @@ def _reference(rank, world_size, root, out):
         snap4 = _snapshot(model, opt)
         shardopt.save_checkpoint(path, wrapper, opt, extra={"sched": sched.state_dict()})
         _train(wrapper, opt, sched, range(4, 8), rank, world_size)
+        try:  # consolidated before 4 steps (on rank 0 only): stale, so state_dict() refuses
+            opt.state_dict()
+            results[f"{name} stale state_dict"] = None
+        except RuntimeError as e:
+            results[f"{name} stale state_dict"] = str(e)
         snap8 = _snapshot(model, opt)
         # Same world size, same layout: new objects from another seed, load, continue: bitwise.
         model2, opt2, wrapper2, sched2 = _build(name, seed=1)
@@ -177,6 +183,8 @@ def test_same_world_size_resume_is_bitwise(reference):
     for name in OPTIMS:
         assert ref[name]["same_size_resume"] == [], (name, ref[name]["same_size_resume"])
     assert "already exists" in ref["tag exists"] and not ref["tag exists: wrote"], ref["tag exists"]
+    for name in OPTIMS:
+        assert "consolidate_state_dict(to=RANK)" in ref[f"{name} stale state_dict"]
 
 
 def test_rank_killed_during_save_leaves_previous_checkpoint(reference):
@@ -232,7 +240,8 @@ def _damage(src, dst, name, how):
     elif how == "truncate":
         data = data[:len(data) // 2]
     elif how == "manifest":
-        data = data.replace(b'"stage": 2', b'"stage": 1')
+        data = data.replace(b'"stage":2', b'"stage":1')  # still valid JSON: only the checksum can tell
+    assert data != open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(data)
     return dst
@@ -300,15 +309,15 @@ def _resume_then_save(rank, world_size, root, full_dicts):
     return out, shardopt.save_checkpoint(os.path.join(root, "adamw"), wrapper, opt)
 
 
-def _plain_torch_continues(converted, steps):
-    """One process, plain torch: the converted checkpoint's weights and AdamW state, 4 more steps."""
+def _plain_torch_continues(model_state, optim_state, sched_state, steps):
+    """One process, plain torch.optim.AdamW from the given state dicts, more steps."""
     model = _model(seed=3)
-    model.load_state_dict(converted["model"])
+    model.load_state_dict(model_state)
     cls, kw = OPTIMS["adamw"]
     opt = cls(_param_groups(model), **kw)
-    opt.load_state_dict(converted["optimizer"])
+    opt.load_state_dict(copy.deepcopy(optim_state))  # torch keeps (and steps) the tensors it is given
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    sched.load_state_dict(converted["extra"]["sched"])
+    sched.load_state_dict(sched_state)
     _train(model, opt, sched, steps, 0, 1)
     return {"model": model.state_dict(), "optim": opt.state_dict()}
 
@@ -324,7 +333,7 @@ def test_resume_at_world_size_1_and_convert_to_plain_torch(reference, tmp_path):
     _check_resumed(ref, got, 1)
     assert saved.endswith("ckpt-000002") and ".partial-ckpt-000002" not in os.listdir(os.path.join(root, "adamw"))
 
-    # `python -m shardopt convert`: the same torch.optim state as consolidation; plain AdamW continues.
+    # `python -m shardopt convert`: the same torch.optim state as consolidation.
     out = os.path.join(root, "adamw.pt")
     assert shardopt.cli.main(["convert", os.path.join(root, "adamw"), out, "--tag", "ckpt-000001"]) == 0
     converted = torch.load(out, weights_only=True)
@@ -332,7 +341,10 @@ def test_resume_at_world_size_1_and_convert_to_plain_torch(reference, tmp_path):
     assert _differences(ref["adamw"]["snap4"]["model"], converted["model"], rtol=0) == []
     # Tied names share one tensor, as in the model.
     assert converted["model"]["head.weight"].data_ptr() == converted["model"]["emb.weight"].data_ptr()
-    plain = _plain_torch_continues(converted, range(4, 8))
+    # consolidate_state_dict + state_dict (identical to the converted file, checked above) in plain
+    # torch.optim.AdamW on one process: training continues as the sharded run did.
+    plain = _plain_torch_continues(ref["adamw"]["snap4"]["model"], ref["adamw"]["snap4"]["optim"],
+                                   converted["extra"]["sched"], range(4, 8))
     assert _differences(ref["adamw"]["snap8"], plain, rtol=1e-6) == []
 
 
