@@ -54,7 +54,8 @@ from torch import nn
 from shardopt.ckpt_io import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
                               atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
                               read_manifest, to_json)
-from shardopt.ckpt_state import Chunk, InnerStateSwap, assemble, cut, local_chunks, split_state
+from shardopt.ckpt_state import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
+from shardopt.optim_state import forget_consolidated
 
 PARAM = ":param"  # the master values travel with a piece's state under this (non-identifier) key
 MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
@@ -136,23 +137,6 @@ def describe_model(module: nn.Module, opt) -> ModelInfo:
 
 def _class_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _resolve_hyper(opt, saved: list, same_class: bool, where: str, exc=CheckpointError) -> list[dict]:
-    """The param groups' hyper-parameters after loading `saved` (torch's rule: the saved ones win)."""
-    if len(saved) != len(opt.param_groups):
-        raise exc(f"{where} has {len(saved)} param groups but this optimizer has "
-                              f"{len(opt.param_groups)}: build the optimizer with the same groups")
-    out = []
-    for g, s in zip(opt.param_groups, saved):
-        cur = _hyper(g)
-        # Another optimizer class (see _SAME_STATE) keeps its own options; only shared ones load.
-        out.append({**cur, **s} if same_class else {k: s.get(k, v) for k, v in cur.items()})
-    return out
 
 
 # ----------------------------------------------------------- rank agreement
@@ -261,7 +245,7 @@ def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> di
                    for s in layout.params},
         "model_state": {k: dict(v, aliases=info.aliases.get(k, [])) for k, v in rank0["model_state"].items()},
         "state_dict_keys": list(info.keys),
-        "param_groups": [{"hyper": to_json(_hyper(g), f"param_groups[{i}]"), "params": list(info.group_names[i])}
+        "param_groups": [{"hyper": to_json(group_hyper(g), f"param_groups[{i}]"), "params": list(info.group_names[i])}
                          for i, g in enumerate(opt.param_groups)],
         "steps": steps,
         "loss_scaler": to_json(scaler.state_dict(), "loss scaler state") if scaler is not None else None,
@@ -408,7 +392,7 @@ def _stage(directory: str, body: dict, opt, info: ModelInfo, swap: InnerStateSwa
         raise CheckpointError(f"{directory} is a checkpoint of a different model: {problem}. Build the model "
                               "it was saved from (`python -m shardopt convert` gives plain weights to load "
                               "selectively)")
-    hyper = _resolve_hyper(opt, [from_json(g["hyper"]) for g in body["param_groups"]], same,
+    hyper = resolve_hyper(opt, [from_json(g["hyper"]) for g in body["param_groups"]], same,
                            f"checkpoint {directory}")
     saved: dict = {}
     for file, entry in body["files"].items():
@@ -482,96 +466,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     scaler = getattr(opt, "loss_scaler", None)
     if scaler is not None and staged.scaler is not None:
         scaler.load_state_dict(staged.scaler)
-    _forget_consolidated(opt)
+    forget_consolidated(opt)
     opt.zero_grad()  # gradients accumulated before the load belong to other weights
     opt._publish_params()
     return staged.extra
-
-
-# ---------------------------------------------------- torch.optim state dicts
-def _torch_groups(opt) -> tuple[list[dict], dict]:
-    """torch.optim.Optimizer.state_dict's param_groups and its {id(param): index} numbering."""
-    index: dict = {}
-    groups, start = [], 0
-    for g in opt.param_groups:
-        for i, p in enumerate(g["params"], start):
-            index.setdefault(id(p), i)
-        groups.append(dict(_hyper(g), params=[index[id(p)] for p in g["params"]]))
-        start += len(g["params"])
-    return groups, index
-
-
-def _forget_consolidated(opt, *args) -> None:
-    opt._consolidated = None
-
-
-def consolidate_state_dict(opt, to: int = 0) -> None:
-    """Gathers the whole optimizer state, in torch.optim's format, on group rank `to` (a collective)."""
-    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < opt.world_size:
-        raise ValueError(f"to must be a rank of the optimizer's group (0..{opt.world_size - 1}), got {to!r}")
-    if not getattr(opt, "_consolidation_hooked", False):
-        # A step makes a consolidated copy stale: drop it rather than hand it out later.
-        opt.register_step_post_hook(_forget_consolidated)
-        opt._consolidation_hooked = True
-    chunks = [c for _, c in local_chunks(opt, range(len(opt._params)), copy=True)]
-    gathered = [chunks]
-    if opt.world_size > 1:
-        gathered = [None] * opt.world_size if opt.rank == to else None
-        dist.gather_object(chunks, gathered, group=opt.process_group, group_dst=to)
-    opt._consolidated, opt._consolidated_to = None, to
-    if opt.rank == to:
-        groups, index = _torch_groups(opt)
-        full = assemble({j: tuple(p.shape) for j, p in enumerate(opt._params)}, (c for cs in gathered for c in cs))
-        opt._consolidated = {"state": {index[id(opt._params[j])]: full[j] for j in sorted(full)},
-                             "param_groups": groups}
-
-
-def optimizer_state_dict(opt) -> dict:
-    """ShardedOptimizer.state_dict(): the consolidated torch.optim-format state (see consolidate_state_dict)."""
-    sd = getattr(opt, "_consolidated", None)
-    if sd is None:
-        where = getattr(opt, "_consolidated_to", None)
-        why = (f"it was consolidated on rank {where}, this is rank {opt.rank}" if where is not None
-               and where != opt.rank else "the state is sharded over ranks and has not been consolidated "
-               "since the last step")
-        raise RuntimeError(
-            f"ShardedOptimizer.state_dict(): {why}. Call optimizer.consolidate_state_dict(to=RANK) on every "
-            "rank first, then state_dict() on rank RANK; or checkpoint without gathering with "
-            "shardopt.save_checkpoint / load_checkpoint")
-    return sd
-
-
-def load_optimizer_state_dict(opt, state_dict: dict) -> None:
-    """ShardedOptimizer.load_state_dict(): each rank takes its ranges of a whole torch.optim state dict.
-
-    Call on every rank with the same dict (no collective). Parameters are not
-    in an optimizer state dict: load the model's weights separately.
-    """
-    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        raise ValueError("expected a torch.optim state dict ({'state': ..., 'param_groups': ...}), as "
-                         "state_dict() returns after consolidate_state_dict()")
-    saved_groups = state_dict["param_groups"]
-    hyper = _resolve_hyper(opt, [_hyper(g) for g in saved_groups], True, "the state dict", ValueError)
-    for gi, (s, g) in enumerate(zip(saved_groups, opt.param_groups)):
-        if len(s["params"]) != len(g["params"]):
-            raise ValueError(f"param group {gi} has {len(s['params'])} parameters in the state dict but "
-                             f"{len(g['params'])} here: build the optimizer from the same parameters, in the "
-                             "same order")
-    # Position k of this optimizer's groups has the state saved under the k-th saved index.
-    ours, index = _torch_groups(opt)
-    saved_index = dict(zip((i for g in ours for i in g["params"]), (i for g in saved_groups for i in g["params"])))
-    states = {}
-    for i, pc in enumerate(opt._pieces):
-        p = opt._params[pc.param]
-        st = state_dict["state"].get(saved_index[index[id(p)]])
-        if not st:
-            continue
-        slices, scalars = split_state(st, tuple(p.shape), f"state of parameter {index[id(p)]}")
-        slot = opt.layout.params[pc.param]
-        a, b = pc.start - slot.offset, pc.end - slot.offset
-        states[i] = {**{k: v[a:b].clone() for k, v in slices.items()},
-                     **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
-    InnerStateSwap(opt).apply(states, hyper)
-    for g, h in zip(opt.param_groups, hyper):
-        g.update(h)
-    _forget_consolidated(opt)

@@ -128,6 +128,23 @@ def cut(chunks: Sequence[Chunk], start: int, end: int, where: str) -> tuple[dict
     return slices, scalars
 
 
+def group_hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def resolve_hyper(opt, saved: list, same_class: bool, where: str, exc=CheckpointError) -> list[dict]:
+    """The param groups' hyper-parameters after loading `saved` (torch's rule: the saved ones win)."""
+    if len(saved) != len(opt.param_groups):
+        raise exc(f"{where} has {len(saved)} param groups but this optimizer has "
+                              f"{len(opt.param_groups)}: build the optimizer with the same groups")
+    out = []
+    for g, s in zip(opt.param_groups, saved):
+        cur = group_hyper(g)
+        # Another optimizer class (checkpoint._SAME_STATE) keeps its own options; only shared ones load.
+        out.append({**cur, **s} if same_class else {k: s.get(k, v) for k, v in cur.items()})
+    return out
+
+
 class InnerStateSwap:
     """Replaces the inner optimizer's state and hyper-parameters, reversibly.
 

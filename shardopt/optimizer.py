@@ -286,25 +286,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._global_used = None
         return loss
 
-    # ------------------------------------------------ checkpoints (checkpoint.py)
+    # ------------------------------------------ state dicts (optim_state.py, checkpoint.py)
     def _publish_params(self) -> None:
         """After the master values changed: refresh every rank's model parameters (a collective)."""
         self.engine.all_gather_params(self.flat_param)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on rank `to` for state_dict() (call on every rank)."""
-        from shardopt import checkpoint
-        checkpoint.consolidate_state_dict(self, to)
+        from shardopt import optim_state
+        optim_state.consolidate_state_dict(self, to)
 
     def state_dict(self):
         """The whole state in torch.optim's format, on the rank consolidate_state_dict(to=...) named."""
-        from shardopt import checkpoint
-        return checkpoint.optimizer_state_dict(self)
+        from shardopt import optim_state
+        return optim_state.optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict):
         """Loads a whole torch.optim-format state dict (call on every rank; each takes its ranges)."""
-        from shardopt import checkpoint
-        checkpoint.load_optimizer_state_dict(self, state_dict)
+        from shardopt import optim_state
+        optim_state.load_optimizer_state_dict(self, state_dict)
 
     # ------------------------------------------------------------ inspection
     def memory_stats(self) -> dict:
