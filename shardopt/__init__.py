@@ -6,6 +6,8 @@ import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from shardopt._ext import _C
 from shardopt import _ops  # noqa: F401  (fake kernels of the torch.ops.shardopt ops)
+from shardopt.checkpoint import load_checkpoint, save_checkpoint
+from shardopt.ckpt_io import CheckpointError
 from shardopt.config import ShardConfig
 from shardopt.cpu_adam import CPUAdam
 from shardopt.ddp import ShardedDDP
@@ -23,6 +25,6 @@ def cpu_features():
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
 
 
-__all__ = ["CPUAdam", "LossScaleConfig", "ShardConfig", "ShardedDDP", "ShardedOptimizer", "cpu_features",
-           "register_elementwise_optimizer"]
+__all__ = ["CPUAdam", "CheckpointError", "LossScaleConfig", "ShardConfig", "ShardedDDP", "ShardedOptimizer",
+           "cpu_features", "load_checkpoint", "register_elementwise_optimizer", "save_checkpoint"]
 __version__ = "0.1.0"

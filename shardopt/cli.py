@@ -3,6 +3,8 @@
     demo   2 CPU ranks train a small GPT with ZeRO-2 and print loss, memory per rank and step time.
            Works under torchrun (`torchrun --nproc-per-node 2 -m shardopt demo`) or launches
            torchrun itself when run directly.
+    convert  a checkpoint directory (shardopt.save_checkpoint) -> one torch file: model weights and a
+           torch.optim state dict (shardopt/convert.py).
 """
 from __future__ import annotations
 
@@ -134,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     # of this small model; smaller buckets show stage 2's saving.
     d.add_argument("--bucket", type=int, default=500_000, help="reduce_bucket_size in elements")
     d.add_argument("--seq", type=int, default=64)
+    from shardopt import convert
+    convert.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return args.run(args)
     if args.command == "demo":
         if not _launched_by_torchrun():
             return _relaunch(args.world_size, argv)

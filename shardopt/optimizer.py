@@ -428,13 +428,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out["copy"] = self.engine.copy_seconds if self.engine is not None else 0.0
         return out
 
+    # ------------------------------------------ state dicts (optim_state.py, checkpoint.py)
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole optimizer state on rank `to` for state_dict() (call on every rank)."""
+        from shardopt import optim_state
+        optim_state.consolidate_state_dict(self, to)
+
     def state_dict(self):
-        raise NotImplementedError("ShardedOptimizer state_dict / checkpoints are not implemented yet "
-                                  "(sharded checkpoints are planned: shardopt.save_checkpoint)")
+        """The whole state in torch.optim's format, on the rank consolidate_state_dict(to=...) named."""
+        from shardopt import optim_state
+        return optim_state.optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("ShardedOptimizer.load_state_dict is not implemented yet "
-                                  "(sharded checkpoints are planned: shardopt.load_checkpoint)")
+        """Loads a whole torch.optim-format state dict (call on every rank; each takes its ranges)."""
+        from shardopt import optim_state
+        optim_state.load_optimizer_state_dict(self, state_dict)
 
     # ------------------------------------------------------------ inspection
     def memory_stats(self) -> dict:

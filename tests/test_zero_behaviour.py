@@ -127,66 +127,101 @@ def test_parameters_and_buffers_come_from_rank_0():
 
 
 # ---------------------------------------------------------- rank disagreement
-def _mismatch(rank, world_size, what):
+def _build_differently(rank, what):
+    """Rank 1 builds something different from rank 0 in one respect: `what`."""
     import shardopt
 
     torch.manual_seed(0)
     model = AwkwardNet()
-    kw = dict(stage=2, reduce_bucket_size=1000)
-    if what == "shape" and rank == 1:
+    kw = dict(optim=torch.optim.AdamW, stage=2, reduce_bucket_size=1000)
+    other = rank == 1
+    if what == "shape" and other:
         model.l2 = nn.Linear(53, 24, bias=False)
         model.l2.bias = nn.Parameter(torch.zeros(25))
-    if what == "order" and rank == 1:
-        params = list(model.parameters())
-        params[1], params[2] = params[2], params[1]
-    else:
-        params = list(model.parameters())
-    if what == "stage" and rank == 1:
-        kw["stage"] = 1
-    if what == "bucket" and rank == 1:
-        kw["reduce_bucket_size"] = 2000
-    if what == "dtype" and rank == 1:
+    if what == "dtype" and other:
         model.double()
-        params = list(model.parameters())
-    if what == "lr" and rank == 1:
-        kw["lr"] = 0.5
-    opt = shardopt.ShardedOptimizer(params, optim=torch.optim.AdamW, **kw)
+    if what == "frozen" and other:
+        model.l2.bias.requires_grad_(False)
+    if what == "buffer" and other:
+        model.register_buffer("step_count", torch.zeros(1))
+    params = list(model.parameters())
+    if what == "order" and other:
+        params[1], params[2] = params[2], params[1]
+    if other:
+        kw.update({"stage": dict(stage=1), "bucket": dict(reduce_bucket_size=2000), "lr": dict(lr=0.5),
+                   "agbucket": dict(allgather_bucket_size=512), "optimizer": dict(optim=torch.optim.Adam),
+                   "overlap": dict(overlap_comm=False)}.get(what, {}))
+    opt = shardopt.ShardedOptimizer(params, **kw)
     shardopt.ShardedDDP(model, opt)
 
 
-@pytest.mark.parametrize("what,needle", [
-    ("shape", "l2.bias|param 3|shape"),      # different model
-    ("order", "param 1"),                    # same params, different order
-    ("stage", "stage"),
-    ("bucket", "reduce_bucket_size"),
-    ("dtype", "dtype"),
-    ("lr", "lr"),
-])
-def test_ranks_that_disagree_fail_at_construction(what, needle):
-    with pytest.raises(RankFailure) as info:
-        run_ranks(_mismatch, 2, what, timeout=120, collective_timeout=30)
-    msg = str(info.value)
-    # Every rank raises (no rank is left waiting), naming what differs.
-    assert msg.count("ranks disagree") == 2, msg
+DISAGREEMENTS = {
+    "shape": "l2.bias|param 3|shape",   # different model
+    "order": "param 1",                 # same params, different order
+    "stage": "stage", "bucket": "reduce_bucket_size", "agbucket": "allgather_bucket_size",
+    "dtype": "dtype", "lr": "lr", "optimizer": "optimizer torch.optim",
+    "frozen": "param",                  # one rank froze a parameter
+    "buffer": "step_count",             # caught by ShardedDDP
+    "overlap": "overlap_comm",
+}
+
+
+def _disagree(rank, world_size):
+    # Each case raises on both ranks, so the next one starts in step: one spawn for all.
+    out = {}
+    for what in DISAGREEMENTS:
+        try:
+            _build_differently(rank, what)
+            out[what] = None
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+def test_ranks_that_disagree_fail_at_construction():
     import re
-    assert re.search(needle, msg), msg
+
+    for rank, out in enumerate(run_ranks(_disagree, 2, timeout=120, collective_timeout=30)):
+        for what, needle in DISAGREEMENTS.items():
+            # Every rank raises (no rank is left waiting), naming what differs.
+            assert out[what] is not None, f"rank {rank}: {what}: no error"
+            assert "ranks disagree" in out[what] and re.search(needle, out[what]), (rank, what, out[what])
 
 
 # --------------------------------------------------------------- dead peers
-def _peer_dies(rank, world_size):
+def _peer_dies(rank, world_size, when):
+    import signal
+    import time
+
     model, opt, wrapper = _build(rbs=300)
     _one_step(wrapper, opt, 0, rank)
     if rank == 1:
-        os._exit(3)  # SIGKILL-like: no cleanup, no goodbye
-    _one_step(wrapper, opt, 1, rank)
+        if when == "between steps":
+            os._exit(3)  # no cleanup, no goodbye
+        # SIGKILL after this rank's optimizer step, before its share of the
+        # all-gather: the survivor is left waiting inside step().
+        inner_step = opt.inner.step
+        opt.inner.step = lambda: (inner_step(), os.kill(os.getpid(), signal.SIGKILL))
+    start = time.monotonic()
+    try:
+        _one_step(wrapper, opt, 1, rank)
+    except Exception as e:  # noqa: BLE001 - re-raised with how long it took to notice
+        raise RuntimeError(f"noticed after {time.monotonic() - start:.1f}s: {e}") from e
 
 
-def test_dead_peer_fails_loudly_instead_of_hanging():
+@pytest.mark.parametrize("when,code", [("between steps", 3), ("sigkill mid-step", -9)])
+def test_dead_peer_fails_loudly_instead_of_hanging(when, code):
+    import re
+
     with pytest.raises(RankFailure) as info:
-        run_ranks(_peer_dies, 2, timeout=90, collective_timeout=10)
+        run_ranks(_peer_dies, 2, when, timeout=90, collective_timeout=10)
     msg = str(info.value)
-    assert "rank 1 died with exit code 3" in msg
-    assert "peer rank has probably exited" in msg or "Connection" in msg or "closed" in msg.lower(), msg
+    assert f"rank 1 died with exit code {code}" in msg
+    assert "peer rank has probably exited" in msg or "peer may have died" in msg \
+        or "Connection" in msg or "closed" in msg.lower(), msg
+    # The survivor raised within the group's timeout (10 s here), not the launcher's deadline.
+    took = re.search(r"noticed after ([0-9.]+)s", msg)
+    assert took and float(took.group(1)) <= 10 + 5, msg
 
 
 # ------------------------------------------------------------- bad arguments
@@ -235,7 +270,16 @@ def _bad_args(rank, world_size):
     w = shardopt.ShardedDDP(sparse, opt)
     expect("sparse-grad", RuntimeError, lambda: w(torch.tensor([1, 2])).sum().backward())
     expect("add-group", NotImplementedError, lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]}))
-    expect("state-dict", NotImplementedError, opt.state_dict)
+    expect("state-dict", RuntimeError, opt.state_dict)
+    expect("load-state-dict", ValueError, lambda: opt.load_state_dict({"state": {}, "param_groups": []}))
+    expect("consolidate-to", ValueError, lambda: opt.consolidate_state_dict(to=world_size))
+    expect("stage-str", ValueError, lambda: shardopt.ShardedOptimizer(P(), stage="2"))
+
+    # Checkpoints: a model and optimizer that do not belong together, and loading before wrapping.
+    model2 = AwkwardNet()
+    opt2 = shardopt.ShardedOptimizer(model2.parameters(), optim=torch.optim.SGD, lr=0.1)
+    expect("save-wrong-pair", ValueError, lambda: shardopt.save_checkpoint("/nonexistent", model, opt2))
+    expect("load-unwrapped", RuntimeError, lambda: shardopt.load_checkpoint("/nonexistent", model2, opt2))
     return errors
 
 
@@ -274,7 +318,9 @@ def test_bad_arguments_raise_clear_errors():
         "bad-kwarg": "betas2", "mixed-dtype": "one parameter dtype", "mixed-device": "one device",
         "no-trainable": "requires grad", "param-not-in-opt": "not in the ShardedOptimizer",
         "no-ddp": "ShardedDDP", "step-before-backward": "before any backward", "sparse-grad": "sparse",
-        "add-group": "after construction", "state-dict": "not implemented",
+        "add-group": "after construction", "state-dict": "consolidate_state_dict(to=",
+        "load-state-dict": "param groups", "consolidate-to": "to must be a rank", "stage-str": "stage",
+        "save-wrong-pair": "not a parameter of this model", "load-unwrapped": "ShardedDDP(model, optimizer)",
     }
     for name, needle in needles.items():
         assert errors[name] is not None, f"{name}: no error raised"

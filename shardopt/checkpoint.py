@@ -1,0 +1,472 @@
+"""Sharded checkpoints that load at any world size, and torch.optim-format state dicts.
+
+    shardopt.save_checkpoint("ckpt", model, opt, extra={"step": step, "sched": sched.state_dict()})
+    extra = shardopt.load_checkpoint("ckpt", model, opt)       # any world size / buckets / stage
+    opt.consolidate_state_dict(to=0); full = opt.state_dict()  # torch.optim format, on rank 0
+    python -m shardopt convert ckpt out.pt                     # one file: model + torch.optim state
+
+Note [Checkpoint layout]
+------------------------
+    ckpt/                       the `path` given to save_checkpoint
+      latest                    text: the tag of the newest complete checkpoint (replaced last)
+      ckpt-000001/              one complete checkpoint (a "tag"; save_checkpoint(tag=...) names it)
+        manifest.json           written last; everything needed to interpret the rest, with checksums
+        rank-00000.bin          rank 0's pieces: master values and optimizer state, as record files
+        rank-00001.bin          ...one per rank of the world that saved
+        model.bin               frozen parameters and buffers (rank 0; every rank holds them anyway)
+        extra.pt                the user's `extra` (torch.save), if any
+      .partial-ckpt-000002/     a save in progress, or one that crashed (ignored; removed on retry)
+
+Everything is keyed by parameter *name* and element range of the flattened
+parameter, never by "rank k's slice": a rank file lists pieces as (name,
+start, end) with refs into the file (ckpt_io.py). A loading rank, at any world
+size, bucket size or stage, works out its own pieces from its own layout and
+reads only the saved records that overlap them, so no rank reads the whole
+state and no offline conversion is needed. Master values are saved (fp32 for a
+low-precision model), so precision and offload settings may change as well.
+
+Crash safety: ranks write into `.partial-<tag>/` (each file fsynced), rank 0
+gathers their indexes, writes the manifest, fsyncs, renames the directory to
+`<tag>/` and only then replaces `latest` (temp file, fsync, rename). A crash
+at any moment leaves `latest` pointing at the previous complete checkpoint.
+The directory must be on a file system every rank sees (shared, or one node).
+
+Loading happens in two phases so that a bad checkpoint changes nothing: every
+rank first reads and verifies what it needs (manifest checksum, file sizes, a
+crc32 per record it reads) and stages the optimizer state (reversibly); ranks
+then agree, and only if all succeeded do they write parameters, buffers and
+hyper-parameters and all-gather. Otherwise every rank raises, naming the
+problem, and their state is as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import re
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardopt.ckpt_io import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
+                              atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
+                              read_manifest, to_json)
+from shardopt.ckpt_state import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
+from shardopt.optim_state import forget_consolidated
+
+PARAM = ":param"  # the master values travel with a piece's state under this (non-identifier) key
+MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
+_DEFAULT_TAG = re.compile(r"ckpt-(\d+)$")
+# Optimizers whose state is the same (step, exp_avg, exp_avg_sq): offload="cpu"
+# swaps torch's AdamW for shardopt.CPUAdam, and checkpoints move between them.
+_SAME_STATE = ({"torch.optim.adam.Adam", "torch.optim.adamw.AdamW", "shardopt.cpu_adam.CPUAdam"},)
+
+
+# ------------------------------------------------------------------ the model
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a checkpoint needs to know about a model: names and kinds of its tensors."""
+
+    names: tuple[str, ...]
+    """Name of each managed parameter (optimizer layout order)."""
+    aliases: dict
+    """Name -> other names of the same tensor (tied weights)."""
+    others: dict
+    """Name -> (tensor, "frozen" | "buffer") for the model state the optimizer does not manage."""
+    group_names: tuple
+    """Per optimizer param group: the names of its parameters (None if not in the model)."""
+    keys: tuple[str, ...]
+    """The model's state_dict keys, in order."""
+
+
+def _unwrap(model) -> nn.Module:
+    from shardopt.ddp import ShardedDDP
+
+    return model.module if isinstance(model, ShardedDDP) else model
+
+
+def _check_pair(model, optimizer):
+    from shardopt.ddp import ShardedDDP
+    from shardopt.optimizer import ShardedOptimizer
+
+    if not isinstance(optimizer, ShardedOptimizer):
+        raise TypeError(f"expected a shardopt.ShardedOptimizer, got {type(optimizer).__name__}; for a plain "
+                        "torch optimizer use torch.save(model.state_dict()) / optimizer.state_dict()")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected the model (a ShardedDDP or the module it wraps), got {type(model).__name__}")
+    if isinstance(model, ShardedDDP) and model.optimizer is not optimizer:
+        raise ValueError("this ShardedDDP wraps a different ShardedOptimizer than the one given: pass the pair "
+                         "that trains together")
+    return optimizer
+
+
+def describe_model(module: nn.Module, opt) -> ModelInfo:
+    """Names every tensor of `module` for `opt`; raises if an optimizer parameter is not in the model."""
+    by_id: dict = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    names = []
+    for j, p in enumerate(opt._params):
+        if id(p) not in by_id:
+            raise ValueError(f"optimizer parameter {j} (shape {tuple(p.shape)}) is not a parameter of this "
+                             "model: pass the model the optimizer was built from")
+        names.append(by_id[id(p)][0])
+    aliases = {ns[0]: ns[1:] for ns in by_id.values()}
+    managed = {id(p) for p in opt._params}
+    others, seen = {}, {}
+    state = module.state_dict(keep_vars=True)
+    for k, v in state.items():
+        if not torch.is_tensor(v):
+            raise CheckpointError(f"model state {k!r} is not a tensor (module extra state): save it in `extra`")
+        if id(v) in managed:
+            continue
+        if id(v) in seen:
+            aliases.setdefault(seen[id(v)], []).append(k)
+            continue
+        seen[id(v)] = k
+        aliases.setdefault(k, [])
+        others[k] = (v, "frozen" if isinstance(v, nn.Parameter) else "buffer")
+    group_names = tuple(tuple(by_id[id(p)][0] if id(p) in by_id else None for p in g["params"])
+                        for g in opt.param_groups)
+    return ModelInfo(names=tuple(names), aliases={k: list(v) for k, v in aliases.items()}, others=others,
+                     group_names=group_names, keys=tuple(state))
+
+
+def _class_name(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# ----------------------------------------------------------- rank agreement
+def _agree(opt, error: BaseException | None) -> None:
+    """Raises on every rank if `error` is set on any rank (so no rank goes on into a collective alone)."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if opt.world_size > 1:
+        everyone: list = [None] * opt.world_size
+        dist.all_gather_object(everyone, mine, group=opt.process_group)
+    else:
+        everyone = [mine]
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise CheckpointError(f"rank {r} failed, so every rank stops (nothing was changed here): {m}")
+
+
+def _on_rank0(opt, fn):
+    """Runs fn on rank 0 and hands its result (or its error) to every rank."""
+    out = [None]
+    if opt.rank == 0:
+        try:
+            out = [("ok", fn())]
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            out = [("error", f"{type(e).__name__}: {e}")]
+    if opt.world_size > 1:
+        dist.broadcast_object_list(out, group=opt.process_group, group_src=0)
+    status, value = out[0]
+    if status == "error":
+        raise CheckpointError(f"rank 0: {value}")
+    return value
+
+
+# ---------------------------------------------------------------------- save
+def _prepare_dir(path: str, tag: str | None) -> tuple[str, str, str]:
+    os.makedirs(path, exist_ok=True)
+    if tag is None:
+        used = [int(m.group(1)) for n in os.listdir(path) if (m := _DEFAULT_TAG.match(n))]
+        tag = f"ckpt-{max(used, default=0) + 1:06d}"
+    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise ValueError(f"tag must be a plain directory name (not '{LATEST}', no '/', no leading '.'), "
+                         f"got {tag!r}")
+    final = os.path.join(path, tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists: pass another tag, or delete it first (nothing was "
+                              "written)")
+    partial = os.path.join(path, f".partial-{tag}")
+    if os.path.exists(partial):  # left by a save that crashed
+        shutil.rmtree(partial)
+    os.makedirs(partial)
+    return partial, final, tag
+
+
+def _write_rank_file(partial: str, opt, info: ModelInfo) -> tuple[str, dict, list]:
+    name = f"rank-{opt.rank:05d}.bin"
+    w = RecordWriter(os.path.join(partial, name))
+    pieces, steps = [], set()
+    try:
+        for i, c in local_chunks(opt, info.names, copy=False):
+            pieces.append({
+                "name": c.key, "start": c.start, "end": c.end, "param": w.add(opt._piece_params[i]),
+                "slices": {k: w.add(v) for k, v in c.slices.items()},
+                "scalars": {k: {"tensor": w.add(v)} if torch.is_tensor(v) else {"value": to_json(v, k)}
+                            for k, v in c.scalars.items()}})
+            if "step" in c.scalars:
+                steps.add(float(c.scalars["step"]))
+    except BaseException:
+        w.abort()
+        raise
+    entry = w.close()
+    entry["pieces"] = pieces
+    return name, entry, sorted(steps)
+
+
+def _write_rank0_files(partial: str, info: ModelInfo, extra) -> dict:
+    """Frozen parameters, buffers and `extra`: what only rank 0 writes."""
+    w = RecordWriter(os.path.join(partial, MODEL_FILE))
+    model_state = {k: {"kind": kind, "tensor": w.add(t)} for k, (t, kind) in info.others.items()}
+    out = {"model_state": model_state, "files": {MODEL_FILE: w.close()}, "extra": None}
+    if extra is not None:
+        buf = io.BytesIO()
+        torch.save(extra, buf)
+        w = RecordWriter(os.path.join(partial, EXTRA_FILE))
+        out["extra"] = w.add(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+        out["files"][EXTRA_FILE] = w.close()
+    return out
+
+
+def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> dict:
+    scaler = getattr(opt, "loss_scaler", None)
+    layout = opt.layout
+    master = next((p["param"]["dtype"] for f in files.values() for p in f.get("pieces", ())), None)
+    return {
+        "created": time.time(), "torch": torch.__version__,
+        "world_size": opt.world_size, "stage": opt.config.stage,
+        "config": {f.name: repr(getattr(opt.config, f.name)) for f in dataclasses.fields(opt.config)},
+        "optimizer": _class_name(opt.optim_class),
+        "dtypes": {"model": dtype_name(opt._params[0].dtype), "master": master},
+        "layout": {"bucket_numel": layout.bucket_numel, "total_numel": layout.total_numel,
+                   "buckets": [[b.group, b.start, b.numel] for b in layout.buckets],
+                   "params": [[info.names[s.index], list(s.shape), s.group, s.offset] for s in layout.params]},
+        "params": {info.names[s.index]: {"shape": list(s.shape), "group": s.group,
+                                         "aliases": info.aliases.get(info.names[s.index], [])}
+                   for s in layout.params},
+        "model_state": {k: dict(v, aliases=info.aliases.get(k, [])) for k, v in rank0["model_state"].items()},
+        "state_dict_keys": list(info.keys),
+        "param_groups": [{"hyper": to_json(group_hyper(g), f"param_groups[{i}]"), "params": list(info.group_names[i])}
+                         for i, g in enumerate(opt.param_groups)],
+        "steps": steps,
+        "loss_scaler": to_json(scaler.state_dict(), "loss scaler state") if scaler is not None else None,
+        "extra": rank0["extra"],
+        "files": files,
+    }
+
+
+def _commit(path: str, partial: str, final: str, tag: str, body: dict) -> str:
+    atomic_write_bytes(os.path.join(partial, MANIFEST), manifest_bytes(body))
+    os.rename(partial, final)
+    fsync_dir(path)
+    atomic_write_bytes(os.path.join(path, LATEST), (tag + "\n").encode())
+    return final
+
+
+def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = None) -> str:
+    """Saves model + optimizer into `path/<tag>/` and points `path/latest` at it; returns that directory.
+
+    Call on every rank (a collective). Each rank writes only its own pieces;
+    rank 0 adds frozen parameters, buffers, `extra` (rank 0's; anything
+    torch.save can store: step counters, LR scheduler and RNG states) and the
+    manifest. `tag` defaults to ckpt-NNNNNN, one more than the highest such
+    directory. Atomic: see Note [Checkpoint layout].
+    """
+    opt = _check_pair(model, optimizer)
+    info = describe_model(_unwrap(model), opt)
+    path = os.fspath(path)
+    partial, final, tag = _on_rank0(opt, lambda: _prepare_dir(path, tag))
+    try:
+        name, entry, steps = _write_rank_file(partial, opt, info)
+        mine = {"files": {name: entry}, "steps": steps}
+        if opt.rank == 0:
+            mine["rank0"] = _write_rank0_files(partial, info, extra)
+    except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
+        mine = {"error": f"rank {opt.rank}: {type(e).__name__}: {e}"}
+    everyone = [mine]
+    if opt.world_size > 1:
+        everyone = [None] * opt.world_size if opt.rank == 0 else None
+        dist.gather_object(mine, everyone, group=opt.process_group, group_dst=0)
+
+    def commit():
+        try:
+            if errors := [m["error"] for m in everyone if "error" in m]:
+                raise CheckpointError("; ".join(errors) + f" (nothing was saved; {path}/{LATEST} is unchanged)")
+            rank0 = everyone[0]["rank0"]
+            files = dict(rank0["files"])
+            for m in everyone:
+                files.update(m["files"])
+            steps = sorted({s for m in everyone for s in m["steps"]})
+            return _commit(path, partial, final, tag, _manifest(opt, info, rank0, files, steps))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # gone already if the rename happened
+            raise
+
+    return _on_rank0(opt, commit)
+
+
+# ---------------------------------------------------------------------- load
+def resolve_checkpoint_dir(path, tag: str | None = None) -> str:
+    """The checkpoint directory meant by `path` (a tag directory, or a directory with `latest`) and `tag`."""
+    path = os.fspath(path)
+    if tag is not None:
+        return os.path.join(path, tag)
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        return path
+    latest = os.path.join(path, LATEST)
+    try:
+        with open(latest) as f:
+            tag = f.read().strip()
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}: it has neither {MANIFEST} nor {LATEST}; pass the "
+                              "directory given to save_checkpoint, or a tag directory inside it") from None
+    if not tag or "/" in tag:
+        raise CheckpointError(f"{latest} is damaged ({tag!r}); pass tag=... to pick a checkpoint in {path}")
+    return os.path.join(path, tag)
+
+
+def read_chunk(reader: RecordReader, file: str, entry: dict) -> Chunk:
+    """One saved piece, read and verified: its master values are in slices[PARAM]."""
+    slices = {k: reader.read(file, ref) for k, ref in entry["slices"].items()}
+    slices[PARAM] = reader.read(file, entry["param"])
+    scalars = {k: reader.read(file, v["tensor"]) if "tensor" in v else from_json(v["value"])
+               for k, v in entry["scalars"].items()}
+    return Chunk(entry["name"], entry["start"], entry["end"], slices, scalars)
+
+
+def read_extra(reader: RecordReader, body: dict, weights_only: bool = True):
+    """The user's `extra` (None if none was saved)."""
+    if body["extra"] is None:
+        return None
+    raw = reader.read(EXTRA_FILE, body["extra"])
+    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=weights_only)
+
+
+def _mismatch(body: dict, info: ModelInfo, opt) -> str | None:
+    """What differs between the saved model and this one, or None."""
+    saved = {n: ("trainable", tuple(v["shape"])) for n, v in body["params"].items()}
+    saved.update({n: (v["kind"], tuple(v["tensor"]["shape"])) for n, v in body["model_state"].items()})
+    here = {n: ("trainable", tuple(p.shape)) for n, p in zip(info.names, opt._params)}
+    here.update({n: (kind, tuple(t.shape)) for n, (t, kind) in info.others.items()})
+
+    def some(xs):
+        xs = sorted(xs)
+        return ", ".join(xs[:10]) + (f" and {len(xs) - 10} more" if len(xs) > 10 else "")
+
+    problems = []
+    if missing := set(here) - set(saved):
+        problems.append(f"missing from the checkpoint: {some(missing)}")
+    if unexpected := set(saved) - set(here):
+        problems.append(f"unexpected (in the checkpoint, not in this model): {some(unexpected)}")
+    both = set(here) & set(saved)
+    if shaped := [f"{n} (checkpoint {list(saved[n][1])}, model {list(here[n][1])})"
+                  for n in both if saved[n][1] != here[n][1]]:
+        problems.append(f"mis-shaped: {some(shaped)}")
+    if kinds := [f"{n} ({saved[n][0]} in the checkpoint, {here[n][0]} here)"
+                 for n in both if (saved[n][0] == "trainable") != (here[n][0] == "trainable")]:
+        problems.append(f"trainable vs not: {some(kinds)}")
+    if not problems:
+        groups = [f"{n} (group {body['params'][n]['group']} in the checkpoint, {s.group} here)"
+                  for n, s in zip(info.names, opt.layout.params) if body["params"][n]["group"] != s.group]
+        if groups:
+            problems.append(f"in another param group: {some(groups)}")
+    return "; ".join(problems) or None
+
+
+@dataclasses.dataclass
+class _Staged:
+    masters: dict      # piece index -> values
+    others: dict       # model state name -> tensor
+    hyper: list
+    scaler: object
+    extra: object
+
+
+def _stage(directory: str, body: dict, opt, info: ModelInfo, swap: InnerStateSwap, weights_only: bool) -> _Staged:
+    """Reads and verifies everything this rank needs; changes nothing but the (undoable) inner state."""
+    saved_cls, cls = body["optimizer"], _class_name(opt.optim_class)
+    same = saved_cls == cls
+    if not same and not any({saved_cls, cls} <= s for s in _SAME_STATE):
+        raise CheckpointError(f"{directory} holds {saved_cls} state, this optimizer is {cls}: build the "
+                              "optimizer with the class that saved it")
+    if problem := _mismatch(body, info, opt):
+        raise CheckpointError(f"{directory} is a checkpoint of a different model: {problem}. Build the model "
+                              "it was saved from (`python -m shardopt convert` gives plain weights to load "
+                              "selectively)")
+    hyper = resolve_hyper(opt, [from_json(g["hyper"]) for g in body["param_groups"]], same,
+                           f"checkpoint {directory}")
+    saved: dict = {}
+    for file, entry in body["files"].items():
+        for p in entry.get("pieces", ()):
+            saved.setdefault(p["name"], []).append((file, p))
+    for entries in saved.values():
+        entries.sort(key=lambda fp: fp[1]["start"])
+    reader = RecordReader(directory, body["files"])
+    try:
+        cache: dict = {}  # a saved piece overlapping two of ours is read once
+        masters, states = {}, {}
+        for i, pc in enumerate(opt._pieces):
+            name = info.names[pc.param]
+            slot = opt.layout.params[pc.param]
+            a, b = pc.start - slot.offset, pc.end - slot.offset
+            chunks = []
+            for file, p in saved[name]:
+                if p["start"] < b and p["end"] > a:
+                    key = (file, p["param"]["offset"])
+                    if key not in cache:
+                        cache[key] = read_chunk(reader, file, p)
+                    chunks.append(cache[key])
+            slices, scalars = cut(chunks, a, b, f"parameter {name!r}")
+            masters[i] = slices.pop(PARAM)
+            states[i] = {**slices, **scalars}
+        cache.clear()
+        others = {n: reader.read(MODEL_FILE, v["tensor"]) for n, v in body["model_state"].items()}
+        extra = read_extra(reader, body, weights_only)
+    finally:
+        reader.close()
+    scaler = from_json(body["loss_scaler"]) if body["loss_scaler"] is not None else None
+    swap.apply(states, hyper)  # last: the only change, and undoable
+    return _Staged(masters, others, hyper, scaler, extra)
+
+
+def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_only: bool = True):
+    """Loads a checkpoint written by save_checkpoint at any world size; returns its `extra`.
+
+    Call on every rank (a collective). `path` is the directory given to
+    save_checkpoint (its `latest` is loaded, or `tag`) or a tag directory.
+    Refuses, on every rank and changing nothing, a damaged checkpoint or one
+    of a different model (naming missing / unexpected / mis-shaped
+    parameters). Restores master weights (and so the model's), optimizer state
+    and hyper-parameters, frozen parameters, buffers and the loss scaler.
+    `weights_only` is passed to torch.load for `extra`.
+    """
+    opt = _check_pair(model, optimizer)
+    swap = InnerStateSwap(opt)
+    staged = info = error = None
+    try:
+        if getattr(opt, "engine", None) is None:
+            raise RuntimeError("load_checkpoint needs the model wrapped: build shardopt.ShardedDDP(model, "
+                               "optimizer) first, then load (loading ends by all-gathering the weights)")
+        info = describe_model(_unwrap(model), opt)
+        directory = resolve_checkpoint_dir(path, tag)
+        staged = _stage(directory, read_manifest(directory), opt, info, swap, weights_only)
+    except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
+        error = e
+    try:
+        _agree(opt, error)
+    except BaseException:
+        swap.undo()
+        raise
+    with torch.no_grad():
+        for g, h in zip(opt.param_groups, staged.hyper):
+            g.update(h)
+        for i, values in staged.masters.items():
+            opt._piece_params[i].copy_(values)
+        for name, values in staged.others.items():
+            info.others[name][0].copy_(values)
+    scaler = getattr(opt, "loss_scaler", None)
+    if scaler is not None and staged.scaler is not None:
+        scaler.load_state_dict(staged.scaler)
+    forget_consolidated(opt)
+    opt.zero_grad()  # gradients accumulated before the load belong to other weights
+    opt._publish_params()
+    return staged.extra

@@ -1,0 +1,106 @@
+"""ShardedOptimizer's torch.optim-format state dicts: consolidate on one rank, load on every rank.
+
+    opt.consolidate_state_dict(to=0)      # every rank (a collective)
+    full = opt.state_dict()               # rank 0: {"state": {index: {"step", "exp_avg", ...}}, "param_groups"}
+    opt.load_state_dict(full)             # every rank, the same dict: each takes its own ranges
+
+The format is torch.optim.Optimizer.state_dict()'s (parameters numbered in
+param-group order, whole-parameter state tensors), so the dict moves to and
+from a plain torch optimizer over the same parameters. State is in the master
+dtype. As with torch's ZeroRedundancyOptimizer, state_dict() without a fresh
+consolidation raises rather than return a part or a stale copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardopt.ckpt_state import InnerStateSwap, assemble, group_hyper, local_chunks, resolve_hyper, split_state
+
+
+def _torch_groups(opt) -> tuple[list[dict], dict]:
+    """torch.optim.Optimizer.state_dict's param_groups and its {id(param): index} numbering."""
+    index: dict = {}
+    groups, start = [], 0
+    for g in opt.param_groups:
+        for i, p in enumerate(g["params"], start):
+            index.setdefault(id(p), i)
+        groups.append(dict(group_hyper(g), params=[index[id(p)] for p in g["params"]]))
+        start += len(g["params"])
+    return groups, index
+
+
+def forget_consolidated(opt, *args) -> None:
+    opt._consolidated = None
+
+
+def consolidate_state_dict(opt, to: int = 0) -> None:
+    """Gathers the whole optimizer state, in torch.optim's format, on group rank `to` (a collective)."""
+    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < opt.world_size:
+        raise ValueError(f"to must be a rank of the optimizer's group (0..{opt.world_size - 1}), got {to!r}")
+    if not getattr(opt, "_consolidation_hooked", False):
+        # A step makes a consolidated copy stale: drop it rather than hand it out later.
+        opt.register_step_post_hook(forget_consolidated)
+        opt._consolidation_hooked = True
+    chunks = [c for _, c in local_chunks(opt, range(len(opt._params)), copy=True)]
+    gathered = [chunks]
+    if opt.world_size > 1:
+        gathered = [None] * opt.world_size if opt.rank == to else None
+        dist.gather_object(chunks, gathered, group=opt.process_group, group_dst=to)
+    opt._consolidated, opt._consolidated_to = None, to
+    if opt.rank == to:
+        groups, index = _torch_groups(opt)
+        full = assemble({j: tuple(p.shape) for j, p in enumerate(opt._params)}, (c for cs in gathered for c in cs))
+        opt._consolidated = {"state": {index[id(opt._params[j])]: full[j] for j in sorted(full)},
+                             "param_groups": groups}
+
+
+def optimizer_state_dict(opt) -> dict:
+    """ShardedOptimizer.state_dict(): the consolidated torch.optim-format state (see consolidate_state_dict)."""
+    sd = getattr(opt, "_consolidated", None)
+    if sd is None:
+        where = getattr(opt, "_consolidated_to", None)
+        why = (f"it was consolidated on rank {where}, this is rank {opt.rank}" if where is not None
+               and where != opt.rank else "the state is sharded over ranks and has not been consolidated "
+               "since the last step")
+        raise RuntimeError(
+            f"ShardedOptimizer.state_dict(): {why}. Call optimizer.consolidate_state_dict(to=RANK) on every "
+            "rank first, then state_dict() on rank RANK; or checkpoint without gathering with "
+            "shardopt.save_checkpoint / load_checkpoint")
+    return sd
+
+
+def load_optimizer_state_dict(opt, state_dict: dict) -> None:
+    """ShardedOptimizer.load_state_dict(): each rank takes its ranges of a whole torch.optim state dict.
+
+    Call on every rank with the same dict (no collective). Parameters are not
+    in an optimizer state dict: load the model's weights separately.
+    """
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("expected a torch.optim state dict ({'state': ..., 'param_groups': ...}), as "
+                         "state_dict() returns after consolidate_state_dict()")
+    saved_groups = state_dict["param_groups"]
+    hyper = resolve_hyper(opt, [group_hyper(g) for g in saved_groups], True, "the state dict", ValueError)
+    for gi, (s, g) in enumerate(zip(saved_groups, opt.param_groups)):
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(f"param group {gi} has {len(s['params'])} parameters in the state dict but "
+                             f"{len(g['params'])} here: build the optimizer from the same parameters, in the "
+                             "same order")
+    # Position k of this optimizer's groups has the state saved under the k-th saved index.
+    ours, index = _torch_groups(opt)
+    saved_index = dict(zip((i for g in ours for i in g["params"]), (i for g in saved_groups for i in g["params"])))
+    states = {}
+    for i, pc in enumerate(opt._pieces):
+        p = opt._params[pc.param]
+        st = state_dict["state"].get(saved_index[index[id(p)]])
+        if not st:
+            continue
+        slices, scalars = split_state(st, tuple(p.shape), f"state of parameter {index[id(p)]}")
+        slot = opt.layout.params[pc.param]
+        a, b = pc.start - slot.offset, pc.end - slot.offset
+        states[i] = {**{k: v[a:b].clone() for k, v in slices.items()},
+                     **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
+    InnerStateSwap(opt).apply(states, hyper)
+    for g, h in zip(opt.param_groups, hyper):
+        g.update(h)
+    forget_consolidated(opt)
