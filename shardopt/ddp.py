@@ -66,6 +66,11 @@ class ShardedDDP(nn.Module):
 
         for i, p in enumerate(optimizer._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
+        # With separate master weights (Note [Master weights] in optimizer.py), new
+        # values loaded into the model must reach the masters, or the next step
+        # would overwrite them with the old ones. Post hooks run for every module
+        # of a load, so this sees loads into the model or into this wrapper.
+        module.register_load_state_dict_post_hook(lambda mod, keys: optimizer._load_master_from_model())
 
     def _broadcast_coalesced(self, tensors):
         tensors = [t for t in tensors if t.numel()]

@@ -149,6 +149,17 @@ def _offload_runs(rank, world_size):
         if ob.master is None or stats["offloaded"] != stats["master"] + ob.shard_grad.numel() * 4 \
                 + stats["optimizer_state"] or stats["on_device"] >= oa.memory_stats()["on_device"]:
             failures.append(f"memory_stats do not show the offload: {stats}")
+    # Weights loaded into the model after wrapping reach the separate masters, so the next
+    # step starts from them (and does not write the old values back).
+    torch.manual_seed(1)
+    fresh = AwkwardNet().to(torch.bfloat16).state_dict()
+    b.load_state_dict(fresh)
+    for pc, t in zip(ob._pieces, ob._piece_params):
+        slot = ob.layout.params[pc.param]
+        want = ob._params[pc.param].detach().reshape(-1)[pc.start - slot.offset:pc.end - slot.offset]
+        if not torch.equal(t, want.float()):
+            failures.append("model.load_state_dict did not refresh the master weights")
+            break
     # The offload default (optim=None) is the fused CPU Adam with AdamW semantics.
     torch.manual_seed(0)
     ref_model = AwkwardNet()
