@@ -98,6 +98,19 @@ class BuildExt(BuildExtension):
         super().build_extensions()
 
 
+def _pip_cuda_includes():
+    """Headers of the CUDA libraries torch's pip wheels bring (nvidia/*/include).
+
+    torch's CUDA headers include cuSPARSE/cuBLAS headers that a minimal CUDA
+    toolkit may lack; the wheels that torch itself links against carry them.
+    """
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(d for root in nvidia.__path__ for d in glob.glob(os.path.join(root, "*", "include")))
+
+
 def _extension():
     generic, isa, cuda = _sources()
     macros = [(f"SHARDOPT_HAVE_{name.upper()}", "1") for name in ISA_FLAGS]
@@ -107,7 +120,7 @@ def _extension():
         # No --use_fast_math: it makes division approximate and flushes
         # subnormal gradients to zero, and the kernels must match their references.
         ext = CUDAExtension("shardopt._C", generic + cuda, define_macros=macros,
-                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", CXX_STD]},
+                            include_dirs=_pip_cuda_includes(), extra_compile_args={"cxx": cxx, "nvcc": ["-O3", CXX_STD]},
                             extra_link_args=OPENMP_FLAGS)
     else:
         ext = CppExtension("shardopt._C", generic, define_macros=macros, extra_compile_args={"cxx": cxx},
