@@ -120,7 +120,8 @@ setup(
     # pull a multi-GB CUDA build. Install the torch you want first, then build
     # this package against it with --no-build-isolation.
     install_requires=["numpy"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout"]},
+    # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "matplotlib"], "bench": ["matplotlib"]},
     entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
