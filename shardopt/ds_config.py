@@ -90,8 +90,8 @@ _DS_GRADIENT_CLIPPING_DEFAULT = 1.0
 class Translation:
     """What a DeepSpeed config means for a ShardedOptimizer."""
 
-    optim: type
-    """The inner torch optimizer class."""
+    optim: type | None
+    """The inner torch optimizer class; None when the config has no "optimizer" block."""
     optim_kwargs: dict
     """Its hyper-parameters (lr, betas, ...)."""
     kwargs: dict
@@ -306,6 +306,9 @@ def _precision(r: _Reader, config: dict, out: dict):
             r.refuse(name, block, "must be an object like {\"enabled\": true}")
     fp16 = fp16 if isinstance(fp16, dict) else {}
     bf16 = bf16 if isinstance(bf16, dict) else {}
+    for name in ("fp16", "bf16", "bfloat16"):
+        if isinstance(config.get(name), dict) and config[name].get("enabled", False) is False:
+            r.ignored.append(name)  # DeepSpeed ignores a disabled block's other keys too
     dtype = None
     if fp16.get("enabled") is True and bf16.get("enabled") is True:
         r.refuse("fp16.enabled / bf16.enabled", True, "enable at most one of them")
@@ -397,7 +400,7 @@ def translate(config) -> Translation:
             r.ignored.append(key)
             if key == "gradient_accumulation_steps" and isinstance(value, int) and not isinstance(value, bool):
                 gas = value
-        elif key in _TOP_NO_EFFECT:
+        elif key in _TOP_NO_EFFECT or (key == "gradient_predivide_factor" and value == 1.0):
             r.ignored.append(key)
         else:
             hint = _HINTS.get(key, "not supported by shardopt; remove it")

@@ -126,7 +126,6 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     pieces = [pc.numel for pc in layout.pieces(0) if pc.numel > 1]
     state = STATE_PER_ELEMENT[cfg.optimizer] * sum(pieces) * 4
     grads = shard * 4 + (layout.total_numel * pbytes if cfg.stage == 1 else 0)
-    # Note: today's fp32 path keeps gradient chunks in the parameter dtype, which is fp32.
     staging = 0
     if cfg.stage == 2:
         staging = min(cfg.num_staging_buffers, len(layout.buckets)) * max(b.numel for b in layout.buckets) * 4

@@ -89,8 +89,9 @@ def test_offload_and_clipping_and_precision_keys():
     t = translate(_minimal(bf16={"enabled": True}, communication_data_type="fp32"))
     assert "reduce_dtype" not in t.kwargs  # fp32 is ShardedOptimizer's default
     assert translate(_minimal(fp16={"enabled": True, "loss_scale": 128})).kwargs["loss_scale"] == 128.0
-    # A disabled block's other keys do not matter (DeepSpeed ignores them too).
-    assert translate(_minimal(fp16={"enabled": False, "auto_cast": True})).param_dtype is None
+    # A disabled block's other keys do not matter (DeepSpeed ignores them too), not even "auto".
+    assert translate(_minimal(fp16={"enabled": False, "auto_cast": True, "loss_scale": "auto"})).param_dtype is None
+    assert "gradient_predivide_factor" in translate(_minimal(gradient_predivide_factor=1.0)).ignored
 
 
 def test_every_unsupported_key_and_auto_value_in_one_error():
