@@ -296,7 +296,8 @@ def run_peers(args):
              "`python benchmarks/bench_step.py --peers` (benchmarks/peers.py builds every variant). Times: "
              "medians of the slowest rank; steps interleaved round-robin within a round. Memory: peak RSS "
              "growth while the variant is built alone and trained 2 steps (the largest rank), which includes "
-             "one step's activations. Losses: rank 0's; the loss at step k is the forward loss of step k, after k-1 updates.", ""]
+             "one step's activations. Losses: rank 0's; the loss at step k is the forward loss of step k, "
+             "after k-1 updates.", ""]
     versions = _versions()
     lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
     per_ws = []

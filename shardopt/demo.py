@@ -102,10 +102,11 @@ def run(args) -> int:
         print(f"\nloss after {k} steps: {name} {losses[k - 1]:.5f}, DDP {ref_losses[-1]:.5f} "
               f"(largest difference over those steps {diff:.1e}); after {args.steps}: {losses[-1]:.5f}")
         keys = list(everyone[0])
-        print("\nmemory per rank (counted tensors)  " + "".join(f"{k.replace('optimizer_state', 'opt state'):>14}"
-                                                                for k in keys) + "         total")
+        heads = "".join(f"{k.replace('optimizer_state', 'opt state'):>14}" for k in keys)
+        print(f"\nmemory per rank (counted tensors)  {heads}         total")
         for r, m in enumerate(everyone):
-            print(f"  {name} rank {r:<19}" + "".join(f"{_mib(m[k]):>14}" for k in keys) + f"{_mib(sum(m.values())):>14}")
+            print(f"  {name} rank {r:<19}" + "".join(f"{_mib(m[k]):>14}" for k in keys)
+                  + f"{_mib(sum(m.values())):>14}")
         print(f"  {'DDP + AdamW (every rank)':<31}" + "".join(f"{_mib(ddp_mem.get(k, 0)):>14}" for k in keys)
               + f"{_mib(sum(ddp_mem.values())):>14}")
         ratio = sum(everyone[0].values()) / sum(ddp_mem.values())

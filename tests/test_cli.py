@@ -76,7 +76,8 @@ def _tune_rank(rank, world_size, out_dir):
 def test_tune_measures_the_grid_and_recommends_the_measured_best(tmp_path):
     (code, out), (code1, out1) = run_ranks(_tune_rank, 2, str(tmp_path))
     assert code == code1 == 0 and out1 == ""  # rank 0 reports
-    rows = re.findall(r"^\| ([\d,]+) \| ([\d,]+) \| (\d+) \| [\d.]+ \| ([\d.]+) \| [\d.]+( \*\*best\*\*)? \|$", out, re.M)
+    row = r"^\| ([\d,]+) \| ([\d,]+) \| (\d+) \| [\d.]+ \| ([\d.]+) \| [\d.]+( \*\*best\*\*)? \|$"
+    rows = re.findall(row, out, re.M)
     assert len(rows) == 3, out
     best = [r for r in rows if r[4]]
     assert len(best) == 1 and float(best[0][3]) == min(float(r[3]) for r in rows)
