@@ -128,7 +128,7 @@ def run(scenarios, quick: bool, out_dir: str, bench_dir: str | None = None, pyth
             with open(part) as f:
                 text = f.read()
             # Demote the part's headings under this section's.
-            text = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)
+            text = re.sub(r"^(#+) ", lambda m: "##" + m.group(1) + " ", text, flags=re.M)
             own_png = os.path.splitext(part)[0] + ".png"
             if os.path.exists(own_png):
                 dest = f"{date}-bench-{name}.png"

@@ -111,7 +111,8 @@ def test_bench_collects_reports_charts_them_and_reports_failures(tmp_path):
     out_dir = tmp_path / "results"
     report = bench.run(["step", "peers"], quick=True, out_dir=str(out_dir), bench_dir=str(scripts), log=lambda *a: None)
     text = open(report).read()
-    assert "## step" in text and "#### 2 ranks" in text and "| shardopt ZeRO-2 | 9 | 0.90 |" in text
+    assert "## step" in text and "\n### Step time" in text and "##### 2 ranks" in text  # nested under "step"
+    assert "| shardopt ZeRO-2 | 9 | 0.90 |" in text
     assert "## peers" in text and "**failed**" in text and "peers exploded" in text
     png = re.search(r"!\[step\]\((.+\.png)\)", text).group(1)
     assert os.path.getsize(out_dir / png) > 1000
