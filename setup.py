@@ -141,8 +141,9 @@ setup(
     install_requires=["numpy"],
     # Lightning is optional (shardopt.lightning); the tests cover it, so CI installs it.
     # Developed and tested against lightning 2.6 (the strategy uses some of its internals).
-    extras_require={"lightning": ["lightning>=2.6"],
-                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6"]},
+    # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
+    extras_require={"lightning": ["lightning>=2.6"], "bench": ["matplotlib"],
+                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib"]},
     entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

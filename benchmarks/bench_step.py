@@ -1,4 +1,5 @@
-"""Step time of shardopt ZeRO-1/ZeRO-2 against DDP + AdamW(fused=True) and torch's ZeroRedundancyOptimizer.
+"""Step time of shardopt ZeRO-1/ZeRO-2 against DDP + AdamW(fused=True), torch's ZeroRedundancyOptimizer and,
+with --peers, FSDP2, DeepSpeed ZeRO-2 (with and without CPU Adam offload) and FairScale.
 
 Every variant trains its own copy of the same GPT (same seed, same data) in
 the same processes, and steps are interleaved round-robin (variant A step,
@@ -8,14 +9,27 @@ forward, backward (for shardopt and DDP this includes the communication not
 hidden behind backward) and optimizer step (for shardopt: inner step +
 all-gather; for torch ZeRO: step + broadcast).
 
+--peers (run with /work/bench-venv/bin/python or any env with deepspeed and
+fairscale; DS_ACCELERATOR=cpu is set here): the variants of benchmarks/peers.py.
+Holding all ten models at once would take ~20 GB at 4 ranks, so they run in
+rounds of four or five, each round with DDP and shardopt ZeRO-2 as anchors;
+ratios are to the DDP of the same round. Before the rounds, each variant is
+built alone and trained for 2 steps to measure its peak memory: the growth of
+the process's peak resident set (VmHWM) over its RSS before the model is
+built (Note [Peak RSS per variant]). A variant that fails to build or step is
+reported with its error.
+
     python benchmarks/bench_step.py                    # 2 and 4 ranks, both shapes
     python benchmarks/bench_step.py --sweep-buckets    # ZeRO-2 step time against reduce_bucket_size
-    python benchmarks/bench_step.py --quick
+    python benchmarks/bench_step.py --peers --out benchmarks/results/DATE-peers.md   # + DATE-peers.png
+    python benchmarks/bench_step.py --quick [--peers]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -25,62 +39,84 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from shardopt.testing import run_ranks  # noqa: E402
 
 SHAPES = {"compute-bound 8x128": (8, 128), "comm-bound 1x16": (1, 16)}
+PEER_SHAPE = (2, 64)
+# Rounds of the peer benchmark; DDP and shardopt ZeRO-2 are in every round.
+ANCHORS = ["DDP + AdamW(fused)", "shardopt ZeRO-2"]
+PEER_ROUNDS = [
+    ["shardopt ZeRO-1", "torch ZeroRedundancyOptimizer", "FSDP2 (fully_shard)"],
+    ["FairScale OSS + ShardedDDP", "FairScale, zero_grad(set_to_none=False)"],
+    ["DeepSpeed ZeRO-2", "DeepSpeed ZeRO-2 + CPU Adam offload", "shardopt ZeRO-2 + offload"],
+]
 
 
 def _make(variant, cfg, rbs):
-    import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """DDP, torch ZeRO or shardopt ZeRO-1/2 with reduce_bucket_size rbs (None: default)."""
     import shardopt
-    from shardopt.gpt import GPT
+    from peers import _model, _torch_style, build
 
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    kw = dict(lr=1e-3, weight_decay=0.1)
-    if variant == "DDP":
-        return DDP(model), torch.optim.AdamW(model.parameters(), fused=True, **kw)
-    if variant == "torch ZeRO":
-        return DDP(model), ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                                   fused=True, **kw)
-    stage = int(variant.split("-")[1][0])
-    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, fused=True, stage=stage,
-                                    reduce_bucket_size=rbs, allgather_bucket_size=rbs, **kw)
-    del dist
-    return shardopt.ShardedDDP(model, opt), opt
+    if variant in ("DDP", "torch ZeRO"):
+        return build({"DDP": "ddp", "torch ZeRO": "torch-zero"}[variant], cfg, None, 0)
+    model = _model(cfg)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
+                                    fused=True, stage=int(variant.split("-")[1][0]), reduce_bucket_size=rbs,
+                                    allgather_bucket_size=rbs)
+    return _torch_style(shardopt.ShardedDDP(model, opt), opt)
+
+
+def _interleave(rank, trainers, cfg, shape, steps, warmup):
+    """Trains every trainer for warmup + steps steps, round-robin. Returns (medians, losses, errors)."""
+    import torch.distributed as dist
+
+    from shardopt.gpt import synthetic_batch
+
+    bsz, seq = shape
+    times = {n: {"fwd": [], "bwd": [], "step": [], "total": []} for n in trainers}
+    losses = {n: [] for n in trainers}
+    errors = {}
+    for step in range(warmup + steps):
+        x, y = synthetic_batch(cfg, bsz, seq, step, rank)
+        for name, t in trainers.items():
+            if name in errors:
+                continue
+            dist.barrier()
+            try:
+                t0 = time.perf_counter()
+                loss = torch.nn.functional.cross_entropy(t.forward(x).reshape(-1, cfg.vocab), y.reshape(-1))
+                t1 = time.perf_counter()
+                t.backward(loss)
+                t2 = time.perf_counter()
+                t.step()
+                t3 = time.perf_counter()
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                errors[name] = _describe(e)
+                continue
+            losses[name].append(loss.item())
+            if step >= warmup:
+                for k, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
+                    times[name][k].append(v)
+    med = {n: {k: statistics.median(v) for k, v in ph.items()} for n, ph in times.items() if n not in errors}
+    return med, losses, errors
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    msg = f"{type(e).__name__}: {text[0] if text else ''}"
+    return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
 def _bench(rank, world_size, variants, model_name, shape, steps):
-    import torch.distributed as dist
-
-    from shardopt.gpt import PRESETS, synthetic_batch
+    from shardopt.gpt import PRESETS
 
     cfg = PRESETS[model_name]
-    bsz, seq = shape
-    built = [(name, *_make(kind, cfg, rbs)) for name, kind, rbs in variants]
-    times = {name: {"fwd": [], "bwd": [], "step": [], "total": []} for name, *_ in built}
-    losses = {name: [] for name, *_ in built}
-    for step in range(steps + 2):
-        x, y = synthetic_batch(cfg, bsz, seq, step, rank)
-        for name, wrapper, opt in built:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(wrapper(x).reshape(-1, cfg.vocab), y.reshape(-1))
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            opt.zero_grad()
-            t3 = time.perf_counter()
-            losses[name].append(loss.item())
-            if step >= 2:  # warm-up
-                for k, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
-                    times[name][k].append(v)
-    med = {n: {k: statistics.median(v) for k, v in ph.items()} for n, ph in times.items()}
+    trainers = {name: _make(kind, cfg, rbs) for name, kind, rbs in variants}
+    med, losses, errors = _interleave(rank, trainers, cfg, shape, steps, warmup=2)
+    if errors:
+        raise RuntimeError(f"variants failed: {errors}")
     return med, losses
 
 
@@ -103,17 +139,213 @@ def _table(results, ws, shape_name, steps):
     return lines
 
 
+# ------------------------------------------------------------------ peers
+# Note [Peak RSS per variant]
+# Each variant is measured alone in a process that already ran the previous
+# ones, so freed memory must really leave the process: after gc, malloc_trim
+# hands glibc's free heap pages back to the OS (large tensors are mmapped and
+# return on free anyway). Writing "5" to /proc/self/clear_refs resets the peak
+# (VmHWM) to the current RSS, so "peak - RSS before" is what this variant
+# needed at its worst moment: parameters, gradients, optimizer state, the
+# library's buffers and the activations of one step. Memory a library keeps
+# in caches after it is freed (DeepSpeed) only raises the next variant's
+# starting point, not its growth.
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peer_memory(rank, name, cfg, shape, bucket):
+    """Peak RSS growth (bytes) of one variant built alone and trained 2 steps, or its error."""
+    import peers
+
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    try:
+        trainer = peers.build(peers.VARIANTS[name], cfg, bucket, shape[0])
+        _, _, errors = _interleave(rank, {name: trainer}, cfg, shape, steps=2, warmup=0)
+        if errors:
+            return errors[name]
+        return (_status_kib("VmHWM") - before) * 1024
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return _describe(e)
+    finally:
+        trainer = None  # noqa: F841 - drop it before the next variant is measured
+        gc.collect()
+
+
+def _peers(rank, world_size, model_name, shape, steps, warmup):
+    import torch.distributed as dist
+
+    import peers
+    from shardopt.config import auto_bucket_size
+    from shardopt.gpt import PRESETS, GPT, num_params
+
+    cfg = PRESETS[model_name]
+    # DeepSpeed gets the bucket size shardopt picks by default, so both cut the model alike.
+    bucket = auto_bucket_size(num_params(GPT(cfg)))
+    memory = {name: _peer_memory(rank, name, cfg, shape, bucket) for name in peers.VARIANTS}
+    rounds = []
+    for names in PEER_ROUNDS:
+        trainers, errors = {}, {}
+        for name in ANCHORS + names:
+            if isinstance(memory[name], str):  # it failed alone: it would fail here too
+                errors[name] = memory[name]
+                continue
+            try:
+                trainers[name] = peers.build(peers.VARIANTS[name], cfg, bucket, shape[0])
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                errors[name] = _describe(e)
+        med, losses, step_errors = _interleave(rank, trainers, cfg, shape, steps, warmup)
+        rounds.append(dict(med=med, losses=losses, errors={**errors, **step_errors}))
+        trainers = None
+        gc.collect()
+        dist.barrier()
+    return dict(memory=memory, rounds=rounds, bucket=bucket)
+
+
+def _peer_rows(results):
+    """One row per (round, variant): slowest rank's medians, max peak over ranks, rank 0's losses."""
+    rows = []
+    for ri, names in enumerate(PEER_ROUNDS):
+        ddp = ANCHORS[0]
+        per_rank = [r["rounds"][ri] for r in results]
+        errors = {}
+        for r in per_rank:
+            for n, e in r["errors"].items():
+                errors.setdefault(n, e)
+        ref = per_rank[0]["losses"].get(ddp)
+        base = max(r["med"][ddp]["total"] for r in per_rank) if ddp not in errors else None
+        for n in ANCHORS + names:
+            mem = [r["memory"][n] for r in results]
+            peak = None if any(isinstance(m, str) for m in mem) else max(mem)
+            row = dict(round=ri + 1, name=n, error=errors.get(n), peak=peak)
+            if n not in errors:
+                m = {k: max(r["med"][n][k] for r in per_rank) for k in ("fwd", "bwd", "step", "total")}
+                loss = per_rank[0]["losses"][n]
+                row.update(m, ratio=m["total"] / base if base else None, loss=loss[-1],
+                           diff=loss[-1] - ref[-1] if ref else None,
+                           maxdiff=max(abs(a - b) for a, b in zip(loss, ref)) if ref else None,
+                           first_off=next((i for i, (a, b) in enumerate(zip(loss, ref)) if abs(a - b) > 1e-4),
+                                          None) if ref else None)
+            rows.append(row)
+    return rows
+
+
+def _peer_table(rows, ws, steps, warmup, shape):
+    lines = [f"### {ws} ranks, batch {shape[0]}x{shape[1]} tokens per rank, {warmup} warm-up + {steps} timed "
+             "steps per variant", "",
+             "| round | variant | fwd ms | bwd ms | step ms | total ms | x DDP (same round) | peak RSS growth "
+             f"MiB | loss at step {warmup + steps} | minus DDP's | max abs diff to DDP (first step > 1e-4) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peak = f"{r['peak'] / 2**20:.0f}" if r["peak"] is not None else "-"
+        if r["error"]:
+            lines.append(f"| {r['round']} | {r['name']} | error: `{r['error']}` | | | | | {peak} | | | |")
+            continue
+        first = f" (step {r['first_off'] + 1})" if r["first_off"] is not None else ""
+        lines.append(f"| {r['round']} | {r['name']} | {r['fwd'] * 1e3:.0f} | {r['bwd'] * 1e3:.0f} | "
+                     f"{r['step'] * 1e3:.0f} | {r['total'] * 1e3:.0f} | {r['ratio']:.2f} | {peak} | "
+                     f"{r['loss']:.5f} | {r['diff']:+.1e} | {r['maxdiff']:.1e}{first} |")
+    return lines
+
+
+def _peer_chart(path, per_ws):
+    from shardopt.plotting import bar_panels
+
+    import peers
+
+    labels = list(peers.VARIANTS)
+
+    def per_variant(rows, key):
+        # A variant's value: its row in the first round it ran in (anchors: the median over rounds).
+        out = []
+        for n in labels:
+            vals = [r[key] for r in rows if r["name"] == n and r.get(key) is not None and not r["error"]]
+            out.append(statistics.median(vals) if vals else None)
+        return out
+
+    bar_panels(path, "Peers on a GPT, gloo on 2 CPU cores (lower is better)", labels, [
+        ("step time / DDP's (same round)", {f"{ws} ranks": per_variant(rows, "ratio") for ws, rows in per_ws}),
+        ("peak RSS growth per rank (MiB)",
+         {f"{ws} ranks": [None if v is None else v / 2**20 for v in per_variant(rows, "peak")]
+          for ws, rows in per_ws}),
+    ], reference={0: 1.0})
+
+
+def run_peers(args):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    steps, warmup = args.steps, 1
+    lines = [f"# Peers: step time, memory and loss — {datetime.date.today().isoformat()}", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average at start "
+             f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, gloo over 127.0.0.1, 1 thread per rank, "
+             f"GPT '{args.model}', fp32, AdamW(lr=1e-3, weight_decay=0.1), no clipping. "
+             "`python benchmarks/bench_step.py --peers` (benchmarks/peers.py builds every variant). Times: "
+             "medians of the slowest rank; steps interleaved round-robin within a round. Memory: peak RSS "
+             "growth while the variant is built alone and trained 2 steps (the largest rank), which includes "
+             "one step's activations. Losses: rank 0's; the loss at step k is the forward loss of step k, "
+             "after k-1 updates.", ""]
+    versions = _versions()
+    lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    per_ws = []
+    for ws in [int(w) for w in args.world_sizes.split(",")]:
+        t0 = time.time()
+        res = run_ranks(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup,
+                        timeout=3600, collective_timeout=900)
+        rows = _peer_rows(res)
+        per_ws.append((ws, rows))
+        lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32))
+        lines += ["", f"Bucket size for shardopt (its default) and DeepSpeed: {res[0]['bucket']:,} elements. "
+                  f"Run time {time.time() - t0:.0f} s.", ""]
+        print("\n".join(lines[-len(rows) - 6:]), flush=True)
+    report = "\n".join(lines)
+    if args.out:
+        png = os.path.splitext(args.out)[0] + ".png"
+        _peer_chart(png, per_ws)
+        with open(args.out, "w") as f:
+            f.write(report + f"\n![chart]({os.path.basename(png)})\n")
+        print(f"wrote {args.out} and {png}")
+
+
+def _versions():
+    out = {"torch": torch.__version__}
+    for mod in ("deepspeed", "fairscale"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+            out[mod] = f"not importable ({type(e).__name__})"
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="30m")
     ap.add_argument("--world-sizes", default="2,4")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10, --peers 5)")
     ap.add_argument("--sweep-buckets", action="store_true")
+    ap.add_argument("--peers", action="store_true", help="FSDP2, DeepSpeed, FairScale too (see above)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.steps is None:
+        args.steps = 5 if args.peers else 10
     if args.quick:
-        args.model, args.world_sizes, args.steps = "small", "2", 4
+        args.model, args.world_sizes, args.steps = "small", "2", 3
+    if args.peers:
+        return run_peers(args)
     if args.sweep_buckets:
         variants = [("DDP", "DDP", None)] + [(f"ZeRO-2 rbs={r / 1e6:g}M", "ZeRO-2", r)
                                             for r in (250_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000)]

@@ -1,17 +1,26 @@
 """`python -m shardopt ...` (also installed as `shardopt`).
 
-    demo   2 CPU ranks train a small GPT with ZeRO-2 and print loss, memory per rank and step time.
-           Works under torchrun (`torchrun --nproc-per-node 2 -m shardopt demo`) or launches
-           torchrun itself when run directly.
-    convert  a checkpoint directory (shardopt.save_checkpoint) -> one torch file: model weights and a
-           torch.optim state dict (shardopt/convert.py).
+    demo      CPU ranks train a small GPT with ZeRO-2 (progress bar) and print loss, memory per rank
+              next to DDP's, and step time. `--world-size`, `--steps`, `--stage`, `--offload`.
+    estimate  memory per rank for a parameter count (7e9, 125M) or a `module:factory` model built on
+              the meta device, over world sizes / stages / offload, as a table with DDP's for reference.
+    tune      times the `module:factory` model over a grid of reduce/allgather bucket sizes at the
+              current world size; prints a table, writes a PNG, recommends sizes as a config snippet.
+    convert   a checkpoint directory (shardopt.save_checkpoint) -> one torch file: model weights and a
+              torch.optim state dict (shardopt/convert.py).
+    bench     runs scenarios of the source tree's benchmarks/ and writes a dated markdown report with
+              charts.
+
+demo and tune run on every rank: under torchrun (`torchrun --nproc-per-node 2 -m shardopt demo`) they use
+its ranks; run directly, they launch torchrun themselves with --world-size ranks.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
 import os
 import sys
-import time
 
 
 def _launched_by_torchrun() -> bool:
@@ -19,133 +28,175 @@ def _launched_by_torchrun() -> bool:
 
 
 def _relaunch(world_size: int, argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     # A local run: keep gloo on loopback whatever the host name resolves to.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torchrun(["--standalone", f"--nproc-per-node={world_size}", "-m", "shardopt", *argv])
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={world_size}", "-m", "shardopt", *argv])
+    except ChildFailedError:
+        print(f"shardopt {argv[0]}: a rank failed; its traceback is above", file=sys.stderr)
+        return 1
     return 0
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:8.1f} MiB"
-
-
-def demo(args) -> int:
-    import datetime
-
-    import torch
+def _on_ranks(fn, args, argv: list[str], timeout_s: int) -> int:
+    """Runs fn(args) on every rank: in this process group, torchrun's, or a torchrun launched here."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import shardopt
-    from shardopt.gpt import GPT, PRESETS, num_params, synthetic_batch
+    if dist.is_available() and dist.is_initialized():
+        return fn(args)
+    if not _launched_by_torchrun():
+        return _relaunch(args.world_size, argv)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        return fn(args)
+    finally:
+        dist.destroy_process_group()
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    cfg = PRESETS[args.model]
-    loss_fn = torch.nn.CrossEntropyLoss()
 
-    def say(*a):
-        if rank == 0:
-            print(*a, flush=True)
+def parse_count(text: str) -> int:
+    """'7e9', '7B', '125M', '350k', '2_000_000' -> an integer count."""
+    t = text.strip().replace("_", "").replace(",", "")
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}.get(t[-1:].lower(), 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 7e9, 7B, 125M, 2000000)") from None
+    if value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a positive whole count: {text!r}")
+    return int(value)
 
-    def train(wrapper, opt, steps, label):
-        times, losses = [], []
-        for step in range(steps):
-            x, y = synthetic_batch(cfg, args.batch, args.seq, step, rank)
-            t0 = time.perf_counter()
-            loss_t = loss_fn(wrapper(x).reshape(-1, cfg.vocab), y.reshape(-1))
-            loss_t.backward()
-            if hasattr(opt, "clip_grad_norm"):
-                opt.clip_grad_norm(1.0)
-            else:
-                torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-            loss = loss_t.item()
-            losses.append(loss)
-            if rank == 0 and (step % max(1, steps // 5) == 0 or step == steps - 1):
-                done = (step + 1) * 20 // steps
-                print(f"{label:>8} [{'#' * done}{'.' * (20 - done)}] step {step + 1:3d}/{steps} "
-                      f"loss {loss:7.4f}  {times[-1] * 1e3:7.1f} ms", flush=True)
-        times = sorted(times[2:] or times)
-        return losses, times[len(times) // 2]
 
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    n = num_params(model)
-    say(f"shardopt demo: GPT '{args.model}' with {n / 1e6:.2f}M parameters, {ws} gloo ranks, "
-        f"ZeRO-{args.stage}, AdamW, batch {args.batch}x{args.seq} per rank, {args.steps} steps")
-    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
-                                    fused=True, stage=args.stage, reduce_bucket_size=args.bucket)
-    wrapper = shardopt.ShardedDDP(model, opt)
-    losses, step_time = train(wrapper, opt, args.steps, f"ZeRO-{args.stage}")
-    mem = opt.memory_stats()
+def _list(convert):
+    def parse(text: str):
+        try:
+            return [convert(v) for v in text.split(",") if v.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
-    # The same model under DDP + AdamW(fused=True) for a few steps, for the comparison.
-    torch.manual_seed(0)
-    ref_model = GPT(cfg)
-    ref = DDP(ref_model)
-    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
-    ref_losses, ref_time = train(ref, ref_opt, min(args.steps, 10), "DDP")
-    params = list(ref_model.parameters())
-    ddp_mem = {
-        "params": sum(p.numel() * p.element_size() for p in params),
-        "grads": sum(p.numel() * p.element_size() for p in params),
-        "optimizer_state": sum(v.numel() * v.element_size() for s in ref_opt.state.values()
-                               for v in s.values() if torch.is_tensor(v) and v.numel() > 1),
-        "staging": 0,
-    }
-    everyone = [None] * ws
-    dist.all_gather_object(everyone, mem)
-    if rank == 0:
-        k = len(ref_losses)
-        diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        print(f"\nloss after {k} steps: ZeRO-{args.stage} {losses[k - 1]:.5f}, DDP {ref_losses[-1]:.5f} "
-              f"(largest difference over those steps {diff:.1e}); after {args.steps}: {losses[-1]:.5f}")
-        print("\nmemory per rank (counted tensors)      params       grads   opt state     staging       total")
-        for r, m in enumerate(everyone):
-            print(f"  ZeRO-{args.stage} rank {r:<24}" + "".join(_mib(m[k]) + "  " for k in m)
-                  + _mib(sum(m.values())))
-        print(f"  {'DDP + AdamW (every rank)':<31}" + "".join(_mib(ddp_mem[k]) + "  " for k in ddp_mem)
-              + _mib(sum(ddp_mem.values())))
-        ratio = sum(everyone[0].values()) / sum(ddp_mem.values())
-        print(f"  ZeRO-{args.stage} holds {ratio:.2f}x DDP's bytes per rank")
-        print(f"\nmedian step time: ZeRO-{args.stage} {step_time * 1e3:.1f} ms, DDP {ref_time * 1e3:.1f} ms "
-              f"({step_time / ref_time:.2f}x) on {os.cpu_count()} CPU cores, 1 thread per rank")
-    dist.destroy_process_group()
+
+# ----------------------------------------------------------------- commands
+def _demo(args) -> int:
+    from shardopt import demo
+
+    return demo.run(args)
+
+
+def _tune(args) -> int:
+    from shardopt import tune
+
+    tune.run(args.factory, args.batch, args.reduce_sizes, args.allgather_sizes, stage=args.stage,
+             steps=args.steps, rounds=args.rounds, out_dir=args.out_dir)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _estimate(args) -> int:
+    from shardopt import estimate as est
+
+    if ":" in args.model:
+        model = est.meta_model(args.model)
+        shapes = est.trainable_shapes(model)
+    else:
+        shapes = [("params", (parse_count(args.model),))]
+    n = sum(math.prod(s) for _, s in shapes)
+    dtype = est.DTYPES[args.dtype]
+    rows = []
+    for ws in args.world_size:
+        for stage in args.stage:
+            for offload in args.offload:
+                cfg = est.EstimateConfig(world_size=ws, stage=stage, offload=offload, param_dtype=dtype,
+                                         optimizer=args.optimizer, reduce_bucket_size=args.reduce_bucket_size,
+                                         allgather_bucket_size=args.allgather_bucket_size,
+                                         num_staging_buffers=args.num_staging_buffers)
+                rows.append((cfg, est.estimate(shapes, cfg)))
+    print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
+    return 0
+
+
+def _bench(args) -> int:
+    from shardopt import bench
+
+    bench.run(args.scenarios, args.quick, args.out_dir, args.benchmarks_dir, args.python)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardopt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="2 CPU ranks train a small GPT with ZeRO-2")
-    d.add_argument("--world-size", type=int, default=2)
+
+    d = sub.add_parser("demo", help="CPU ranks train a small GPT with ZeRO-2")
+    d.add_argument("--world-size", type=int, default=2, help="ranks to launch when not under torchrun")
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    d.add_argument("--offload", default="none", choices=("none", "cpu"),
+                   help="cpu: master weights and optimizer state on the host, stepped by the fused CPU Adam")
     d.add_argument("--model", default="small", choices=("tiny", "small", "30m"))
     d.add_argument("--batch", type=int, default=8)
     # The default bucket floor (2M elements, Note [Default bucket sizes]) is half
     # of this small model; smaller buckets show stage 2's saving.
     d.add_argument("--bucket", type=int, default=500_000, help="reduce_bucket_size in elements")
-    d.add_argument("--seq", type=int, default=64)
+    d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 64, at most the model's)")
+
+    e = sub.add_parser("estimate", help="memory per rank for a model, before building it")
+    e.add_argument("model", help="a parameter count (7e9, 7B, 125M) or module:factory (built on the meta device)")
+    e.add_argument("--world-size", type=_list(int), default=[1, 2, 4, 8], help="comma-separated, e.g. 2,4,8")
+    e.add_argument("--stage", type=_list(int), default=[1, 2], help="comma-separated, e.g. 2")
+    e.add_argument("--offload", type=_list(str), default=["none", "cpu"], help="comma-separated: none,cpu")
+    e.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="the model's parameter dtype")
+    e.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop, ...")
+    e.add_argument("--reduce-bucket-size", type=parse_count, default=None)
+    e.add_argument("--allgather-bucket-size", type=parse_count, default=None)
+    e.add_argument("--num-staging-buffers", type=int, default=2)
+
+    t = sub.add_parser("tune", help="time the model over a grid of bucket sizes and recommend one")
+    t.add_argument("factory", help="module:factory that builds the model (no arguments)")
+    t.add_argument("--batch", default=None, help="module:function returning the model's positional inputs "
+                                                "(default: example_batch in the factory's module)")
+    t.add_argument("--reduce-sizes", type=_list(parse_count), default=[500_000, 2_000_000, 8_000_000, 32_000_000])
+    t.add_argument("--allgather-sizes", type=_list(parse_count), default=None,
+                   help="default: the same as each reduce size")
+    t.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    t.add_argument("--steps", type=int, default=3, help="timed steps per grid point per round")
+    t.add_argument("--rounds", type=int, default=2)
+    t.add_argument("--out-dir", default=".")
+    t.add_argument("--world-size", type=int, default=2, help="ranks to launch when not under torchrun")
+
+    b = sub.add_parser("bench", help="run benchmarks/ scenarios and write a dated report")
+    b.add_argument("--scenarios", type=_list(str), default=["step", "memory", "peers"],
+                   help="comma-separated: step, peers, memory, collectives, cpu-adam")
+    b.add_argument("--quick", action="store_true")
+    b.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    b.add_argument("--benchmarks-dir", default=None)
+    b.add_argument("--python", default=None, help="interpreter for the scripts (e.g. one with deepspeed)")
+
     from shardopt import convert
     convert.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
     if args.command == "convert":
         return args.run(args)
     if args.command == "demo":
-        if not _launched_by_torchrun():
-            return _relaunch(args.world_size, argv)
-        return demo(args)
-    return 2
+        return _on_ranks(_demo, args, argv, timeout_s=120)
+    if args.command == "tune":
+        return _on_ranks(_tune, args, argv, timeout_s=600)
+    try:
+        return _estimate(args) if args.command == "estimate" else _bench(args)
+    except (ValueError, TypeError, ImportError, AttributeError, RuntimeError, OSError,
+            argparse.ArgumentTypeError) as e:
+        # Bad input: the message names the problem and the fix; a traceback would bury it.
+        print(f"shardopt {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -79,3 +79,21 @@ def synthetic_batch(c: GPTConfig, batch: int, seq: int, step: int, rank: int):
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# Factories for the command line (`shardopt estimate shardopt.gpt:small_model`, `shardopt tune ...`).
+def tiny_model() -> GPT:
+    return GPT(PRESETS["tiny"])
+
+
+def small_model() -> GPT:
+    return GPT(PRESETS["small"])
+
+
+def gpt_30m() -> GPT:
+    return GPT(PRESETS["30m"])
+
+
+def example_batch() -> torch.Tensor:
+    """Token ids every preset accepts (the tiny preset's vocabulary and length): `shardopt tune`'s input."""
+    return synthetic_batch(PRESETS["tiny"], 8, PRESETS["tiny"].seq, 0, 0)[0]

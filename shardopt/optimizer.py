@@ -198,6 +198,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Cumulative seconds per phase, for benchmarks (see phase_seconds()).
         self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)
 
+    @classmethod
+    def from_config(cls, params, config, **overrides) -> "ShardedOptimizer":
+        """Builds the optimizer a DeepSpeed config (dict or JSON path) describes.
+
+        Keyword arguments override the config (e.g. process_group=...). What each
+        key means, and which are refused: shardopt/ds_config.py.
+        """
+        from shardopt.ds_config import optimizer_arguments
+
+        params, kwargs = optimizer_arguments(params, config, overrides)
+        return cls(params, **kwargs)
+
     # ----------------------------------------------------------------- setup
     def _check_params(self) -> None:
         first = self._params[0]

@@ -1,0 +1,135 @@
+"""Every data-parallel trainer the step benchmark compares, behind one small interface.
+
+A `Trainer` is three callables (forward, backward, step) around one copy of
+the model, so the benchmark loop times every library the same way. Each
+builder starts from the same seed, so every variant starts from the same
+weights; `step` includes the library's zero_grad. AdamW(lr=1e-3,
+weight_decay=0.1) everywhere, `fused=True` wherever the library lets us pass
+torch's optimizer; the offload variants use their library's own CPU Adam.
+Nothing clips gradients (DeepSpeed clips at 1.0 unless told
+`gradient_clipping: 0`).
+
+Peers that are not installed, or fail to build, raise; the caller reports
+the error in the table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+import torch
+
+LR, WD = 1e-3, 0.1
+
+# name -> builder kind. Order = table order.
+VARIANTS = {
+    "DDP + AdamW(fused)": "ddp",
+    "torch ZeroRedundancyOptimizer": "torch-zero",
+    "FSDP2 (fully_shard)": "fsdp2",
+    "DeepSpeed ZeRO-2": "deepspeed",
+    "DeepSpeed ZeRO-2 + CPU Adam offload": "deepspeed-offload",
+    "FairScale OSS + ShardedDDP": "fairscale",
+    "FairScale, zero_grad(set_to_none=False)": "fairscale-keep",
+    "shardopt ZeRO-1": "shardopt-1",
+    "shardopt ZeRO-2": "shardopt-2",
+    "shardopt ZeRO-2 + offload": "shardopt-2-offload",
+}
+
+
+@dataclasses.dataclass
+class Trainer:
+    forward: Callable
+    backward: Callable
+    step: Callable
+    keep: tuple = ()
+    """Objects that must stay alive (wrappers, engines)."""
+
+
+def _model(cfg):
+    from shardopt.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+
+
+def _torch_style(wrapper, opt, set_to_none=True) -> Trainer:
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return Trainer(wrapper, lambda loss: loss.backward(), step, (wrapper, opt))
+
+
+def _deepspeed(model, bucket: int, batch: int, offload: bool) -> Trainer:
+    # DeepSpeed asks for launcher variables even when the process group exists.
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    import deepspeed
+    import torch.distributed as dist
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = {
+        "train_micro_batch_size_per_gpu": batch, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "overlap_comm": True, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,
+    }
+    opt = None
+    if offload:  # DeepSpeed requires its own CPU Adam with optimizer offload
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+    else:
+        opt = _adamw(model.parameters())
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+    return Trainer(engine, engine.backward, engine.step, (engine,))
+
+
+def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
+    """One variant on a fresh copy of the model (rank 0's weights, as every library broadcasts them)."""
+    model = _model(cfg)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return _torch_style(DDP(model), _adamw(model.parameters()))
+    if kind == "torch-zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+                                      weight_decay=WD, fused=True)
+        return _torch_style(DDP(model), opt)
+    if kind == "fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return _torch_style(model, _adamw(model.parameters()))
+    if kind in ("deepspeed", "deepspeed-offload"):
+        return _deepspeed(model, bucket, batch, offload=kind == "deepspeed-offload")
+    if kind in ("fairscale", "fairscale-keep"):
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        from fairscale.optim.oss import OSS
+
+        opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD, fused=True)
+        return _torch_style(ShardedDataParallel(model, opt), opt, set_to_none=kind == "fairscale")
+    if kind.startswith("shardopt-"):
+        import shardopt
+
+        stage = int(kind.split("-")[1])
+        if kind.endswith("offload"):
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.CPUAdam, lr=LR, weight_decay=WD,
+                                            adamw=True, stage=stage, offload="cpu")
+        else:
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
+                                            fused=True, stage=stage)
+        return _torch_style(shardopt.ShardedDDP(model, opt), opt)
+    raise ValueError(f"unknown variant kind {kind!r}")

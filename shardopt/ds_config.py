@@ -1,0 +1,476 @@
+"""DeepSpeed JSON config -> ShardedOptimizer arguments (pure translation, no process group).
+
+`ShardedOptimizer.from_config(params, config)` calls `optimizer_arguments`. The
+translation follows what DeepSpeed 0.19 *does* with each key (read from its
+runtime/config.py, runtime/engine.py and runtime/zero/), not only what its docs
+say, so a run moved from DeepSpeed trains the same way.
+
+Note [DeepSpeed keys: translated, accepted, refused]
+----------------------------------------------------
+Every key of the config falls in one of three classes; anything else is
+refused, and all refused keys are reported together in one error (a user
+fixing a config should not discover problems one run at a time):
+
+* translated: `zero_optimization` (stage, bucket sizes, overlap_comm, optimizer
+  offload), `optimizer`, `gradient_clipping`, `fp16`, `bf16`,
+  `communication_data_type`;
+* accepted without effect, because shardopt always behaves that way or the key
+  only concerns DeepSpeed's own bookkeeping: e.g. `contiguous_gradients` (our
+  gradients are always in one flat buffer), `prescale_gradients` (we always
+  divide before reducing), stage-3-only keys when stage is 1 or 2 (DeepSpeed
+  ignores them too), `zero_allow_untested_optimizer`, `steps_per_print`;
+* training-loop keys, accepted and ignored: `train_batch_size`,
+  `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`. They belong
+  to the loop, not to the optimizer: shardopt does not own the data loader and
+  does not divide the loss. Refusing them would force users to keep two config
+  files; ignoring them silently could hide that DeepSpeed used to accumulate
+  for them, so `gradient_accumulation_steps > 1` warns, naming what the loop
+  must now do (`with model.no_sync()` on all but the last micro-batch, loss
+  divided by the number of micro-batches).
+
+"auto" values (filled in by the Hugging Face Trainer / Accelerate integration)
+are refused with a hint: this translation cannot know the Trainer's arguments.
+
+Note [DeepSpeed defaults that change results]
+---------------------------------------------
+Where a key is absent, DeepSpeed's default is used when it changes the
+numbers, so that the same config means the same training:
+* `gradient_clipping` absent -> clip at 1.0 (GRADIENT_CLIPPING_DEFAULT = 1.0 in
+  deepspeed/runtime/constants.py). Set `"gradient_clipping": 0` for none.
+* optimizer "Adam" -> AdamW: DeepSpeed's `adam_w_mode` defaults to true, so
+  "Adam" means decoupled weight decay unless `"adam_w_mode": false`.
+* `weight_decay` absent -> 0.0 (DeepSpeed's FusedAdam and CPUAdam default;
+  torch.optim.AdamW's default is 0.01). Except with `"torch_adam": true`,
+  where DeepSpeed builds torch's class and so gets torch's default.
+* `communication_data_type` absent with fp16/bf16 -> reduce in that dtype, as
+  DeepSpeed does; say "fp32" to reduce in fp32.
+Bucket sizes and overlap_comm only change speed and memory; when absent,
+shardopt's own defaults apply (Note [Default bucket sizes] in config.py), not
+DeepSpeed's 5e8-element single bucket.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+
+# Keys whose value is irrelevant to shardopt (see Note [DeepSpeed keys: ...]).
+_TOP_NO_EFFECT = {
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown",
+    "memory_breakdown", "prescale_gradients",
+}
+_LOOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_ZERO_NO_EFFECT = {
+    "contiguous_gradients", "ignore_unused_parameters", "round_robin_gradients", "elastic_checkpoint",
+    "load_from_fp32_weights", "sub_group_size",
+}
+# Accepted only at the value that describes what shardopt does.
+_ZERO_ONLY_VALUE = {"reduce_scatter": True, "allgather_partitions": True, "zero_hpz_partition_size": 1,
+                    "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+                    "zero_quantized_gradients": False}
+_HINTS = {
+    "scheduler": "use a torch.optim.lr_scheduler on the ShardedOptimizer (its param_groups work as torch's)",
+    "activation_checkpointing": "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model",
+    "amp": "use \"bf16\" or \"fp16\"",
+    "gradient_predivide_factor": "shardopt always divides by the world size before reducing; remove the key",
+}
+_ELEMENTWISE_TORCH = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
+_TRANSLATED = ("zero_optimization", "optimizer", "fp16", "bf16", "bfloat16", "communication_data_type",
+               "gradient_clipping")
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DS_GRADIENT_CLIPPING_DEFAULT = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """What a DeepSpeed config means for a ShardedOptimizer."""
+
+    optim: type | None
+    """The inner torch optimizer class; None when the config has no "optimizer" block."""
+    optim_kwargs: dict
+    """Its hyper-parameters (lr, betas, ...)."""
+    kwargs: dict
+    """ShardedOptimizer keyword arguments, only those that differ from its defaults (so a plain fp32
+    config builds on any version of the API). `loss_scale`, when fp16 is dynamic, is the dict of
+    shardopt.LossScaleConfig fields (this module stays importable without it)."""
+    param_dtype: torch.dtype | None
+    """torch.bfloat16 / torch.float16 when the config enables bf16 / fp16: the model's parameters must
+    already have that dtype. None: fp32."""
+    ignored: tuple[str, ...]
+    """Keys accepted without effect on the optimizer (training-loop keys and no-op keys)."""
+    gradient_accumulation_steps: int = 1
+    """The config's accumulation, which the training loop must now do itself."""
+
+
+def load_config(config) -> dict:
+    """A DeepSpeed config given as a dict (copied) or a path to a JSON file."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                out = json.load(f)
+        except OSError as e:
+            raise FileNotFoundError(f"cannot read DeepSpeed config '{config}': {e.strerror}") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"DeepSpeed config '{config}' is not valid JSON: {e}") from e
+        if not isinstance(out, dict):
+            raise ValueError(f"DeepSpeed config '{config}' must hold a JSON object, got {type(out).__name__}")
+        return out
+    raise TypeError(f"config must be a dict or the path of a DeepSpeed JSON file, got {type(config).__name__}")
+
+
+def _auto_paths(node, path="") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _auto_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _auto_paths(v, f"{path}[{i}]")]
+    return [path] if _is_auto(node) else []
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+class _Reader:
+    """Collects translated values and every problem, so one error can list them all."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+        self.ignored: list[str] = []
+
+    def refuse(self, path: str, value: Any, why: str) -> None:
+        if _is_auto(value):
+            return  # reported once, with every other "auto", by translate()
+        shown = json.dumps(value, default=str)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        self.problems.append(f"  {path} = {shown}: {why}")
+
+    def whole(self, path: str, value, minimum: int = 1):
+        """A whole number (JSON floats such as 2e8 included), or None after recording a problem."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+                or value < minimum:
+            self.refuse(path, value, f"must be a whole number >= {minimum}")
+            return None
+        return int(value)
+
+    def flag(self, path: str, value):
+        if not isinstance(value, bool):
+            self.refuse(path, value, "must be true or false")
+            return None
+        return value
+
+
+def _zero(r: _Reader, z: dict, out: dict) -> str:
+    """zero_optimization -> stage, buckets, overlap, offload. Returns the offload device."""
+    if not isinstance(z, dict):
+        r.refuse("zero_optimization", z, "must be an object")
+        return "none"
+    stage = z.get("stage", 0)
+    if stage in (1, 2) and not isinstance(stage, bool):
+        out["stage"] = stage
+    elif stage == 0:
+        r.refuse("zero_optimization.stage", stage, "stage 0 is plain data parallelism: use torch's "
+                 "DistributedDataParallel, or set stage 1 or 2")
+    elif stage == 3:
+        r.refuse("zero_optimization.stage", stage, "parameter sharding (stage 3) is not supported: use stage 2, "
+                 "or torch FSDP2 (torch.distributed.fsdp.fully_shard)")
+    else:
+        r.refuse("zero_optimization.stage", stage, "must be 1 or 2")
+    offload, pin = "none", None
+    for key, value in z.items():
+        path = f"zero_optimization.{key}"
+        if key == "stage":
+            continue
+        if key in ("reduce_bucket_size", "allgather_bucket_size"):
+            n = r.whole(path, value)
+            if n is not None:
+                out[key] = n
+        elif key == "overlap_comm":
+            if r.flag(path, value) is not None:
+                out[key] = value
+        elif key == "offload_optimizer":
+            offload, pin = _offload(r, path, value, offload, pin)
+        elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer.device = "cpu"
+            if r.flag(path, value):
+                offload = "cpu"
+        elif key == "cpu_offload_use_pin_memory":
+            if r.flag(path, value) is not None:
+                pin = value
+        elif key == "offload_param" or key == "cpu_offload_param" or key.startswith("stage3_") \
+                or key in ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                           "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save"):
+            # ZeRO-3 only; DeepSpeed ignores them at stages 1 and 2, and stage 3 is refused above.
+            r.ignored.append(path)
+        elif key in _ZERO_NO_EFFECT:
+            r.ignored.append(path)
+        elif key in _ZERO_ONLY_VALUE:
+            if value != _ZERO_ONLY_VALUE[key] or type(value) is not type(_ZERO_ONLY_VALUE[key]):
+                r.refuse(path, value, f"not supported; only {json.dumps(_ZERO_ONLY_VALUE[key])} "
+                         "(what shardopt always does)")
+        else:
+            r.refuse(path, value, "not supported by shardopt; remove it")
+    if offload == "cpu":
+        out["offload"] = "cpu"
+        if pin is not None:
+            out["pin_memory"] = pin
+    return offload
+
+
+def _offload(r: _Reader, path: str, value, offload, pin):
+    if value is None:
+        return offload, pin
+    if not isinstance(value, dict):
+        r.refuse(path, value, "must be an object like {\"device\": \"cpu\", \"pin_memory\": true}")
+        return offload, pin
+    for key, v in value.items():
+        sub = f"{path}.{key}"
+        if key == "device":
+            if v in ("none", "cpu"):
+                offload = v
+            else:
+                r.refuse(sub, v, "only \"cpu\" or \"none\" (NVMe offload is not supported)")
+        elif key == "pin_memory":
+            if r.flag(sub, v) is not None:
+                pin = v
+        elif key == "nvme_path" and v is None:
+            continue
+        elif key in ("buffer_count", "fast_init", "pipeline_read", "pipeline_write", "ratio"):
+            # DeepSpeed's NVMe and partial-offload tuning: only meaningful with device "nvme" / ratio < 1.
+            if key == "ratio" and v != 1.0:
+                r.refuse(sub, v, "partial offload is not supported; only 1.0")
+            else:
+                r.ignored.append(sub)
+        else:
+            r.refuse(sub, v, "not supported by shardopt; remove it")
+    return offload, pin
+
+
+def _optimizer(r: _Reader, spec, offload: str):
+    """optimizer -> (class, kwargs). See Note [DeepSpeed defaults that change results]."""
+    from shardopt.cpu_adam import CPUAdam
+
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        r.refuse("optimizer", spec, "must be an object with a \"type\" string and \"params\"")
+        return None, {}
+    for key, v in spec.items():
+        if key not in ("type", "params") and not (key == "legacy_fusion" and v is False):
+            r.refuse(f"optimizer.{key}", v, "not supported by shardopt; remove it")
+    name = spec["type"]
+    params = spec.get("params", {}) or {}
+    if not isinstance(params, dict):
+        r.refuse("optimizer.params", params, "must be an object")
+        return None, {}
+    params = dict(params)
+    if "max_grad_norm" in params:
+        r.refuse("optimizer.params.max_grad_norm", params.pop("max_grad_norm"),
+                 "DeepSpeed refuses it too: use the top-level \"gradient_clipping\"")
+    if params.get("betas") is not None:
+        params["betas"] = tuple(params["betas"])
+    if name.lower() in ("adam", "adamw"):
+        adam_w_mode = params.pop("adam_w_mode", True)
+        adamw = name.lower() == "adamw" or bool(adam_w_mode)  # DeepSpeed: "Adam" means AdamW by default
+        torch_adam = bool(params.pop("torch_adam", False))
+        if params.pop("fp32_optimizer_states", True) is not True:
+            r.refuse("optimizer.params.fp32_optimizer_states", False, "optimizer state is always fp32")
+        if torch_adam:  # DeepSpeed builds torch's class, with torch's defaults
+            return (torch.optim.AdamW if adamw else torch.optim.Adam), params
+        params.setdefault("weight_decay", 0.0)
+        if offload == "cpu":
+            return CPUAdam, {**params, "adamw": adamw}
+        if params.pop("bias_correction", True) is not True:
+            r.refuse("optimizer.params.bias_correction", False,
+                     "torch's Adam always corrects bias; only supported with offload_optimizer.device = \"cpu\"")
+        return (torch.optim.AdamW if adamw else torch.optim.Adam), params
+    if name.lower() == "adagrad":
+        return torch.optim.Adagrad, params
+    if name in _ELEMENTWISE_TORCH:  # DeepSpeed: getattr(torch.optim, type) for types it does not know
+        return getattr(torch.optim, name), params
+    r.refuse("optimizer.type", name, "shardopt runs Adam, AdamW, Adagrad or an elementwise torch.optim "
+             f"class ({', '.join(_ELEMENTWISE_TORCH)}); for others drop the \"optimizer\" block and pass "
+             "optim=<class> and its keyword arguments to from_config")
+    return None, {}
+
+
+def _precision(r: _Reader, config: dict, out: dict):
+    """fp16 / bf16 / communication_data_type -> param dtype, loss scaling, reduce dtype."""
+    fp16 = config.get("fp16") or {}
+    bf16 = config.get("bf16", config.get("bfloat16")) or {}
+    for name, block in (("fp16", fp16), ("bf16", bf16)):
+        if not isinstance(block, dict):
+            r.refuse(name, block, "must be an object like {\"enabled\": true}")
+    fp16 = fp16 if isinstance(fp16, dict) else {}
+    bf16 = bf16 if isinstance(bf16, dict) else {}
+    for name in ("fp16", "bf16", "bfloat16"):
+        if isinstance(config.get(name), dict) and config[name].get("enabled", False) is False:
+            r.ignored.append(name)  # DeepSpeed ignores a disabled block's other keys too
+    dtype = None
+    if fp16.get("enabled") is True and bf16.get("enabled") is True:
+        r.refuse("fp16.enabled / bf16.enabled", True, "enable at most one of them")
+    elif fp16.get("enabled") is True:
+        dtype = torch.float16
+        out["loss_scale"] = _loss_scale(r, fp16)
+    elif bf16.get("enabled") is True:
+        dtype = torch.bfloat16
+        bf_name = "bf16" if "bf16" in config else "bfloat16"
+        for key, v in bf16.items():
+            ok = {"enabled": True, "immediate_grad_update": False, "check_grad_overflow": True,
+                  "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+            if key not in ok:
+                r.refuse(f"{bf_name}.{key}", v, "not supported by shardopt; remove it")
+            elif v != ok[key]:
+                why = {"check_grad_overflow": "shardopt always checks for inf/nan (nonfinite=\"skip\" or "
+                       "\"raise\"); remove the key"}.get(key, "master weights and optimizer state are always "
+                                                          "fp32 and gradients are applied at step()")
+                r.refuse(f"{bf_name}.{key}", v, why)
+    comm = config.get("communication_data_type")
+    if comm is not None:
+        if not isinstance(comm, str) or comm.lower() not in _COMM_DTYPES:
+            r.refuse("communication_data_type", comm, "must be \"fp32\", \"fp16\" or \"bf16\"")
+        elif _COMM_DTYPES[comm.lower()] is not torch.float32:  # fp32 is the default
+            out["reduce_dtype"] = _COMM_DTYPES[comm.lower()]
+    elif dtype is not None:  # DeepSpeed reduces in the model's dtype unless told otherwise
+        out["reduce_dtype"] = dtype
+    return dtype
+
+
+def _loss_scale(r: _Reader, fp16: dict):
+    known = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
+    for key, v in fp16.items():
+        if key in ("auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"):
+            if v is not False:
+                why = {"auto_cast": "cast inputs yourself (or use torch.autocast)"}.get(
+                    key, "not supported by shardopt")
+                r.refuse(f"fp16.{key}", v, why + "; only false")
+        elif key not in known:
+            r.refuse(f"fp16.{key}", v, "not supported by shardopt; remove it")
+    scale = fp16.get("loss_scale", 0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
+        r.refuse("fp16.loss_scale", scale, "must be 0 (dynamic) or a positive static scale")
+        return None
+    if scale > 0:
+        return float(scale)
+    power = r.whole("fp16.initial_scale_power", fp16.get("initial_scale_power", 16), minimum=0)
+    window = r.whole("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000))
+    hysteresis = r.whole("fp16.hysteresis", fp16.get("hysteresis", 2))
+    min_scale = fp16.get("min_loss_scale", 1)
+    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or min_scale <= 0:
+        r.refuse("fp16.min_loss_scale", min_scale, "must be > 0")
+        return None
+    if None in (power, window, hysteresis):
+        return None
+    # DeepSpeed's DynamicLossScaler doubles / halves (scale_factor 2).
+    return dict(init_scale=2.0 ** power, growth_factor=2.0, backoff_factor=0.5, growth_interval=window,
+                hysteresis=hysteresis, min_scale=float(min_scale), dynamic=True)
+
+
+def _clipping(r: _Reader, config: dict, out: dict) -> None:
+    clip = config.get("gradient_clipping", _DS_GRADIENT_CLIPPING_DEFAULT)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        r.refuse("gradient_clipping", clip, "must be a number >= 0 (0: no clipping)")
+    elif clip > 0:
+        out["max_grad_norm"] = float(clip)
+
+
+def translate(config) -> Translation:
+    """Translates a DeepSpeed config (dict or JSON path); raises one ValueError listing every problem."""
+    config = load_config(config)
+    r = _Reader()
+    out: dict = {}
+    offload = "none"
+    if "zero_optimization" in config:
+        offload = _zero(r, config["zero_optimization"], out)
+    else:
+        r.refuse("zero_optimization", None, "missing: add {\"stage\": 2} (or 1)")
+    optim, optim_kwargs = None, {}
+    if "optimizer" in config:
+        optim, optim_kwargs = _optimizer(r, config["optimizer"], offload)
+    dtype = _precision(r, config, out)
+    _clipping(r, config, out)
+    gas = 1
+    for key, value in config.items():
+        if key in _TRANSLATED:
+            continue
+        if key in _LOOP_KEYS:
+            r.ignored.append(key)
+            if key == "gradient_accumulation_steps" and isinstance(value, int) and not isinstance(value, bool):
+                gas = value
+        elif key in _TOP_NO_EFFECT or (key == "gradient_predivide_factor" and value == 1.0):
+            r.ignored.append(key)
+        else:
+            hint = _HINTS.get(key, "not supported by shardopt; remove it")
+            r.refuse(key, value, hint)
+    # "auto" only where the value matters: not in ignored or refused blocks.
+    autos = [a for a in _auto_paths({k: v for k, v in config.items() if k in _TRANSLATED})
+             if not any(a == i or a.startswith(i + ".") for i in r.ignored)]
+    if autos:
+        r.problems.insert(0, f"  {', '.join(autos)} = \"auto\": only the Hugging Face Trainer / Accelerate "
+                          "integration fills in \"auto\"; write the values (or pass the config the Trainer has "
+                          "filled in)")
+    if r.problems:
+        raise ValueError("this DeepSpeed config cannot be used as is:\n" + "\n".join(r.problems)
+                         + "\n(see Note [DeepSpeed keys: translated, accepted, refused] in shardopt/ds_config.py)")
+    return Translation(optim=optim, optim_kwargs=optim_kwargs, kwargs=out, param_dtype=dtype,
+                       ignored=tuple(r.ignored), gradient_accumulation_steps=gas)
+
+
+def _first_param(params: list):
+    for item in params:
+        for p in (item["params"] if isinstance(item, dict) else [item]):
+            if isinstance(p, torch.Tensor) and p.requires_grad:
+                return p
+    return None
+
+
+def optimizer_arguments(params, config, overrides: dict) -> tuple[list, dict]:
+    """(params as a list, ShardedOptimizer keyword arguments) for `from_config`.
+
+    `overrides` (from_config's keyword arguments) win over the config, e.g.
+    `process_group=...`, or `optim=...` with its kwargs when the config has no
+    "optimizer" block.
+    """
+    t = translate(config)
+    params = list(params)
+    p = _first_param(params)
+    want = t.param_dtype or torch.float32
+    if p is not None and p.dtype != want:
+        if t.param_dtype is not None:
+            raise TypeError(
+                f"the config enables {'bf16' if want is torch.bfloat16 else 'fp16'} but the parameters are "
+                f"{p.dtype}. DeepSpeed casts the model itself; shardopt does not own the model: call "
+                f"model.to({want}) before building the optimizer (it keeps fp32 master weights).")
+        raise TypeError(f"the parameters are {p.dtype} but the config enables neither \"bf16\" nor \"fp16\": add "
+                        f"{{\"{'bf16' if p.dtype is torch.bfloat16 else 'fp16'}\": {{\"enabled\": true}}}} to it, "
+                        "or train an fp32 model")
+    if t.gradient_accumulation_steps > 1:
+        warnings.warn(f"the config's gradient_accumulation_steps={t.gradient_accumulation_steps} is ignored: "
+                      "shardopt does not drive the loop. Accumulate yourself: run all but the last micro-batch "
+                      "under `with model.no_sync():`, divide each loss by the number of micro-batches, and "
+                      "call step() once per accumulation.", stacklevel=3)
+    kwargs = dict(t.kwargs)
+    if "loss_scale" in kwargs and isinstance(kwargs["loss_scale"], dict):
+        kwargs["loss_scale"] = _loss_scale_config(kwargs["loss_scale"])
+    if t.optim is not None:
+        kwargs["optim"] = t.optim
+        kwargs.update(t.optim_kwargs)
+    elif "optim" not in overrides:
+        raise ValueError("the config has no \"optimizer\" block: add one (e.g. {\"type\": \"AdamW\", \"params\": "
+                         "{\"lr\": 3e-4}}), or pass optim=<torch optimizer class> and its keyword arguments to "
+                         "from_config")
+    kwargs.update(overrides)
+    return params, kwargs
+
+
+def _loss_scale_config(fields: dict):
+    import shardopt
+
+    cls = getattr(shardopt, "LossScaleConfig", None)
+    if cls is None:
+        raise NotImplementedError("this config enables fp16 loss scaling, which needs shardopt.LossScaleConfig "
+                                  "(mixed precision, issue 5); this build does not have it yet")
+    return cls(**fields)

@@ -1,0 +1,212 @@
+"""Memory per rank of a ShardedOptimizer before building one: pure arithmetic on the real layout.
+
+The estimate plans the same flat layout the optimizer would (`plan_layout`,
+same bucket sizes, same padding) and counts what `ShardedOptimizer.memory_stats()`
+counts, under the same names:
+
+    params           the flat parameter buffer: every trainable element plus the
+                     padding of each region's last bucket, in the model's dtype
+    grads            stage 2: this rank's gradient chunks (fp32); stage 1: also the
+                     full-size flat gradient buffer (model dtype)
+    optimizer_state  state tensors of the inner optimizer over this rank's pieces
+                     (padding has no state; fp32); e.g. 2 per element for Adam
+    staging          stage 2: min(num_staging_buffers, buckets) bucket-sized buffers
+    master           fp32 master chunks, when they are not the parameters themselves
+                     (bf16/fp16 parameters, or offload="cpu")
+
+Model states only, as DeepSpeed's estimate_zero2_model_states_mem_needs:
+activations, the allocator's slack and the framework itself come on top.
+
+Note [Estimate for mixed precision and offload]
+-----------------------------------------------
+fp32 without offload is what ShardedOptimizer implements today, and the
+tests check it against memory_stats(). bf16/fp16 parameters and offload="cpu"
+follow the issue-5 design (shardopt/optimizer.py module docs once merged):
+fp32 master chunks of this rank's shard; master chunks and optimizer state on
+the host with offload; gradient chunks and staging buffers in fp32 (the
+reduce dtype by default). If that implementation accounts differently, change
+`estimate` and re-run tests/test_estimate.py against it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from shardopt.config import auto_bucket_size
+from shardopt.layout import plan_layout
+
+# Optimizer state elements per parameter element (tensors with more than one element, which is what
+# memory_stats() counts: scalar step counters are left out).
+STATE_PER_ELEMENT = {
+    "adamw": 2, "adam": 2, "cpuadam": 2, "adamax": 2, "nadam": 2, "radam": 2, "adadelta": 2,
+    "sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateConfig:
+    """The ShardedOptimizer settings an estimate is for."""
+
+    world_size: int = 2
+    """Ranks the state is sharded over."""
+    stage: int = 2
+    """1: full gradients on every rank; 2: gradient chunks only."""
+    offload: str = "none"
+    """"cpu": master chunks and optimizer state on the host."""
+    param_dtype: torch.dtype = torch.float32
+    """The model's parameter dtype."""
+    optimizer: str = "adamw"
+    """A key of STATE_PER_ELEMENT."""
+    reduce_bucket_size: int | None = None
+    """As ShardedOptimizer's; None: the default (auto_bucket_size)."""
+    allgather_bucket_size: int | None = None
+    """As ShardedOptimizer's (it does not change memory; kept so a layout can be rebuilt exactly)."""
+    num_staging_buffers: int = 2
+    """As ShardedOptimizer's."""
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {self.stage}")
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
+        if self.optimizer not in STATE_PER_ELEMENT:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; one of {', '.join(STATE_PER_ELEMENT)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds; keys as ShardedOptimizer.memory_stats()."""
+
+    params: int
+    """Flat parameter buffer (model dtype, padding included)."""
+    grads: int
+    """Gradient chunks, plus the full flat gradient buffer at stage 1."""
+    optimizer_state: int
+    """Inner optimizer state over this rank's pieces."""
+    staging: int
+    """Stage-2 bucket staging buffers."""
+    master: int
+    """fp32 master chunks separate from the parameters (0 for fp32 without offload)."""
+    host: int
+    """How many of the bytes above live on the host because of offload="cpu"."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.staging + self.master
+
+    def as_stats(self) -> dict:
+        """The memory_stats() keys (master only when there is one)."""
+        out = {"params": self.params, "grads": self.grads, "optimizer_state": self.optimizer_state,
+               "staging": self.staging}
+        if self.master:
+            out["master"] = self.master
+        return out
+
+
+Shapes = Sequence[tuple[str, tuple[int, ...]]]
+
+
+def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
+    """Memory per rank for trainable parameters `shapes` (one param group) under `cfg`."""
+    total = sum(math.prod(s) for _, s in shapes)
+    if total == 0:
+        raise ValueError("the model has no trainable parameters")
+    rbs = cfg.reduce_bucket_size or auto_bucket_size(total)
+    layout = plan_layout([list(shapes)], cfg.world_size, rbs, cfg.allgather_bucket_size or rbs)
+    pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
+    shard = layout.shard_numel()
+    # Rank 0 has the most state: later ranks' chunks hold the padding at the end of the region.
+    pieces = [pc.numel for pc in layout.pieces(0) if pc.numel > 1]
+    state = STATE_PER_ELEMENT[cfg.optimizer] * sum(pieces) * 4
+    grads = shard * 4 + (layout.total_numel * pbytes if cfg.stage == 1 else 0)
+    staging = 0
+    if cfg.stage == 2:
+        staging = min(cfg.num_staging_buffers, len(layout.buckets)) * max(b.numel for b in layout.buckets) * 4
+    separate_master = cfg.param_dtype != torch.float32 or cfg.offload == "cpu"
+    master = shard * 4 if separate_master else 0
+    host = master + state if cfg.offload == "cpu" else 0
+    return MemoryEstimate(params=layout.total_numel * pbytes, grads=grads, optimizer_state=state,
+                          staging=staging, master=master, host=host)
+
+
+def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> MemoryEstimate:
+    """DDP + the same torch optimizer, for comparison: full parameters, gradients and state on every rank
+    (plus fp32 master weights for bf16/fp16 parameters, as mixed-precision training keeps them)."""
+    total = sum(math.prod(s) for _, s in shapes)
+    pbytes = torch.empty((), dtype=param_dtype).element_size()
+    master = total * 4 if param_dtype != torch.float32 else 0
+    return MemoryEstimate(params=total * pbytes, grads=total * pbytes,
+                          optimizer_state=STATE_PER_ELEMENT[optimizer] * total * 4, staging=0, master=master,
+                          host=0)
+
+
+def trainable_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each trainable parameter, tied ones once, in registration order."""
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
+    """`package.module:callable` -> the callable (it must build the model with no arguments)."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"expected 'module:factory' (e.g. 'mypkg.models:build_model'), got {spec!r}")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"cannot import module '{module}' of '{spec}': {e}. Run from the directory that "
+                          "contains it, or add it to PYTHONPATH") from e
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"module '{module}' has no attribute '{attr}' (from '{spec}')")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"'{spec}' is not callable: it must be a function or class that builds the model")
+    return obj
+
+
+def meta_model(spec: str) -> torch.nn.Module:
+    """Builds the model of `spec` on the meta device (shapes only, no memory)."""
+    factory = load_factory(spec)
+    with torch.device("meta"):
+        try:
+            model = factory()
+        except Exception as e:
+            raise RuntimeError(f"building the model with {spec}() failed ({type(e).__name__}: {e}); the factory "
+                               "must build the model with no arguments (wrap it in a function that does)") from e
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"'{spec}' returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}" if n < 10 * 2**30 else f"{n / 2**30:.1f}"
+
+
+def format_table(num_params: int, rows: Sequence[tuple[EstimateConfig, MemoryEstimate]],
+                 ddp: MemoryEstimate | None = None) -> str:
+    """A DeepSpeed-style table: one row per configuration, GiB per rank."""
+    head = (f"Estimated memory per rank, GiB, for model states (parameters, gradients, optimizer state, "
+            f"buffers) of a model with {num_params:,} trainable parameters. Activations not included.\n")
+    cols = ("ws", "stage", "offload", "dtype", "params", "grads", "master", "opt state", "staging",
+            "device", "host", "total")
+    lines = [head, "  ".join(f"{c:>9}" for c in cols)]
+    names = {v: k for k, v in DTYPES.items()}
+
+    def line(label, cfg_cells, m):
+        vals = [m.params, m.grads, m.master, m.optimizer_state, m.staging, m.total - m.host, m.host, m.total]
+        lines.append("  ".join(f"{c:>9}" for c in cfg_cells) + "  " + "  ".join(f"{_gib(v):>9}" for v in vals)
+                     + (f"  {label}" if label else ""))
+
+    for cfg, m in rows:
+        line("", (cfg.world_size, cfg.stage, cfg.offload, names[cfg.param_dtype]), m)
+    if ddp is not None:
+        line("<- DDP + the same optimizer, any world size", ("any", "DDP", "none", ""), ddp)
+    return "\n".join(lines)

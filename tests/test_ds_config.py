@@ -1,0 +1,199 @@
+"""DeepSpeed config -> ShardedOptimizer: the translation as tables (no processes), then one 2-rank run
+built from a config against the same run built from keyword arguments.
+
+What each key means is decided in shardopt/ds_config.py (Note [DeepSpeed defaults that change
+results]); the expectations here were checked against DeepSpeed 0.19.8's source.
+"""
+import json
+
+import pytest
+import torch
+
+import shardopt
+from shardopt.ds_config import optimizer_arguments, translate
+from dist_harness import run_ranks
+from models import AwkwardNet, batch, uses_branch
+
+# A real config, verbatim: DeepSpeedExamples claude_tutorials/model_configs/gpt/gpt2_baseline.json
+# (commit a56a7261). Note "type": "Adam" and no adam_w_mode: DeepSpeed runs AdamW.
+GPT2_BASELINE = json.loads("""
+{
+  "train_batch_size": 512,
+  "train_micro_batch_size_per_gpu": 16,
+  "gradient_accumulation_steps": 4,
+  "gradient_clipping": 1.0,
+  "steps_per_print": 100,
+  "fp16": {"enabled": true, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+           "hysteresis": 2, "min_loss_scale": 1},
+  "zero_optimization": {"stage": 1, "reduce_bucket_size": 500000000, "allgather_bucket_size": 500000000},
+  "optimizer": {"type": "Adam", "params": {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 5e-5, "warmup_num_steps": 500}}
+}
+""")
+
+# Needs the issue-5 API (offload, mixed precision, max_grad_norm) in ShardedOptimizer.
+HAS_ISSUE5 = hasattr(shardopt, "LossScaleConfig")
+
+
+def _minimal(**top):
+    return {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "gradient_clipping": 0, **top}
+
+
+def test_real_config_translates_and_its_scheduler_is_refused_with_a_hint():
+    with pytest.raises(ValueError, match="scheduler.*torch.optim.lr_scheduler"):
+        translate(GPT2_BASELINE)
+    cfg = {k: v for k, v in GPT2_BASELINE.items() if k != "scheduler"}
+    t = translate(cfg)
+    assert t.optim is torch.optim.AdamW  # DeepSpeed's "Adam" with the default adam_w_mode=true
+    assert t.optim_kwargs == dict(lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    assert t.kwargs == dict(stage=1, reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
+                            reduce_dtype=torch.float16, max_grad_norm=1.0,
+                            loss_scale=dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
+                                            growth_interval=1000, hysteresis=2, min_scale=1.0, dynamic=True))
+    assert t.param_dtype is torch.float16
+    assert set(t.ignored) == {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                              "steps_per_print"}
+    assert t.gradient_accumulation_steps == 4
+
+
+@pytest.mark.parametrize("type_, params, expect_cls, expect_kw", [
+    ("Adam", {}, torch.optim.AdamW, {"weight_decay": 0.0}),                      # adam_w_mode defaults to true
+    ("adam", {"adam_w_mode": False}, torch.optim.Adam, {"weight_decay": 0.0}),   # explicit L2 Adam
+    ("AdamW", {"adam_w_mode": False}, torch.optim.AdamW, {"weight_decay": 0.0}),  # AdamW stays AdamW
+    ("AdamW", {"torch_adam": True}, torch.optim.AdamW, {}),                      # torch's class and defaults
+    ("Adagrad", {"lr": 0.1}, torch.optim.Adagrad, {"lr": 0.1}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9}, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+])
+def test_optimizer_types_mean_what_deepspeed_makes_of_them(type_, params, expect_cls, expect_kw):
+    t = translate(_minimal(optimizer={"type": type_, "params": params}))
+    assert (t.optim, t.optim_kwargs) == (expect_cls, expect_kw)
+
+
+def test_offload_and_clipping_and_precision_keys():
+    t = translate(_minimal(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                              "reduce_bucket_size": 2e8, "overlap_comm": False,
+                                              "contiguous_gradients": True}))
+    assert t.optim is shardopt.CPUAdam and t.optim_kwargs == {"lr": 1e-3, "weight_decay": 0.0, "adamw": True}
+    assert t.kwargs == dict(stage=2, offload="cpu", pin_memory=False, reduce_bucket_size=200_000_000,
+                            overlap_comm=False)
+    # gradient_clipping: DeepSpeed clips at 1.0 when the key is absent; 0 means none.
+    cfg = _minimal()
+    del cfg["gradient_clipping"]
+    assert translate(cfg).kwargs["max_grad_norm"] == 1.0
+    assert "max_grad_norm" not in translate(_minimal()).kwargs
+    # bf16: reduce in bf16 (DeepSpeed's default) unless communication_data_type says otherwise.
+    t = translate(_minimal(bf16={"enabled": True}))
+    assert t.param_dtype is torch.bfloat16 and t.kwargs["reduce_dtype"] is torch.bfloat16
+    assert "loss_scale" not in t.kwargs
+    t = translate(_minimal(bf16={"enabled": True}, communication_data_type="fp32"))
+    assert "reduce_dtype" not in t.kwargs  # fp32 is ShardedOptimizer's default
+    assert translate(_minimal(fp16={"enabled": True, "loss_scale": 128})).kwargs["loss_scale"] == 128.0
+    # A disabled block's other keys do not matter (DeepSpeed ignores them too), not even "auto".
+    assert translate(_minimal(fp16={"enabled": False, "auto_cast": True, "loss_scale": "auto"})).param_dtype is None
+    assert "gradient_predivide_factor" in translate(_minimal(gradient_predivide_factor=1.0)).ignored
+
+
+def test_every_unsupported_key_and_auto_value_in_one_error():
+    cfg = _minimal(zero_optimization={"stage": 2, "reduce_scatter": False, "zero_quantized_gradients": True,
+                                      "offload_optimizer": {"device": "nvme"}, "reduce_bucket_size": "auto",
+                                      "stage3_prefetch_bucket_size": "auto"},  # ignored at stage 2: no complaint
+                   optimizer={"type": "Lamb", "params": {"lr": "auto"}}, gradient_clipping="auto",
+                   flops_profiler={"enabled": True}, fp16={"enabled": True, "consecutive_hysteresis": True})
+    with pytest.raises(ValueError) as e:
+        translate(cfg)
+    msg = str(e.value)
+    for needle in ("zero_optimization.reduce_scatter", "zero_optimization.zero_quantized_gradients",
+                   "offload_optimizer.device", "NVMe", "optimizer.type", "Lamb", "flops_profiler",
+                   "fp16.consecutive_hysteresis", "zero_optimization.reduce_bucket_size, optimizer.params.lr, "
+                   "gradient_clipping = \"auto\"", "Hugging Face"):
+        assert needle in msg, needle
+    assert "stage3_prefetch_bucket_size" not in msg
+    assert msg.count("\n  ") == 7  # one line per problem, the "auto" values together
+
+
+@pytest.mark.parametrize("zero, needle", [({"stage": 3}, "FSDP2"), ({"stage": 0}, "DistributedDataParallel"),
+                                          ({"stage": 2, "reduce_bucket_size": 0}, "whole number >= 1")])
+def test_bad_zero_values_name_the_fix(zero, needle):
+    with pytest.raises(ValueError, match=needle):
+        translate(_minimal(zero_optimization=zero))
+
+
+def test_json_path_dtype_checks_and_accumulation_warning(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_minimal(gradient_accumulation_steps=8)))
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.warns(UserWarning, match="no_sync"):
+        _, kw = optimizer_arguments(params, str(path), {"lr": 0.5})
+    assert kw == dict(stage=2, optim=torch.optim.AdamW, lr=0.5, weight_decay=0.0)  # overrides win
+    (tmp_path / "bad.json").write_text("{\"stage\": ")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        translate(str(tmp_path / "bad.json"))
+    with pytest.raises(TypeError, match=r"model.to\(torch.bfloat16\)"):
+        optimizer_arguments(params, _minimal(bf16={"enabled": True}), {})
+    with pytest.raises(TypeError, match="enables neither"):
+        optimizer_arguments([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], _minimal(), {})
+    no_opt = _minimal()
+    del no_opt["optimizer"]
+    with pytest.raises(ValueError, match="optim=<torch optimizer class>"):
+        optimizer_arguments(params, no_opt, {})
+
+
+# --------------------------------------------------------------- 2-rank parity
+def _run_both(rank, world_size, config, kwargs, steps=4):
+    """Trains AwkwardNet once from the config and once from kwargs; returns both losses and params."""
+    import copy
+
+    torch.manual_seed(0)
+    base = AwkwardNet()
+    out = []
+    for build in ("config", "kwargs"):
+        model = copy.deepcopy(base)
+        if build == "config":
+            opt = shardopt.ShardedOptimizer.from_config(model.parameters(), config)
+        else:
+            opt = shardopt.ShardedOptimizer(model.parameters(), **kwargs)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        losses = []
+        for step in range(steps):
+            x, y = batch(step, rank)
+            loss = torch.nn.functional.cross_entropy(wrapper(x, uses_branch(step, rank)).reshape(-1, 37),
+                                                     y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append((losses, [p.detach().clone() for p in model.parameters()],
+                    type(opt.inner).__name__, opt.layout.bucket_numel, opt.config.stage))
+    return out
+
+
+def _assert_same(results):
+    for (c_losses, c_params, *c_meta), (k_losses, k_params, *k_meta) in results:
+        assert c_meta == k_meta
+        assert c_losses == k_losses
+        assert all(torch.equal(a, b) for a, b in zip(c_params, k_params))
+
+
+def test_config_run_matches_kwargs_run():
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 500,
+                                    "overlap_comm": True, "contiguous_gradients": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.8, 0.99]}}}
+    kwargs = dict(optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), stage=2,
+                  reduce_bucket_size=1000, allgather_bucket_size=500, overlap_comm=True)
+    results = run_ranks(_run_both, 2, config, kwargs)
+    _assert_same(results)
+    assert results[0][0][2] == "AdamW" and results[0][0][4] == 2
+
+
+# Run these after the issue-5 API (max_grad_norm, offload, bf16 master weights) is merged.
+@pytest.mark.skipif(not HAS_ISSUE5, reason="needs the issue-5 API (shardopt.LossScaleConfig etc.)")
+def test_issue5_config_run_with_clipping_and_offload_matches_kwargs_run():
+    config = {"gradient_clipping": 0.5,
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    kwargs = dict(optim=shardopt.CPUAdam, lr=1e-2, weight_decay=0.1, adamw=True, stage=2, reduce_bucket_size=1000,
+                  offload="cpu", pin_memory=False, max_grad_norm=0.5)
+    _assert_same(run_ranks(_run_both, 2, config, kwargs))

@@ -1,0 +1,79 @@
+"""shardopt.estimate against what a real ShardedOptimizer holds (memory_stats()), world sizes 1-3,
+stages 1-2, on models whose sizes do not divide evenly (padding, straddling buckets, tied and frozen
+parameters). The issue asks for 10%; fp32 without offload should be exact."""
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from models import AwkwardNet, batch
+from shardopt.estimate import EstimateConfig, estimate, estimate_ddp, meta_model, trainable_shapes
+from shardopt.gpt import num_params, small_model
+
+TOLERANCE = 0.10
+
+
+def _measure(rank, world_size):
+    import shardopt
+    from shardopt.gpt import example_batch, tiny_model
+
+    out = []
+    cases = [("awkward", AwkwardNet, rbs) for rbs in (None, 1000)] + [("gpt-tiny", tiny_model, 20_000)]
+    for name, factory, rbs in cases:
+        for stage in (1, 2):
+            torch.manual_seed(0)
+            model = factory()
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, stage=stage,
+                                            reduce_bucket_size=rbs)
+            wrapper = shardopt.ShardedDDP(model, opt)
+            if name == "awkward":
+                x, y = batch(0, rank)
+                out_ = wrapper(x, True)  # the branch too: every parameter gets a gradient, so all have state
+            else:
+                out_ = wrapper(example_batch())
+            out_.float().pow(2).mean().backward()
+            opt.step()
+            out.append((name, rbs, stage, trainable_shapes(model), opt.memory_stats()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_estimate_matches_memory_stats(world_size):
+    per_rank = run_ranks(_measure, world_size)
+    for i, (name, rbs, stage, shapes, _) in enumerate(per_rank[0]):
+        # The estimate is for the rank holding the most (rank 0: the padding sits in the last rank's chunk).
+        measured = {k: max(r[i][4][k] for r in per_rank) for k in per_rank[0][i][4]}
+        est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, reduce_bucket_size=rbs))
+        predicted = est.as_stats()
+        where = f"{name} rbs={rbs} stage={stage} ws={world_size}"
+        assert set(predicted) <= set(measured), where
+        for key, value in measured.items():
+            assert abs(predicted.get(key, 0) - value) <= TOLERANCE * max(value, 1), (where, key, predicted, measured)
+        assert abs(est.total - sum(measured.values())) <= TOLERANCE * sum(measured.values()), where
+
+
+def test_meta_model_and_arithmetic():
+    # Built on the meta device: shapes only. Tied embedding/head counted once, as the optimizer does.
+    model = meta_model("shardopt.gpt:small_model")
+    assert next(model.parameters()).device.type == "meta"
+    shapes = trainable_shapes(model)
+    n = sum(torch.Size(s).numel() for _, s in shapes)
+    assert n == num_params(small_model())
+    ddp = estimate_ddp(shapes)
+    assert ddp.total == 16 * n  # fp32 AdamW: 4 + 4 + 8 bytes per parameter
+    # ZeRO-2 tends to 4 + 12/N bytes per parameter, plus staging; padding adds at most a bucket's alignment.
+    for ws in (2, 4, 8):
+        e = estimate(shapes, EstimateConfig(world_size=ws, stage=2))
+        ideal = (4 + 12 / ws) * n
+        assert 0 <= e.total - e.staging - ideal < 16 * 128 * ws
+    # bf16 with offload: master and state move to the host, the model keeps 2-byte parameters.
+    e = estimate(shapes, EstimateConfig(world_size=4, stage=2, offload="cpu", param_dtype=torch.bfloat16))
+    assert e.host == e.master + e.optimizer_state and e.params < 2 * n + 4 * 128 * 4
+
+
+def test_bad_estimate_input_names_the_fix():
+    with pytest.raises(ValueError, match="module:factory"):
+        meta_model("shardopt.gpt")
+    with pytest.raises(RuntimeError, match="no arguments"):
+        meta_model("shardopt.gpt:GPT")
+    with pytest.raises(ValueError, match="stage"):
+        EstimateConfig(stage=3)
