@@ -113,7 +113,7 @@ def _estimate(args) -> int:
                 cfg = est.EstimateConfig(world_size=ws, stage=stage, offload=offload, param_dtype=dtype,
                                          optimizer=args.optimizer, reduce_bucket_size=args.reduce_bucket_size,
                                          allgather_bucket_size=args.allgather_bucket_size,
-                                         num_staging_buffers=args.num_staging_buffers)
+                                         num_staging_buffers=args.num_staging_buffers, device=args.device)
                 rows.append((cfg, est.estimate(shapes, cfg)))
     print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
     return 0
@@ -154,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--reduce-bucket-size", type=parse_count, default=None)
     e.add_argument("--allgather-bucket-size", type=parse_count, default=None)
     e.add_argument("--num-staging-buffers", type=int, default=2)
+    e.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the model's device type")
 
     t = sub.add_parser("tune", help="time the model over a grid of bucket sizes and recommend one")
     t.add_argument("factory", help="module:factory that builds the model (no arguments)")

@@ -10,22 +10,28 @@ counts, under the same names:
                      full-size flat gradient buffer (model dtype)
     optimizer_state  state tensors of the inner optimizer over this rank's pieces
                      (padding has no state; fp32); e.g. 2 per element for Adam
-    staging          stage 2: min(num_staging_buffers, buckets) bucket-sized buffers
+    staging          the bucket engine's slots, min(num_staging_buffers, buckets) of
+                     them: a bucket-sized buffer in the reduce dtype when gradients
+                     are copied to be reduced (stage 2, or a dtype change), and a
+                     chunk-sized output buffer when results cannot land in the
+                     gradient shard directly (offload, or a reduce dtype other than fp32)
     master           fp32 master chunks, when they are not the parameters themselves
                      (bf16/fp16 parameters, or offload="cpu")
+    offloaded        with offload="cpu": master, gradient chunks and optimizer state
+    on_device        everything else (what stays with the model)
 
 Model states only, as DeepSpeed's estimate_zero2_model_states_mem_needs:
 activations, the allocator's slack and the framework itself come on top.
 
 Note [Estimate for mixed precision and offload]
 -----------------------------------------------
-fp32 without offload is what ShardedOptimizer implements today, and the
-tests check it against memory_stats(). bf16/fp16 parameters and offload="cpu"
-follow the issue-5 design (shardopt/optimizer.py module docs once merged):
-fp32 master chunks of this rank's shard; master chunks and optimizer state on
-the host with offload; gradient chunks and staging buffers in fp32 (the
-reduce dtype by default). If that implementation accounts differently, change
-`estimate` and re-run tests/test_estimate.py against it.
+As ShardedOptimizer allocates (Note [Master weights] in optimizer.py, Note
+[Bucket engine] in csrc/comm/bucket_engine.h): fp32 master chunks of this
+rank's shard for bf16/fp16 parameters or offload; master, gradient chunks and
+optimizer state on the host with offload; gradient chunks fp32, staging in the
+reduce dtype (fp32 by default). tests/test_estimate.py checks every case
+against memory_stats(). Not counted: the output buffers the engine adds when
+gradients accumulate over several backward passes without no_sync.
 """
 from __future__ import annotations
 
@@ -68,6 +74,12 @@ class EstimateConfig:
     """As ShardedOptimizer's (it does not change memory; kept so a layout can be rebuilt exactly)."""
     num_staging_buffers: int = 2
     """As ShardedOptimizer's."""
+    reduce_dtype: torch.dtype | None = None
+    """As ShardedOptimizer's (None: fp32, or the parameters' dtype if wider)."""
+    device: str = "cuda"
+    """The model's device type. With offload to a CPU model's host memory, reduced
+    gradients land in the (host) shard directly; from an accelerator they need an
+    output buffer per staging slot first."""
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -102,12 +114,10 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer_state + self.staging + self.master
 
     def as_stats(self) -> dict:
-        """The memory_stats() keys (master only when there is one)."""
-        out = {"params": self.params, "grads": self.grads, "optimizer_state": self.optimizer_state,
-               "staging": self.staging}
-        if self.master:
-            out["master"] = self.master
-        return out
+        """The memory_stats() keys."""
+        return {"params": self.params, "master": self.master, "grads": self.grads,
+                "optimizer_state": self.optimizer_state, "staging": self.staging, "offloaded": self.host,
+                "on_device": self.total - self.host}
 
 
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
@@ -126,12 +136,17 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     pieces = [pc.numel for pc in layout.pieces(0) if pc.numel > 1]
     state = STATE_PER_ELEMENT[cfg.optimizer] * sum(pieces) * 4
     grads = shard * 4 + (layout.total_numel * pbytes if cfg.stage == 1 else 0)
-    staging = 0
-    if cfg.stage == 2:
-        staging = min(cfg.num_staging_buffers, len(layout.buckets)) * max(b.numel for b in layout.buckets) * 4
-    separate_master = cfg.param_dtype != torch.float32 or cfg.offload == "cpu"
+    master_dtype = torch.float32 if cfg.param_dtype in (torch.bfloat16, torch.float16) else cfg.param_dtype
+    reduce_dtype = cfg.reduce_dtype or master_dtype
+    rbytes = torch.empty((), dtype=reduce_dtype).element_size()
+    slots = min(cfg.num_staging_buffers, len(layout.buckets))
+    biggest = max(b.numel for b in layout.buckets)
+    staged = cfg.stage == 2 or reduce_dtype != cfg.param_dtype
+    direct = reduce_dtype == master_dtype and (cfg.offload != "cpu" or cfg.device == "cpu")
+    staging = slots * ((biggest if staged else 0) + (0 if direct else biggest // cfg.world_size)) * rbytes
+    separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu"
     master = shard * 4 if separate_master else 0
-    host = master + state if cfg.offload == "cpu" else 0
+    host = master + shard * 4 + state if cfg.offload == "cpu" else 0
     return MemoryEstimate(params=layout.total_numel * pbytes, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host)
 

@@ -31,10 +31,6 @@ GPT2_BASELINE = json.loads("""
 }
 """)
 
-# Needs the issue-5 API (offload, mixed precision, max_grad_norm) in ShardedOptimizer.
-HAS_ISSUE5 = hasattr(shardopt, "LossScaleConfig")
-
-
 def _minimal(**top):
     return {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "gradient_clipping": 0, **top}
@@ -187,9 +183,7 @@ def test_config_run_matches_kwargs_run():
     assert results[0][0][2] == "AdamW" and results[0][0][4] == 2
 
 
-# Run these after the issue-5 API (max_grad_norm, offload, bf16 master weights) is merged.
-@pytest.mark.skipif(not HAS_ISSUE5, reason="needs the issue-5 API (shardopt.LossScaleConfig etc.)")
-def test_issue5_config_run_with_clipping_and_offload_matches_kwargs_run():
+def test_config_run_with_clipping_and_offload_matches_kwargs_run():
     config = {"gradient_clipping": 0.5,
               "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000,
                                     "offload_optimizer": {"device": "cpu", "pin_memory": False}},
