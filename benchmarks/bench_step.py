@@ -62,10 +62,26 @@ def _make(variant, cfg, rbs):
     if variant in ("DDP", "torch ZeRO"):
         return build({"DDP": "ddp", "torch ZeRO": "torch-zero"}[variant], cfg, None, 0)
     model = _model(cfg)
-    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
-                                    fused=True, stage=int(variant.split("-")[1][0]), reduce_bucket_size=rbs,
-                                    allgather_bucket_size=rbs)
+    stage = int(variant.split("-")[1][0])
+    if variant.endswith("offload"):
+        # The offload default: AdamW semantics on the fused CPU Adam over host master chunks.
+        opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-3, weight_decay=0.1, stage=stage,
+                                        reduce_bucket_size=rbs, allgather_bucket_size=rbs, offload="cpu")
+    else:
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
+                                        fused=True, stage=stage, reduce_bucket_size=rbs, allgather_bucket_size=rbs)
     return _torch_style(shardopt.ShardedDDP(model, opt), opt)
+
+
+# shardopt's own split of a step (ShardedOptimizer.phase_seconds): exposed reduction at the end of
+# backward, copies into the gradient shard (device to host with offload), the inner step, master
+# chunks into the model, and the all-gather.
+PHASES = ("reduce", "copy", "step", "publish", "gather")
+
+
+def _phases(trainer):
+    opt = next((o for o in trainer.keep if hasattr(o, "phase_seconds")), None)
+    return opt.phase_seconds() if opt is not None else None
 
 
 def _interleave(rank, trainers, cfg, shape, steps, warmup):
@@ -76,6 +92,9 @@ def _interleave(rank, trainers, cfg, shape, steps, warmup):
 
     bsz, seq = shape
     times = {n: {"fwd": [], "bwd": [], "step": [], "total": []} for n in trainers}
+    for n, t in trainers.items():
+        if _phases(t) is not None:
+            times[n].update({f"phase {k}": [] for k in PHASES})
     losses = {n: [] for n in trainers}
     errors = {}
     for step in range(warmup + steps):
@@ -85,6 +104,7 @@ def _interleave(rank, trainers, cfg, shape, steps, warmup):
                 continue
             dist.barrier()
             try:
+                before = _phases(t)
                 t0 = time.perf_counter()
                 loss = torch.nn.functional.cross_entropy(t.forward(x).reshape(-1, cfg.vocab), y.reshape(-1))
                 t1 = time.perf_counter()
@@ -99,6 +119,10 @@ def _interleave(rank, trainers, cfg, shape, steps, warmup):
             if step >= warmup:
                 for k, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
                     times[name][k].append(v)
+                if before is not None:
+                    after = _phases(t)
+                    for k in PHASES:
+                        times[name][f"phase {k}"].append(after[k] - before[k])
     med = {n: {k: statistics.median(v) for k, v in ph.items()} for n, ph in times.items() if n not in errors}
     return med, losses, errors
 
@@ -129,13 +153,19 @@ def _table(results, ws, shape_name, steps):
     base = med["DDP"]["total"]
     ref_loss = losses["DDP"]
     lines = [f"### {ws} ranks, {shape_name}, {steps} interleaved steps", "",
-             "| variant | fwd ms | bwd ms | step ms | total ms | x DDP | max abs loss diff to DDP |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | fwd ms | bwd ms | step ms | total ms | x DDP | max abs loss diff to DDP | "
+             + " | ".join(f"{k} ms" for k in PHASES) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(PHASES)]
     for n in names:
         m = med[n]
         diff = max(abs(a - b) for a, b in zip(losses[n], ref_loss))
+        phases = " | ".join(f"{m[f'phase {k}'] * 1e3:.1f}" if f"phase {k}" in m else "" for k in PHASES)
         lines.append(f"| {n} | {m['fwd'] * 1e3:.1f} | {m['bwd'] * 1e3:.1f} | {m['step'] * 1e3:.1f} | "
-                     f"{m['total'] * 1e3:.1f} | {m['total'] / base:.2f} | {diff:.1e} |")
+                     f"{m['total'] * 1e3:.1f} | {m['total'] / base:.2f} | {diff:.1e} | {phases} |")
+    lines += ["", "shardopt's phases (ShardedOptimizer.phase_seconds, slowest rank's median): reduce = waiting for "
+              "reductions at the end of backward (inside bwd); copy = reduced chunks into the gradient shard "
+              "(device to host with offload; inside bwd); step = the inner optimizer, publish = master chunks "
+              "into the model, gather = the all-gather (all three inside step)."]
     return lines
 
 
@@ -351,7 +381,8 @@ def main():
                                             for r in (250_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000)]
     else:
         variants = [("DDP", "DDP", None), ("torch ZeRO", "torch ZeRO", None),
-                    ("shardopt ZeRO-1", "ZeRO-1", None), ("shardopt ZeRO-2", "ZeRO-2", None)]
+                    ("shardopt ZeRO-1", "ZeRO-1", None), ("shardopt ZeRO-2", "ZeRO-2", None),
+                    ("shardopt ZeRO-2 + offload", "ZeRO-2-offload", None)]
     lines = [f"# Step time — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average at start "
              f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, gloo over 127.0.0.1, 1 thread per rank, "
