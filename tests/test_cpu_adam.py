@@ -378,13 +378,23 @@ def test_low_precision_copy_leaves_fp32_results_unchanged():
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a.values(), b.values()))
 
 
-def test_stream_limit_moves_all_28_bytes():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stream_limit_moves_all_28_bytes(threads):
     # The benchmark's bandwidth limit must really read 4 and write 3 arrays,
-    # across tensor boundaries: p <- v, m <- p, v <- m + g.
-    sizes = [0, 5, 70_001, 33]
+    # across tensor boundaries: p <- v, m <- p, v <- m + g. It shares the
+    # one-pass split with adam_step (multi_tensor.h), so this also checks that
+    # split covers every element exactly once (twice would undo the rotation):
+    # empty tensors, sizes off multiples of 16, thread ranges cutting tensors.
+    odd = torch.randint(1, 3000, (120,), generator=torch.Generator().manual_seed(0))
+    sizes = [0, 5, 70_001, 33, 0] + odd.tolist()
     p, g, m, v = ([torch.randn(n) for n in sizes] for _ in range(4))
     want = ([x.clone() for x in v], [x.clone() for x in p], [a + b for a, b in zip(m, g)])
-    torch.ops.shardopt.stream_limit(p, g, m, v)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        torch.ops.shardopt.stream_limit(p, g, m, v)
+    finally:
+        torch.set_num_threads(old)
     for got, exp in zip((p, m, v), want):
         assert all(torch.equal(a, b) for a, b in zip(got, exp))
 
