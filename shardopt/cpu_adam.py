@@ -61,7 +61,7 @@ class CPUAdam(torch.optim.Optimizer):
                         bias_correction=bool(bias_correction))
         _check_hyper(defaults, where="CPUAdam()")
         self._lowp = {}  # param -> its low-precision copy (set_lowp_copies)
-        self._lowp_lists = {}  # group index -> (params list, copies aligned with it or None)
+        self._lowp_lists = {}  # group index -> (params list, its length, copies aligned with it or None)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -177,11 +177,11 @@ class CPUAdam(torch.optim.Optimizer):
         cached = self._lowp_lists.get(gi)
         # Rebuilt only when the group's params list changed (add_param_group, or
         # the user editing it), not every step.
-        if cached is None or cached[0] is not params or len(cached[1]) != len(params):
+        if cached is None or cached[0] is not params or cached[1] != len(params):
             lows = [self._lowp.get(p) for p in params]
-            cached = (params, lows if any(t is not None for t in lows) else None)
+            cached = (params, len(params), lows if any(t is not None for t in lows) else None)
             self._lowp_lists[gi] = cached
-        return cached[1]
+        return cached[2]
 
     def _init_state(self, missing):
         # torch.optim.Adam's lazy state: created on a param's first step.

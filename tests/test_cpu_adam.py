@@ -553,3 +553,22 @@ def test_grads_replaced_every_step_and_new_params_are_seen():
         opt.step(), ref.step()
     assert_close_to_torch([p.detach() for p in ours + extra_ours], [p.detach() for p in theirs + extra_theirs])
     assert opt.state[ours[1]]["step"].item() == 10 and opt.state[ours[2]]["step"].item() == 8
+
+
+def test_lowp_copies_follow_param_group_changes():
+    # The copies are matched to params by identity, so a group added later
+    # (without copies) and a param appended to a group keep working.
+    a, b, c = make_params([9, 10, 11])
+    opt = shardopt.CPUAdam([a], lr=1e-2)
+    copy_a, copy_c = torch.zeros(9, dtype=torch.bfloat16), torch.zeros(11, dtype=torch.float16)
+    opt.set_lowp_copies([(a, copy_a)])
+    opt.add_param_group({"params": [b]})
+    for step in range(1, 4):
+        if step == 2:
+            opt.param_groups[0]["params"].append(c)
+            opt.set_lowp_copies([(a, copy_a), (c, copy_c)])
+        set_grads([a, b, c], grads_for([a, b, c], step))
+        opt.step()
+        assert torch.equal(copy_a, a.detach().to(torch.bfloat16))
+    assert torch.equal(copy_c, c.detach().to(torch.float16))
+    assert opt.state[c]["step"].item() == 2 and opt.state[b]["step"].item() == 3
