@@ -11,13 +11,15 @@ same total split over ~200 tensors of mixed sizes (a model's parameter list).
 
 Contenders: shardopt.CPUAdam; torch.optim.AdamW (default implementation, the
 per-tensor for-loop on CPU); torch.optim.AdamW(fused=True); DeepSpeedCPUAdam if
-deepspeed is importable; and the bandwidth limit, torch.ops.shardopt.
-stream_limit, which moves Adam's 28 bytes per parameter (read param, grad,
-exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq) with no math, over all
-tensors in one at::parallel_for pass like CPUAdam.
+deepspeed is importable and its op builds (else the header says why); and the
+bandwidth limit, torch.ops.shardopt.stream_limit, which moves Adam's 28 bytes
+per parameter (read param, grad, exp_avg, exp_avg_sq; write param, exp_avg,
+exp_avg_sq) with no math, over all tensors in one at::parallel_for pass like
+CPUAdam.
 """
 import argparse
 import math
+import os
 import platform
 import statistics
 import sys
@@ -76,11 +78,9 @@ def contenders_for(sizes, seed=0):
         "torch AdamW": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD),
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True),
     }
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
-        makers["DeepSpeedCPUAdam"] = lambda ps: DeepSpeedCPUAdam(ps, lr=LR, weight_decay=WD, adamw_mode=True)
-    except Exception:  # not installed, or installed without its CPU Adam op
-        pass
+    ds_cls, _ = deepspeed_cpu_adam()
+    if ds_cls is not None:
+        makers["DeepSpeedCPUAdam"] = lambda ps: ds_cls(ps, lr=LR, weight_decay=WD, adamw_mode=True)
     out = [Contender(name, sizes, init, make) for name, make in makers.items()]
     out.append(Contender("limit (stream 28 B/param)", sizes, init, StreamLimit))
     return out
@@ -166,8 +166,8 @@ def main(argv=None):
     print(f"- machine: {platform.processor() or platform.machine()}, {_cpu_model()}, "
           f"torch {torch.__version__}, Python {platform.python_version()}")
     print(f"- shardopt ISA: {shardopt.cpu_features()}; torch threads tested: {args.threads}")
-    ds = "installed" if _has_deepspeed() else "not installed (skipped)"
-    print(f"- DeepSpeedCPUAdam: {ds}")
+    _, ds_problem = deepspeed_cpu_adam()
+    print(f"- DeepSpeedCPUAdam: {'included' if ds_problem is None else 'skipped: ' + ds_problem}")
     print(f"- {repeats} round-robin repeats per case; medians; 'x torch fused' = median over repeats of "
           "(torch fused time / this time), >1 is faster\n")
     print(HEADER)
@@ -182,12 +182,30 @@ def main(argv=None):
     return all_rows
 
 
-def _has_deepspeed():
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
-        return True
-    except Exception:
-        return False
+_DEEPSPEED = None
+
+
+def deepspeed_cpu_adam():
+    """(DeepSpeedCPUAdam, None) if it imports and its C++ op builds, else (None, why not).
+
+    Its op is JIT-built with ninja on first use, so the check constructs one on
+    a tiny tensor. DeepSpeedCPUAdam runs on the CPU whatever the accelerator,
+    but without a GPU DeepSpeed only starts with DS_ACCELERATOR=cpu.
+    """
+    global _DEEPSPEED
+    if _DEEPSPEED is None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        except ImportError as e:
+            _DEEPSPEED = (None, f"deepspeed is not importable ({e})")
+        else:
+            try:
+                DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])
+                _DEEPSPEED = (DeepSpeedCPUAdam, None)
+            except Exception as e:  # its op failed to build or load: say why in the report
+                _DEEPSPEED = (None, f"its CPU Adam op did not build/load: {type(e).__name__}: {e}")
+    return _DEEPSPEED
 
 
 def _cpu_model():

@@ -1,8 +1,9 @@
 """shardopt.CPUAdam: a drop-in torch.optim optimizer backed by the fused C++ kernel.
 
 Also ``fused_adam_step``, the thin Python entry to the ``shardopt::adam_step`` op
-that CPUAdam and the ZeRO offload path (flat fp32 chunks, one call per group)
-share.
+(lists of flat fp32 tensors; usable under torch.compile). CPUAdam.step calls the
+same C++ kernel driver through a leaner pybind entry (Note [CPUAdam's step
+entry] in csrc/adam/bindings.cpp).
 """
 import torch
 
@@ -48,9 +49,9 @@ class CPUAdam(torch.optim.Optimizer):
     dicts move between them in either direction. ``bias_correction=False``
     skips Adam's bias corrections (torch has no such option). Note that
     ``weight_decay`` defaults to 0, as in torch.optim.Adam, while
-    torch.optim.AdamW defaults to 0.01. Parameters of a
-    group whose grads are not None and that share a step count are updated by
-    one kernel call.
+    torch.optim.AdamW defaults to 0.01. All params with a grad, over all
+    groups, are updated by one kernel call in one parallel pass.
+    ``set_lowp_copies`` makes steps also write bf16/fp16 copies of the params.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
@@ -59,6 +60,8 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
                         bias_correction=bool(bias_correction))
         _check_hyper(defaults, where="CPUAdam()")
+        self._lowp = {}  # param -> its low-precision copy (set_lowp_copies)
+        self._lowp_lists = {}  # group index -> (params list, its length, copies aligned with it or None)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -107,83 +110,102 @@ class CPUAdam(torch.optim.Optimizer):
             if "step" in st:
                 st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(()).clone()
 
+    def set_lowp_copies(self, pairs):
+        """Makes every step also write each updated param, cast, into a low-precision copy.
+
+        ``pairs`` is an iterable of ``(param, lowp)``: ``param`` one of this
+        optimizer's params, ``lowp`` a contiguous CPU ``torch.bfloat16`` or
+        ``torch.float16`` tensor with as many elements as ``param`` (any
+        shape). From the next ``step()`` on, the kernel writes
+        ``param.to(lowp.dtype)`` into ``lowp`` in the same pass that updates
+        ``param`` (no second read of the fp32 params); the ZeRO offload path
+        uses it to refresh a low-precision model. A param that is not stepped
+        (no grad) leaves its copy alone, as it leaves the param; nothing is
+        written now. Replaces any earlier pairs; ``set_lowp_copies(())``
+        clears them. The copies are the caller's buffers and are not part of
+        ``state_dict()``.
+        """
+        index = {p: (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
+        copies = {}
+        for n, pair in enumerate(pairs):
+            try:
+                p, lowp = pair
+            except (TypeError, ValueError):
+                raise TypeError(f"set_lowp_copies: item {n} is not a (param, lowp_tensor) pair") from None
+            if not torch.is_tensor(p) or p not in index:
+                raise ValueError(f"set_lowp_copies: item {n}'s param is not one of this optimizer's params; pass "
+                                 "the parameters given to CPUAdam (or add them with add_param_group first)")
+            gi, pi = index[p]
+            if p in copies:
+                raise ValueError(f"set_lowp_copies: {_describe(gi, pi, p)} is given twice; pass one copy per param")
+            _check_lowp(gi, pi, p, lowp)
+            copies[p] = lowp
+        self._lowp = copies
+        self._lowp_lists = {}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group)
+        groups = [self._step_args(gi, group) for gi, group in enumerate(self.param_groups)]
+        try:
+            # Note [CPUAdam's step entry] in csrc/adam/bindings.cpp: one C++
+            # call checks and steps all groups. On the first step of a param
+            # it changes nothing and returns the params whose state is missing.
+            missing = _C.cpu_adam_step(self.state, groups)
+            if missing:
+                self._init_state(missing)
+                _C.cpu_adam_step(self.state, groups)
+        except RuntimeError:
+            self._diagnose()  # raises a ValueError/TypeError naming the parameter if it finds the cause
+            raise
         return loss
 
-    def _step_group(self, gi, group):
-        # Note [Lean step loop]: with 200 small tensors, per-parameter Python
-        # work is a real share of a step. The loop below only gathers tensors;
-        # the op validates every tensor in C++ before touching any of them, and
-        # only if it refuses do we walk the group again in Python to name the
-        # offending parameter with a ValueError/TypeError.
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue  # as torch: a parameter without a gradient is not stepped at all
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-            if m is None or v is None or m.shape != p.shape or v.shape != p.shape:  # the op compares numel only
-                self._diagnose(gi, group)
-            g = p.grad
-            params.append(p)
-            if g.layout == torch.strided and not g.is_contiguous():
-                g = g.contiguous()  # a strided grad is fine to read (a sparse one the op refuses)
-            grads.append(g)
-            exp_avgs.append(m)
-            exp_avg_sqs.append(v)
-            steps.append(state.get("step"))
-        if not params:
-            return
-        try:
-            step_values = _C.advance_steps(steps, 1.0)  # torch's `step += 1`, as one C++ call
-        except (RuntimeError, TypeError):  # TypeError: a step that is not a tensor at all
-            self._diagnose(gi, group)
-            raise
-        try:
-            self._launch(gi, group, params, grads, exp_avgs, exp_avg_sqs, step_values)
-        except Exception as e:
-            _C.advance_steps(steps, -1.0)  # the op changed nothing; neither should the step
-            if isinstance(e, RuntimeError):
-                self._diagnose(gi, group)  # raises if it finds what the op refused
-            raise
-
-    def _launch(self, gi, group, params, grads, exp_avgs, exp_avg_sqs, step_values):
-        # Normally every param of a group has the same step count; params added
-        # or loaded at different times may not. One kernel call per count.
-        by_step = {}
-        for i, s in enumerate(step_values):
-            by_step.setdefault(s, []).append(i)
-        if len(by_step) > 1:
-            # Validate all before the first call, so a bad tensor cannot leave
-            # the group half stepped.
-            self._diagnose(gi, group)
+    def _step_args(self, gi, group):
         beta1, beta2 = group["betas"]
-        for step, idx in by_step.items():
-            def pick(xs):
-                return xs if len(idx) == len(xs) else [xs[i] for i in idx]
-            fused_adam_step(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr=group["lr"],
-                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            adamw=group["adamw"], step=step, bias_correction=group["bias_correction"])
+        return (group["params"], self._lowp_list(gi, group), float(group["lr"]), float(beta1), float(beta2),
+                float(group["eps"]), float(group["weight_decay"]), bool(group["adamw"]),
+                bool(group["bias_correction"]))
 
-    def _diagnose(self, gi, group):
+    def _lowp_list(self, gi, group):
+        """The group's low-precision copies, one per param (None for none), or None if it has none."""
+        if not getattr(self, "_lowp", None):
+            return None
+        params = group["params"]
+        cached = self._lowp_lists.get(gi)
+        # Rebuilt only when the group's params list changed (add_param_group, or
+        # the user editing it), not every step.
+        if cached is None or cached[0] is not params or cached[1] != len(params):
+            lows = [self._lowp.get(p) for p in params]
+            cached = (params, len(params), lows if any(t is not None for t in lows) else None)
+            self._lowp_lists[gi] = cached
+        return cached[2]
+
+    def _init_state(self, missing):
+        # torch.optim.Adam's lazy state: created on a param's first step.
+        for gi, pi in missing:
+            p = self.param_groups[gi]["params"][pi]
+            state = self.state[p]
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _diagnose(self):
         """Raises a ValueError/TypeError naming the first parameter the kernel cannot take."""
-        for pi, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            _check_param(gi, pi, p)
-            _check_grad(gi, pi, p)
-            _check_state(gi, pi, p, self.state[p])
+        lowp = getattr(self, "_lowp", None) or {}
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                _check_param(gi, pi, p)
+                _check_grad(gi, pi, p)
+                if p in lowp:
+                    _check_lowp(gi, pi, p, lowp[p])
+                state = self.state.get(p)
+                if state:  # an empty state is created on the first step, not refused
+                    _check_state(gi, pi, p, state)
 
 
 def _refuse_torch_options(options, where):
@@ -230,6 +252,24 @@ def _check_grad(gi, pi, p):
         raise TypeError(f"{_describe(gi, pi, p)}: gradient has dtype {g.dtype}; CPUAdam needs torch.float32")
     if g.shape != p.shape:
         raise ValueError(f"{_describe(gi, pi, p)}: gradient has shape {tuple(g.shape)}")
+
+
+def _check_lowp(gi, pi, p, lowp):
+    name = _describe(gi, pi, p)
+    if not torch.is_tensor(lowp):
+        raise TypeError(f"{name}: its low-precision copy must be a tensor, got {type(lowp).__name__}")
+    if lowp.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: its low-precision copy has dtype {lowp.dtype}; use torch.bfloat16 or "
+                        "torch.float16")
+    if lowp.device.type != "cpu":
+        raise ValueError(f"{name}: its low-precision copy is on {lowp.device}; CPUAdam writes it from the CPU, "
+                         "so pass a CPU tensor (pinned memory is fine) and copy it to the device yourself")
+    if lowp.layout != torch.strided or not lowp.is_contiguous():
+        raise ValueError(f"{name}: its low-precision copy is not a contiguous dense tensor; pass "
+                         "lowp.contiguous() or a flat buffer")
+    if lowp.numel() != p.numel():
+        raise ValueError(f"{name}: its low-precision copy has {lowp.numel()} elements, the param {p.numel()}; "
+                         "they must match")
 
 
 def _check_state(gi, pi, p, state):

@@ -378,13 +378,23 @@ def test_low_precision_copy_leaves_fp32_results_unchanged():
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a.values(), b.values()))
 
 
-def test_stream_limit_moves_all_28_bytes():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stream_limit_moves_all_28_bytes(threads):
     # The benchmark's bandwidth limit must really read 4 and write 3 arrays,
-    # across tensor boundaries: p <- v, m <- p, v <- m + g.
-    sizes = [0, 5, 70_001, 33]
+    # across tensor boundaries: p <- v, m <- p, v <- m + g. It shares the
+    # one-pass split with adam_step (multi_tensor.h), so this also checks that
+    # split covers every element exactly once (twice would undo the rotation):
+    # empty tensors, sizes off multiples of 16, thread ranges cutting tensors.
+    odd = torch.randint(1, 3000, (120,), generator=torch.Generator().manual_seed(0))
+    sizes = [0, 5, 70_001, 33, 0] + odd.tolist()
     p, g, m, v = ([torch.randn(n) for n in sizes] for _ in range(4))
     want = ([x.clone() for x in v], [x.clone() for x in p], [a + b for a, b in zip(m, g)])
-    torch.ops.shardopt.stream_limit(p, g, m, v)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        torch.ops.shardopt.stream_limit(p, g, m, v)
+    finally:
+        torch.set_num_threads(old)
     for got, exp in zip((p, m, v), want):
         assert all(torch.equal(a, b) for a, b in zip(got, exp))
 
@@ -430,3 +440,135 @@ def test_bias_correction_in_double():
     m64, v64 = 0.2 * 0.9 + 0.5 * 0.1, 0.04 * 0.9999 + 0.25 * 1e-4
     want = 1.0 - 1e-3 / bc1 * m64 / (math.sqrt(v64) / math.sqrt(bc2))
     assert p.item() == pytest.approx(want, rel=1e-7, abs=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowp_copies_equal_param_cast_after_each_step(dtype):
+    # Several groups, odd sizes, a param that skips steps (its copy must stay
+    # as it was), copies of another shape than their param (only numel must
+    # match), and a param without a copy; the fp32 results stay bitwise the
+    # reference's.
+    params = make_params(SIZES, seed=5)
+    opt = shardopt.CPUAdam(_groups(params), lr=1e-2, weight_decay=0.1)
+    ref = [p.detach().clone() for p in params]
+    ref_m, ref_v = [torch.zeros_like(p) for p in ref], [torch.zeros_like(p) for p in ref]
+    hypers = [dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1),
+              dict(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-8, weight_decay=0.2),
+              dict(lr=2e-2, beta1=0.9, beta2=0.999, eps=1e-4, weight_decay=0.0)]
+    group_of = [0] * 3 + [1] * 3 + [2] * 3
+    copies = {i: torch.full((n, 1), 7.0, dtype=dtype) for i, n in enumerate(SIZES) if i != 4}
+    opt.set_lowp_copies((params[i], c) for i, c in copies.items())
+    steps = [0] * len(params)
+    for step in range(1, 8):
+        grads = grads_for(params, step)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            skip = i == 7 and step % 3 == 0
+            p.grad = None if skip else g.clone()
+            if not skip:
+                steps[i] += 1
+                adam_step_reference(ref[i], g, ref_m[i], ref_v[i], adamw=True, step=steps[i],
+                                    **hypers[group_of[i]])
+        opt.step()
+        for i, p in enumerate(params):
+            assert torch.equal(p.detach(), ref[i])
+            if i in copies:
+                assert torch.equal(copies[i].view(-1), p.detach().to(dtype)), (i, step)
+    # Cleared: later steps leave the copies alone.
+    frozen = {i: c.clone() for i, c in copies.items()}
+    opt.set_lowp_copies(())
+    set_grads(params, grads_for(params, 99))
+    opt.step()
+    assert all(torch.equal(copies[i], frozen[i]) for i in copies)
+    assert not torch.equal(params[8].detach().to(dtype), frozen[8].view(-1))
+
+
+def test_set_lowp_copies_refuses_bad_copies_naming_the_param():
+    params = make_params([2, 3, 4])
+    opt = shardopt.CPUAdam([{"params": params[:1]}, {"params": params[1:]}])
+    name = r"param_groups\[1\]\['params'\]\[1\] \(shape \(4,\)\)"
+    bf16 = torch.bfloat16
+    for bad, exc, why in [
+        (torch.zeros(4), TypeError, "dtype torch.float32"),
+        (torch.zeros(5, dtype=bf16), ValueError, "5 elements"),
+        (torch.zeros(2, 4, dtype=bf16)[:, :2], ValueError, "not a contiguous"),
+        (torch.zeros(4, dtype=bf16, device="meta"), ValueError, "on meta"),
+        ("x", TypeError, "must be a tensor"),
+    ]:
+        with pytest.raises(exc, match=name + ".*" + why):
+            opt.set_lowp_copies([(params[0], torch.zeros(2, dtype=bf16)), (params[2], bad)])
+    with pytest.raises(ValueError, match="not one of this optimizer's params"):
+        opt.set_lowp_copies([(torch.nn.Parameter(torch.zeros(4)), torch.zeros(4, dtype=bf16))])
+    with pytest.raises(ValueError, match="given twice"):
+        opt.set_lowp_copies([(params[1], torch.zeros(3, dtype=bf16))] * 2)
+    with pytest.raises(TypeError, match="item 0 is not a"):
+        opt.set_lowp_copies([params[1]])
+
+
+def test_lowp_copy_broken_after_registration_is_named_and_changes_nothing():
+    params = make_params([5, 6])
+    opt = shardopt.CPUAdam(params, lr=1e-2)
+    copy_ = torch.zeros(6, dtype=torch.float16)
+    opt.set_lowp_copies([(params[1], copy_)])
+    set_grads(params, grads_for(params, 1))
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    copy_.resize_(3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(6,\)\).*3 elements"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(opt.state[p]["step"].item() == 1 for p in params)
+
+
+def test_step_is_an_in_place_update_autograd_can_see():
+    # As with torch.optim.AdamW: backward through a graph that saved a param
+    # before the step must fail loudly, not use the updated values.
+    (p,) = make_params([8])
+    opt = shardopt.CPUAdam([p], lr=1e-2)
+    p.grad = torch.ones(8)
+    loss = (p * p).sum()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_grads_replaced_every_step_and_new_params_are_seen():
+    # Nothing about grads or state is cached between steps: new grad tensors
+    # (zero_grad(set_to_none=True) + backward), a param getting its first grad
+    # late, and a group added later all take part, as in torch.
+    ours, theirs = make_params([33, 7, 1023]), make_params([33, 7, 1023])
+    extra_ours, extra_theirs = make_params([17], seed=9), make_params([17], seed=9)
+    opt = shardopt.CPUAdam(ours[:2], lr=1e-2, weight_decay=0.05)
+    ref = torch_optimizer(True, theirs[:2], lr=1e-2, weight_decay=0.05)
+    for step in range(1, 13):
+        if step == 5:
+            opt.add_param_group({"params": ours[2:] + extra_ours, "lr": 3e-3})
+            ref.add_param_group({"params": theirs[2:] + extra_theirs, "lr": 3e-3})
+        opt.zero_grad(), ref.zero_grad()
+        allp = ours + extra_ours
+        grads = grads_for(allp, step)
+        for i, (a, b) in enumerate(zip(allp, theirs + extra_theirs)):
+            if i == 1 and step < 3:
+                continue  # param 1 has no grad for its first two steps
+            a.grad, b.grad = grads[i].clone(), grads[i].clone()
+        opt.step(), ref.step()
+    assert_close_to_torch([p.detach() for p in ours + extra_ours], [p.detach() for p in theirs + extra_theirs])
+    assert opt.state[ours[1]]["step"].item() == 10 and opt.state[ours[2]]["step"].item() == 8
+
+
+def test_lowp_copies_follow_param_group_changes():
+    # The copies are matched to params by identity, so a group added later
+    # (without copies) and a param appended to a group keep working.
+    a, b, c = make_params([9, 10, 11])
+    opt = shardopt.CPUAdam([a], lr=1e-2)
+    copy_a, copy_c = torch.zeros(9, dtype=torch.bfloat16), torch.zeros(11, dtype=torch.float16)
+    opt.set_lowp_copies([(a, copy_a)])
+    opt.add_param_group({"params": [b]})
+    for step in range(1, 4):
+        if step == 2:
+            opt.param_groups[0]["params"].append(c)
+            opt.set_lowp_copies([(a, copy_a), (c, copy_c)])
+        set_grads([a, b, c], grads_for([a, b, c], step))
+        opt.step()
+        assert torch.equal(copy_a, a.detach().to(torch.bfloat16))
+    assert torch.equal(copy_c, c.detach().to(torch.float16))
+    assert opt.state[c]["step"].item() == 2 and opt.state[b]["step"].item() == 3

@@ -1,10 +1,11 @@
-// shardopt::adam_step: fused multi-tensor Adam/AdamW on CPU.
+// shardopt::adam_step: fused multi-tensor Adam/AdamW on CPU, and the driver
+// both Adam entries share (adam_driver.h).
 //
-// Validates the tensor lists, folds the hyper-parameters into fp32 constants
-// (bias corrections in double, as torch's fused Adam does), and runs the ISA
-// kernel picked by active_isa() over all tensors in one parallel pass
+// The op validates its tensor lists, folds the hyper-parameters into fp32
+// constants (bias corrections in double, as torch's fused Adam does), and runs
+// the ISA kernel picked by active_isa() over all tensors in one parallel pass
 // (Note [One parallel pass over all tensors] in multi_tensor.h). The ZeRO
-// offload path calls the same op on its flat fp32 chunks, one call per group.
+// offload path calls it on its flat fp32 chunks, one call per group.
 #include <cmath>
 #include <vector>
 
@@ -13,26 +14,13 @@
 
 #include "../cpu_features.h"
 #include "adam_dispatch.h"
-#include "adam_kernel.h"
+#include "adam_driver.h"
 #include "multi_tensor.h"
 
 namespace shardopt {
-namespace {
 
-void check_fp32_like(const at::Tensor& t, const char* list, size_t i, const at::Tensor& param) {
-  TORCH_CHECK(t.defined(), "adam_step: ", list, "[", i, "] is undefined");
-  TORCH_CHECK(t.layout() == at::kStrided, "adam_step: ", list, "[", i, "] must be dense, got layout ",
-              t.layout());
-  TORCH_CHECK(t.device().is_cpu(), "adam_step: ", list, "[", i, "] must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "adam_step: ", list, "[", i, "] must be float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "adam_step: ", list, "[", i, "] must be contiguous");
-  TORCH_CHECK(t.numel() == param.numel(), "adam_step: ", list, "[", i, "] has ", t.numel(),
-              " elements but params[", i, "] has ", param.numel());
-}
-
-AdamHyper fold_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                     double step, bool bias_correction) {
+AdamHyper fold_adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                          double step, bool bias_correction) {
   TORCH_CHECK(lr >= 0.0, "adam_step: lr must be >= 0, got ", lr);
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "adam_step: beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "adam_step: beta2 must be in [0, 1), got ", beta2);
@@ -55,6 +43,62 @@ AdamHyper fold_hyper(double lr, double beta1, double beta2, double eps, double w
   return h;
 }
 
+const char* adam_fp32_problem(const at::Tensor& t) {
+  if (t.layout() != at::kStrided) return "must be dense (strided layout)";
+  if (!t.device().is_cpu()) return "must be on the CPU";
+  if (t.scalar_type() != at::kFloat) return "must be float32";
+  if (!t.is_contiguous()) return "must be contiguous";
+  return nullptr;
+}
+
+const char* adam_lowp_problem(const at::Tensor& t) {
+  if (t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) {
+    return "must be a contiguous CPU tensor";
+  }
+  if (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kHalf) return "must be bfloat16 or float16";
+  return nullptr;
+}
+
+AdamJob make_adam_job(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq, const at::Tensor& lowp, const AdamHyper* hyper) {
+  // Untyped pointers: the dtypes were checked already, and the typed
+  // accessors re-check them (a visible cost over hundreds of tensors).
+  AdamJob job;
+  job.tensor.param = static_cast<float*>(param.mutable_data_ptr());
+  job.tensor.grad = static_cast<const float*>(grad.const_data_ptr());
+  job.tensor.exp_avg = static_cast<float*>(exp_avg.mutable_data_ptr());
+  job.tensor.exp_avg_sq = static_cast<float*>(exp_avg_sq.mutable_data_ptr());
+  job.tensor.lowp = nullptr;
+  job.tensor.lowp_kind = kAdamLowpNone;
+  if (lowp.defined()) {
+    job.tensor.lowp = static_cast<uint16_t*>(lowp.mutable_data_ptr());
+    job.tensor.lowp_kind = lowp.scalar_type() == at::kBFloat16 ? kAdamLowpBf16 : kAdamLowpFp16;
+  }
+  job.numel = param.numel();
+  job.hyper = hyper;
+  return job;
+}
+
+void run_adam_jobs(const std::vector<AdamJob>& jobs) {
+  std::vector<int64_t> numels(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) numels[i] = jobs[i].numel;
+  const AdamKernelFn kernel = adam_kernel_for(active_isa());
+  parallel_over_tensors(numels, kDefaultGrain, [&](size_t i, int64_t begin, int64_t end) {
+    kernel(jobs[i].hyper, &jobs[i].tensor, begin, end);
+  });
+}
+
+namespace {
+
+void check_listed(const at::Tensor& t, const char* list, size_t i, const at::Tensor& param, bool lowp = false) {
+  TORCH_CHECK(t.defined(), "adam_step: ", list, "[", i, "] is undefined");
+  const char* problem = lowp ? adam_lowp_problem(t) : adam_fp32_problem(t);
+  TORCH_CHECK(problem == nullptr, "adam_step: ", list, "[", i, "] ", problem, ", got ", t.scalar_type(), " ",
+              t.layout(), " on ", t.device());
+  TORCH_CHECK(t.numel() == param.numel(), "adam_step: ", list, "[", i, "] has ", t.numel(),
+              " elements but params[", i, "] has ", param.numel());
+}
+
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList lowp_out, double lr, double beta1, double beta2,
                    double eps, double weight_decay, bool adamw, double step, bool bias_correction) {
@@ -65,40 +109,19 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   TORCH_CHECK(lowp_out.empty() || lowp_out.size() == n,
               "adam_step: lowp_out must be empty or have one tensor per param, got ", lowp_out.size(),
               " for ", n, " params");
-  const AdamHyper hyper = fold_hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, bias_correction);
-
-  std::vector<AdamTensor> tensors(n);
-  std::vector<int64_t> numels(n);
+  const AdamHyper hyper = fold_adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, bias_correction);
+  const at::Tensor no_lowp;
+  std::vector<AdamJob> jobs(n);
   for (size_t i = 0; i < n; ++i) {
-    check_fp32_like(params[i], "params", i, params[i]);
-    check_fp32_like(grads[i], "grads", i, params[i]);
-    check_fp32_like(exp_avgs[i], "exp_avgs", i, params[i]);
-    check_fp32_like(exp_avg_sqs[i], "exp_avg_sqs", i, params[i]);
-    AdamTensor& t = tensors[i];
-    t.param = params[i].data_ptr<float>();
-    t.grad = grads[i].const_data_ptr<float>();
-    t.exp_avg = exp_avgs[i].data_ptr<float>();
-    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
-    t.lowp = nullptr;
-    t.lowp_kind = kAdamLowpNone;
-    if (!lowp_out.empty()) {
-      const at::Tensor& o = lowp_out[i];
-      TORCH_CHECK(o.device().is_cpu() && o.layout() == at::kStrided && o.is_contiguous(),
-                  "adam_step: lowp_out[", i, "] must be a contiguous CPU tensor");
-      TORCH_CHECK(o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kHalf,
-                  "adam_step: lowp_out[", i, "] must be bfloat16 or float16, got ", o.scalar_type());
-      TORCH_CHECK(o.numel() == params[i].numel(), "adam_step: lowp_out[", i, "] has ", o.numel(),
-                  " elements but params[", i, "] has ", params[i].numel());
-      t.lowp = static_cast<uint16_t*>(o.data_ptr());
-      t.lowp_kind = o.scalar_type() == at::kBFloat16 ? kAdamLowpBf16 : kAdamLowpFp16;
-    }
-    numels[i] = params[i].numel();
+    check_listed(params[i], "params", i, params[i]);
+    check_listed(grads[i], "grads", i, params[i]);
+    check_listed(exp_avgs[i], "exp_avgs", i, params[i]);
+    check_listed(exp_avg_sqs[i], "exp_avg_sqs", i, params[i]);
+    if (!lowp_out.empty()) check_listed(lowp_out[i], "lowp_out", i, params[i], /*lowp=*/true);
+    jobs[i] = make_adam_job(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                            lowp_out.empty() ? no_lowp : lowp_out[i], &hyper);
   }
-
-  const AdamKernelFn kernel = adam_kernel_for(active_isa());
-  parallel_over_tensors(numels, kDefaultGrain, [&](size_t i, int64_t begin, int64_t end) {
-    kernel(&hyper, &tensors[i], begin, end);
-  });
+  run_adam_jobs(jobs);
 }
 
 }  // namespace
