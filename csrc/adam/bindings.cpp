@@ -31,11 +31,12 @@ namespace py = pybind11;
 namespace shardopt {
 namespace {
 
-// Borrowed references to interned keys of torch's Adam state.
+// An interned key of torch's Adam state (looked up per param per step),
+// created once and kept for the life of the process.
 PyObject* interned(const char* s) {
   PyObject* o = PyUnicode_InternFromString(s);
   if (o == nullptr) throw py::error_already_set();
-  return o;  // kept for the life of the process
+  return o;
 }
 
 struct Where {
