@@ -101,15 +101,20 @@ def run(args) -> int:
         diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
         print(f"\nloss after {k} steps: {name} {losses[k - 1]:.5f}, DDP {ref_losses[-1]:.5f} "
               f"(largest difference over those steps {diff:.1e}); after {args.steps}: {losses[-1]:.5f}")
-        keys = list(everyone[0])
+        # What holds memory (memory_stats' other keys, offloaded / on_device, say where it is).
+        keys = ["params", "master", "grads", "optimizer_state", "staging"]
+
+        def total(m):
+            return sum(m.get(k, 0) for k in keys)
+
         heads = "".join(f"{k.replace('optimizer_state', 'opt state'):>14}" for k in keys)
-        print(f"\nmemory per rank (counted tensors)  {heads}         total")
+        print(f"\nmemory per rank (counted tensors)  {heads}         total  of which offloaded")
         for r, m in enumerate(everyone):
             print(f"  {name} rank {r:<19}" + "".join(f"{_mib(m[k]):>14}" for k in keys)
-                  + f"{_mib(sum(m.values())):>14}")
+                  + f"{_mib(total(m)):>14}{_mib(m['offloaded']):>19}")
         print(f"  {'DDP + AdamW (every rank)':<31}" + "".join(f"{_mib(ddp_mem.get(k, 0)):>14}" for k in keys)
-              + f"{_mib(sum(ddp_mem.values())):>14}")
-        ratio = sum(everyone[0].values()) / sum(ddp_mem.values())
+              + f"{_mib(total(ddp_mem)):>14}")
+        ratio = total(everyone[0]) / total(ddp_mem)
         print(f"  {name} holds {ratio:.2f}x DDP's bytes per rank")
         print(f"\nmedian step time: {name} {step_time * 1e3:.1f} ms, DDP {ref_time * 1e3:.1f} ms "
               f"({step_time / ref_time:.2f}x) on {os.cpu_count()} CPU cores, 1 thread per rank")
