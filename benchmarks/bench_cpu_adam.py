@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu_adam.py            # full run: 1M, 10M, 100M params (~2 GB per optimizer at 100M)
     python benchmarks/bench_cpu_adam.py --quick    # < 30 s demo: 1M params only, 3 repeats
+    python benchmarks/bench_cpu_adam.py --runs 3   # the full run three times, then medians over runs
 
 For every (total size, layout, thread count) it builds one set of parameters
 and gradients per contender, checks that all contenders' first steps agree,
@@ -157,6 +158,9 @@ def main(argv=None):
     ap.add_argument("--sizes", type=float, nargs="*", help="totals in millions of params")
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat every case this many times, one pass over all cases after another, and end with "
+                         "the median over runs (noise that hits one case in one run then cannot decide it)")
     args = ap.parse_args(argv)
     sizes = args.sizes or ([1] if args.quick else [1, 10, 100])
     repeats = args.repeats or (3 if args.quick else 7)
@@ -169,17 +173,43 @@ def main(argv=None):
     _, ds_problem = deepspeed_cpu_adam()
     print(f"- DeepSpeedCPUAdam: {'included' if ds_problem is None else 'skipped: ' + ds_problem}")
     print(f"- {repeats} round-robin repeats per case; medians; 'x torch fused' = median over repeats of "
-          "(torch fused time / this time), >1 is faster\n")
-    print(HEADER)
-    print("|" + "---|" * 9)
-    all_rows = []
-    for total in sizes:
-        for layout in ("flat", "split"):
-            for threads in args.threads:
-                for r in run_case(int(total * 1_000_000), layout, threads, repeats, target_s):
-                    print_row(r)
-                    all_rows.append(r)
-    return all_rows
+          "(torch fused time / this time), >1 is faster")
+    runs = []
+    for run in range(args.runs):
+        print(f"\n## Run {run + 1} of {args.runs} (load average at start: {_load()})\n")
+        print(HEADER)
+        print("|" + "---|" * 9)
+        rows = []
+        for total in sizes:
+            for layout in ("flat", "split"):
+                for threads in args.threads:
+                    for r in run_case(int(total * 1_000_000), layout, threads, repeats, target_s):
+                        print_row(r)
+                        rows.append(r)
+        runs.append(rows)
+    if len(runs) > 1:
+        print(f"\n## Median over the {len(runs)} runs (load average at end: {_load()})\n")
+        print(HEADER)
+        print("|" + "---|" * 9)
+        for r in median_over_runs(runs):
+            print_row(r)
+    return runs
+
+
+def median_over_runs(runs):
+    """Per case and contender: the median of each run's ms, % of limit and in-run ratio."""
+    out = []
+    for same in zip(*runs):
+        ms = statistics.median(r["ms"] for r in same)
+        r = dict(same[0], ms=ms, gparams=same[0]["total"] / ms / 1e6,
+                 gbs=same[0]["total"] * BYTES_PER_PARAM / ms / 1e6,
+                 pct=statistics.median(r["pct"] for r in same), ratio=statistics.median(r["ratio"] for r in same))
+        out.append(r)
+    return out
+
+
+def _load():
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 _DEEPSPEED = None
