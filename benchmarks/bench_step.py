@@ -2,12 +2,13 @@
 with --peers, FSDP2, DeepSpeed ZeRO-2 (with and without CPU Adam offload) and FairScale.
 
 Every variant trains its own copy of the same GPT (same seed, same data) in
-the same processes, and steps are interleaved round-robin (variant A step,
-variant B step, ...) so that the machine's noise hits all variants alike;
-the report gives medians and in-run ratios to DDP. Time is split into
-forward, backward (for shardopt and DDP this includes the communication not
-hidden behind backward) and optimizer step (for shardopt: inner step +
-all-gather; for torch ZeRO: step + broadcast).
+the same processes, and variants take turns round-robin (variant A's
+`--turn` steps, variant B's, ...) so that the machine's noise hits all
+variants alike (Note [Turns]); the report gives medians over rounds and
+in-run ratios to DDP. Time is split into forward, backward (for shardopt and
+DDP this includes the communication not hidden behind backward) and optimizer
+step (for shardopt: inner step + all-gather, which overlap_gather moves into
+the next forward; for torch ZeRO: step + broadcast).
 
 --peers (run with /work/bench-venv/bin/python or any env with deepspeed and
 fairscale; DS_ACCELERATOR=cpu is set here): the variants of benchmarks/peers.py.
@@ -48,7 +49,7 @@ PEER_SHAPE = (2, 64)
 # Rounds of the peer benchmark; DDP and shardopt ZeRO-2 are in every round.
 ANCHORS = ["DDP + AdamW(fused)", "shardopt ZeRO-2"]
 PEER_ROUNDS = [
-    ["shardopt ZeRO-1", "torch ZeroRedundancyOptimizer", "FSDP2 (fully_shard)"],
+    ["shardopt ZeRO-1", "shardopt ZeRO-2 + overlap_gather", "torch ZeroRedundancyOptimizer", "FSDP2 (fully_shard)"],
     ["FairScale OSS + ShardedDDP", "FairScale, zero_grad(set_to_none=False)"],
     ["DeepSpeed ZeRO-2", "DeepSpeed ZeRO-2 + CPU Adam offload", "shardopt ZeRO-2 + offload"],
 ]
@@ -63,13 +64,15 @@ def _make(variant, cfg, rbs):
         return build({"DDP": "ddp", "torch ZeRO": "torch-zero"}[variant], cfg, None, 0)
     model = _model(cfg)
     stage = int(variant.split("-")[1][0])
+    gather = variant.endswith("gather")  # overlap_gather (Note [Gathering in the next forward])
     if variant.endswith("offload"):
         # The offload default: AdamW semantics on the fused CPU Adam over host master chunks.
         opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-3, weight_decay=0.1, stage=stage,
                                         reduce_bucket_size=rbs, allgather_bucket_size=rbs, offload="cpu")
     else:
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
-                                        fused=True, stage=stage, reduce_bucket_size=rbs, allgather_bucket_size=rbs)
+                                        fused=True, stage=stage, reduce_bucket_size=rbs, allgather_bucket_size=rbs,
+                                        overlap_gather=gather)
     return _torch_style(shardopt.ShardedDDP(model, opt), opt)
 
 
@@ -84,8 +87,18 @@ def _phases(trainer):
     return opt.phase_seconds() if opt is not None else None
 
 
-def _interleave(rank, trainers, cfg, shape, steps, warmup):
-    """Trains every trainer for warmup + steps steps, round-robin. Returns (medians, losses, errors)."""
+def _finish(trainer):
+    """Waits for anything a variant left in flight (shardopt's overlap_gather: the step's all-gather)."""
+    for o in trainer.keep:
+        if hasattr(o, "wait_params"):
+            o.wait_params()
+
+
+def _interleave(rank, trainers, cfg, shape, rounds, warmup, turn=1):
+    """Trains every trainer for (warmup + rounds) * turn steps: in each round, `turn` consecutive steps
+    of each trainer in turn. Returns (medians over rounds of the per-step mean of each round, losses, errors).
+
+    See Note [Turns]."""
     import torch.distributed as dist
 
     from shardopt.gpt import synthetic_batch
@@ -97,34 +110,51 @@ def _interleave(rank, trainers, cfg, shape, steps, warmup):
             times[n].update({f"phase {k}": [] for k in PHASES})
     losses = {n: [] for n in trainers}
     errors = {}
-    for step in range(warmup + steps):
-        x, y = synthetic_batch(cfg, bsz, seq, step, rank)
+    for rnd in range(warmup + rounds):
         for name, t in trainers.items():
             if name in errors:
                 continue
             dist.barrier()
+            acc = dict.fromkeys(("fwd", "bwd", "step", "total"), 0.0)
             try:
                 before = _phases(t)
-                t0 = time.perf_counter()
-                loss = torch.nn.functional.cross_entropy(t.forward(x).reshape(-1, cfg.vocab), y.reshape(-1))
-                t1 = time.perf_counter()
-                t.backward(loss)
-                t2 = time.perf_counter()
-                t.step()
-                t3 = time.perf_counter()
+                for k in range(turn):
+                    x, y = synthetic_batch(cfg, bsz, seq, rnd * turn + k, rank)
+                    t0 = time.perf_counter()
+                    loss = torch.nn.functional.cross_entropy(t.forward(x).reshape(-1, cfg.vocab), y.reshape(-1))
+                    t1 = time.perf_counter()
+                    t.backward(loss)
+                    t2 = time.perf_counter()
+                    t.step()
+                    if k == turn - 1:
+                        _finish(t)  # charged to this turn, not to the next variant
+                    t3 = time.perf_counter()
+                    losses[name].append(loss.item())
+                    for key, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
+                        acc[key] += v / turn
             except Exception as e:  # noqa: BLE001 - reported in the table
                 errors[name] = _describe(e)
                 continue
-            losses[name].append(loss.item())
-            if step >= warmup:
-                for k, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
-                    times[name][k].append(v)
+            if rnd >= warmup:
+                for key, v in acc.items():
+                    times[name][key].append(v)
                 if before is not None:
                     after = _phases(t)
                     for k in PHASES:
-                        times[name][f"phase {k}"].append(after[k] - before[k])
+                        times[name][f"phase {k}"].append((after[k] - before[k]) / turn)
     med = {n: {k: statistics.median(v) for k, v in ph.items()} for n, ph in times.items() if n not in errors}
     return med, losses, errors
+
+
+# Note [Turns]
+# With overlap_gather=True a step's all-gather finishes during the next
+# forward. Interleaving single steps of different variants would let it
+# overlap another variant's work instead (and charge that variant). So each
+# variant runs `turn` consecutive steps, and anything still in flight at the
+# end of its turn is waited for inside the turn's last step. Per-step figures
+# are the turn's mean; one of every `turn` gathers is therefore exposed,
+# which real training (always a next forward) never pays: the figures are
+# conservative for overlap_gather by about one gather / turn.
 
 
 def _describe(e: BaseException) -> str:
@@ -133,18 +163,18 @@ def _describe(e: BaseException) -> str:
     return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
-def _bench(rank, world_size, variants, model_name, shape, steps):
+def _bench(rank, world_size, variants, model_name, shape, steps, turn):
     from shardopt.gpt import PRESETS
 
     cfg = PRESETS[model_name]
     trainers = {name: _make(kind, cfg, rbs) for name, kind, rbs in variants}
-    med, losses, errors = _interleave(rank, trainers, cfg, shape, steps, warmup=2)
+    med, losses, errors = _interleave(rank, trainers, cfg, shape, steps, warmup=1, turn=turn)
     if errors:
         raise RuntimeError(f"variants failed: {errors}")
     return med, losses
 
 
-def _table(results, ws, shape_name, steps):
+def _table(results, ws, shape_name, steps, turn):
     # The slowest rank's median per phase: a step is as slow as its slowest rank.
     per_rank = [r[0] for r in results]
     losses = results[0][1]
@@ -152,7 +182,7 @@ def _table(results, ws, shape_name, steps):
     med = {n: {k: max(r[n][k] for r in per_rank) for k in per_rank[0][n]} for n in names}
     base = med["DDP"]["total"]
     ref_loss = losses["DDP"]
-    lines = [f"### {ws} ranks, {shape_name}, {steps} interleaved steps", "",
+    lines = [f"### {ws} ranks, {shape_name}, {steps} rounds of {turn} steps per variant (Note [Turns])", "",
              "| variant | fwd ms | bwd ms | step ms | total ms | x DDP | max abs loss diff to DDP | "
              + " | ".join(f"{k} ms" for k in PHASES) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * len(PHASES)]
@@ -206,7 +236,7 @@ def _peer_memory(rank, name, cfg, shape, bucket):
     before = _status_kib("VmRSS")
     try:
         trainer = peers.build(peers.VARIANTS[name], cfg, bucket, shape[0])
-        _, _, errors = _interleave(rank, {name: trainer}, cfg, shape, steps=2, warmup=0)
+        _, _, errors = _interleave(rank, {name: trainer}, cfg, shape, rounds=2, warmup=0)
         if errors:
             return errors[name]
         return (_status_kib("VmHWM") - before) * 1024
@@ -217,7 +247,7 @@ def _peer_memory(rank, name, cfg, shape, bucket):
         gc.collect()
 
 
-def _peers(rank, world_size, model_name, shape, steps, warmup):
+def _peers(rank, world_size, model_name, shape, steps, warmup, turn):
     import torch.distributed as dist
 
     import peers
@@ -239,7 +269,7 @@ def _peers(rank, world_size, model_name, shape, steps, warmup):
                 trainers[name] = peers.build(peers.VARIANTS[name], cfg, bucket, shape[0])
             except Exception as e:  # noqa: BLE001 - reported in the table
                 errors[name] = _describe(e)
-        med, losses, step_errors = _interleave(rank, trainers, cfg, shape, steps, warmup)
+        med, losses, step_errors = _interleave(rank, trainers, cfg, shape, steps, warmup, turn)
         rounds.append(dict(med=med, losses=losses, errors={**errors, **step_errors}))
         trainers = None
         gc.collect()
@@ -324,7 +354,8 @@ def run_peers(args):
              f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, gloo over 127.0.0.1, 1 thread per rank, "
              f"GPT '{args.model}', fp32, AdamW(lr=1e-3, weight_decay=0.1), no clipping. "
              "`python benchmarks/bench_step.py --peers` (benchmarks/peers.py builds every variant). Times: "
-             "medians of the slowest rank; steps interleaved round-robin within a round. Memory: peak RSS "
+             f"medians of the slowest rank; in a round, variants take turns of {args.turn} consecutive steps "
+             "(per-step figures are a turn's mean; Note [Turns] in the script). Memory: peak RSS "
              "growth while the variant is built alone and trained 2 steps (the largest rank), which includes "
              "one step's activations. Losses: rank 0's; the loss at step k is the forward loss of step k, "
              "after k-1 updates.", ""]
@@ -333,7 +364,7 @@ def run_peers(args):
     per_ws = []
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         t0 = time.time()
-        res = run_ranks(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup,
+        res = run_ranks(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup, args.turn,
                         timeout=3600, collective_timeout=900)
         rows = _peer_rows(res)
         per_ws.append((ws, rows))
@@ -368,6 +399,7 @@ def main():
     ap.add_argument("--sweep-buckets", action="store_true")
     ap.add_argument("--peers", action="store_true", help="FSDP2, DeepSpeed, FairScale too (see above)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--turn", type=int, default=3, help="consecutive steps per variant in a round (Note [Turns])")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.steps is None:
@@ -382,6 +414,7 @@ def main():
     else:
         variants = [("DDP", "DDP", None), ("torch ZeRO", "torch ZeRO", None),
                     ("shardopt ZeRO-1", "ZeRO-1", None), ("shardopt ZeRO-2", "ZeRO-2", None),
+                    ("shardopt ZeRO-2 + overlap_gather", "ZeRO-2-gather", None),
                     ("shardopt ZeRO-2 + offload", "ZeRO-2-offload", None)]
     lines = [f"# Step time — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average at start "
@@ -389,9 +422,9 @@ def main():
              f"GPT '{args.model}', AdamW (fused=True inside every variant). Medians of the slowest rank.", ""]
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         for shape_name, shape in SHAPES.items():
-            res = run_ranks(_bench, ws, variants, args.model, shape, args.steps, timeout=3600,
+            res = run_ranks(_bench, ws, variants, args.model, shape, args.steps, args.turn, timeout=3600,
                             collective_timeout=600)
-            lines += _table(res, ws, shape_name, args.steps) + [""]
+            lines += _table(res, ws, shape_name, args.steps, args.turn) + [""]
             print("\n".join(lines[-(len(variants) + 5):]), flush=True)
     report = "\n".join(lines)
     if args.out:

@@ -35,6 +35,7 @@ VARIANTS = {
     "shardopt ZeRO-1": "shardopt-1",
     "shardopt ZeRO-2": "shardopt-2",
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
+    "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
 }
 
 
@@ -125,7 +126,10 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
         import shardopt
 
         stage = int(kind.split("-")[1])
-        if kind.endswith("offload"):
+        if kind.endswith("gather"):  # the all-gather finishes during the next forward
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
+                                            fused=True, stage=stage, overlap_gather=True)
+        elif kind.endswith("offload"):
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.CPUAdam, lr=LR, weight_decay=WD,
                                             adamw=True, stage=stage, offload="cpu")
         else:

@@ -272,6 +272,7 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     directory. Atomic: see Note [Checkpoint layout].
     """
     opt = _check_pair(model, optimizer)
+    opt.wait_params()  # parameters may still be gathered (Note [Gathering in the next forward])
     info = describe_model(_unwrap(model), opt)
     path = os.fspath(path)
     partial, final, tag = _on_rank0(opt, lambda: _prepare_dir(path, tag))
@@ -440,6 +441,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     `weights_only` is passed to torch.load for `extra`.
     """
     opt = _check_pair(model, optimizer)
+    opt.wait_params()  # the load writes parameters that may still be being gathered
     swap = InnerStateSwap(opt)
     staged = info = error = None
     try:

@@ -57,6 +57,11 @@ class ShardConfig:
     """Launch a bucket's reduce-scatter from backward as soon as all its
     gradients exist, and wait only when its staging buffer is needed again or
     backward ends. False: reduce each bucket synchronously when it fills."""
+    overlap_gather: bool = False
+    """After a step, gather the updated parameters during the next forward
+    (each module waits for its own buckets) instead of inside step(). Faster,
+    but parameters read outside a forward before it must be waited for with
+    opt.wait_params() (Note [Gathering in the next forward] in prefetch.py)."""
     offload: str = "none"
     """Where this rank's fp32 master chunks, gradient chunks and optimizer state
     live: "none" (with the model) or "cpu" (host memory; the step runs there,
@@ -95,6 +100,8 @@ class ShardConfig:
                                  f"(e.g. {field}=int(5e7))")
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        if not isinstance(self.overlap_gather, bool):
+            raise TypeError(f"overlap_gather must be True or False, got {self.overlap_gather!r}")
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
         if not isinstance(self.pin_memory, bool):

@@ -10,6 +10,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardopt.consistency import check_same_across_ranks
 from shardopt.optimizer import ShardedOptimizer
+from shardopt.prefetch import plan_forward_waits, plan_gather_order
 
 
 class ShardedDDP(nn.Module):
@@ -52,7 +53,8 @@ class ShardedDDP(nn.Module):
             + [f"buffer {n} {list(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
             + [f"broadcast_buffers={broadcast_buffers}"],
             "model's parameters and buffers", group)
-        optimizer._attach(positions)
+        waits = plan_forward_waits(module, optimizer._index, optimizer.layout)
+        optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)))
 
         # Rank 0's initial values everywhere, like DDP: the flat buffer in one
         # collective, everything else (frozen params, buffers) coalesced.
@@ -71,6 +73,26 @@ class ShardedDDP(nn.Module):
         # would overwrite them with the old ones. Post hooks run for every module
         # of a load, so this sees loads into the model or into this wrapper.
         module.register_load_state_dict_post_hook(lambda mod, keys: optimizer._load_master_from_model())
+        if optimizer.config.overlap_gather:
+            self._install_gather_waits(waits)
+
+    def _install_gather_waits(self, waits) -> None:
+        """Hooks that wait for parameters still being gathered (Note [Gathering in the next forward])."""
+        opt = self.optimizer
+
+        def waiter(buckets):
+            return lambda *args: opt._wait_buckets(buckets)
+
+        def wait_all(*args):
+            opt.wait_params()
+
+        for w in waits:
+            w.module.register_forward_pre_hook(waiter(w.buckets))
+            # Reading or loading weights through state dicts, from any module down.
+            w.module.register_state_dict_pre_hook(wait_all)
+            w.module.register_load_state_dict_pre_hook(wait_all)
+        # Whatever runs after the forward (loss, backward, user code) sees final values.
+        self.module.register_forward_hook(wait_all)
 
     def _broadcast_coalesced(self, tensors):
         tensors = [t for t in tensors if t.numel()]

@@ -94,14 +94,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optim=None, *, stage: int = 2,
                  reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
-                 offload: str = "none", pin_memory: bool = True, reduce_dtype: torch.dtype | None = None,
+                 overlap_gather: bool = False, offload: str = "none", pin_memory: bool = True, reduce_dtype: torch.dtype | None = None,
                  loss_scale="auto", nonfinite: str = "auto", max_grad_norm: float | None = None,
                  process_group=None, num_staging_buffers: int = 2, comm_impl: str = "auto", **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
-                                  offload=offload, pin_memory=pin_memory, reduce_dtype=reduce_dtype,
+                                  overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory, reduce_dtype=reduce_dtype,
                                   loss_scale=loss_scale, nonfinite=nonfinite, max_grad_norm=max_grad_norm,
                                   num_staging_buffers=num_staging_buffers, comm_impl=comm_impl)
+        self._gather_pending = False  # parameters are being gathered (Note [Gathering in the next forward])
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         _check_elementwise(optim)
         self.process_group = _default_group(process_group)
@@ -227,8 +228,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                 "ShardedOptimizer needs one parameter dtype (cast the model, e.g. model.float() "
                                 "or model.bfloat16())")
 
-    def _attach(self, positions: list[int]) -> None:
-        """Called by ShardedDDP: builds the bucket engine in the model's backward order."""
+    def _attach(self, positions: list[int], gather_order: list[int]) -> None:
+        """Called by ShardedDDP: builds the bucket engine in the model's backward order.
+
+        gather_order: indices into layout.gather_spans, in the order the
+        forward needs them (prefetch.plan_gather_order).
+        """
         if self.engine is not None:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
         plan = _ext._C.BucketPlan()
@@ -239,9 +244,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan.param_offset = [p.offset for p in lay.params]
         plan.param_numel = [p.numel for p in lay.params]
         plan.launch_order = list(plan_launch_order(lay, positions))
-        plan.gather_bucket = [g.bucket for g in lay.gather_spans]
-        plan.gather_lo = [g.lo for g in lay.gather_spans]
-        plan.gather_hi = [g.hi for g in lay.gather_spans]
+        if sorted(gather_order) != list(range(len(lay.gather_spans))):
+            raise ValueError("gather_order must be a permutation of the layout's gather spans")
+        spans = [lay.gather_spans[i] for i in gather_order]
+        plan.gather_bucket = [g.bucket for g in spans]
+        plan.gather_lo = [g.lo for g in spans]
+        plan.gather_hi = [g.hi for g in spans]
         opts = _ext._C.EngineOptions()
         opts.stage = self.config.stage
         opts.num_staging = self.config.num_staging_buffers
@@ -364,6 +372,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One optimizer step on every rank, or a skip on every rank if any rank saw inf/nan (see nonfinite)."""
+        self.wait_params()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -376,7 +385,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             t0 = time.perf_counter()
             self._step_inner(used)
             self._phase["step"] += time.perf_counter() - t0
-            self._publish_params(copy_master=not self._kernel_writes_model)
+            self._publish_params(copy_master=not self._kernel_writes_model, defer=self.config.overlap_gather)
         elif self.loss_scaler is None:
             warnings.warn("ShardedOptimizer skipped a step: gradients held inf/nan on some rank "
                           "(nonfinite='skip')", RuntimeWarning, stacklevel=2)
@@ -406,16 +415,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _load_master_from_model(self) -> None:
         """Master chunks take the model's values (at construction, and after ShardedDDP's broadcast)."""
+        self.wait_params()
         if self.master is not None:
             with torch.no_grad():
                 for model_chunk, master_chunk in self._chunks:
                     master_chunk.copy_(model_chunk)
 
-    def _publish_params(self, copy_master: bool = True) -> None:
+    def _publish_params(self, copy_master: bool = True, defer: bool = False) -> None:
         """Every rank's updated chunks into the model: cast from master per bucket, then all-gather.
 
         A collective: every rank calls it. copy_master=False when the step's
         kernel already wrote the model's copy (Note [Master weights]).
+        defer=True only starts the gathers (Note [Gathering in the next forward]).
         """
         t0 = time.perf_counter()
         if self.master is not None and copy_master:
@@ -423,9 +434,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for model_chunk, master_chunk in self._chunks:
                     model_chunk.copy_(master_chunk, non_blocking=model_chunk.device != master_chunk.device)
         t1 = time.perf_counter()
-        self._require_engine().all_gather_params(self.flat_param)
+        engine = self._require_engine()
+        engine.start_all_gather_params(self.flat_param)
+        self._gather_pending = engine.num_pending_gathers > 0
         self._phase["publish"] += t1 - t0
         self._phase["gather"] += time.perf_counter() - t1
+        if not defer:
+            self.wait_params()
+
+    def wait_params(self) -> None:
+        """Returns once every parameter holds the last step's value on this rank.
+
+        Only needed with overlap_gather=True, before reading parameters outside
+        a forward between step() and the next forward (Note [Gathering in the
+        next forward] in prefetch.py); cheap when nothing is in flight.
+        """
+        if self._gather_pending:
+            t0 = time.perf_counter()
+            self.engine.finish_all_gather_params()
+            self._gather_pending = False
+            self._phase["gather"] += time.perf_counter() - t0
+
+    def _wait_buckets(self, buckets) -> None:
+        """A module's forward pre-hook: waits for the buckets holding its parameters."""
+        if self._gather_pending:
+            t0 = time.perf_counter()
+            for b in buckets:
+                self.engine.finish_all_gather(b)
+            self._gather_pending = self.engine.num_pending_gathers > 0
+            self._phase["gather"] += time.perf_counter() - t0
 
     def phase_seconds(self) -> dict:
         """Cumulative wall seconds this rank spent per phase since construction.
@@ -434,7 +471,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         not hidden behind backward); copy: moving reduced chunks into the
         gradient shard (device to host with offload; inside reduce or
         backward); step: the inner optimizer; publish: master chunks into the
-        model (when separate); gather: the all-gather of updated parameters.
+        model (when separate); gather: starting the all-gather of updated
+        parameters and waiting for it (inside step(), or with overlap_gather
+        in the next forward's pre-hooks: then only the exposed waits count).
         """
         out = dict(self._phase)
         out["copy"] = self.engine.copy_seconds if self.engine is not None else 0.0
@@ -444,6 +483,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on rank `to` for state_dict() (call on every rank)."""
         from shardopt import optim_state
+        self.wait_params()
         optim_state.consolidate_state_dict(self, to)
 
     def state_dict(self):
@@ -454,6 +494,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a whole torch.optim-format state dict (call on every rank; each takes its ranges)."""
         from shardopt import optim_state
+        self.wait_params()
         optim_state.load_optimizer_state_dict(self, state_dict)
 
     # ------------------------------------------------------------ inspection

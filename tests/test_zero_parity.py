@@ -50,7 +50,7 @@ def _param_groups(model):
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip):
+def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip, gather):
     import shardopt
 
     cls, kw, ref_cls, ref_kw = _optim(optim_name)
@@ -61,7 +61,8 @@ def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip)
     ref_opt = ref_cls(_param_groups(ref_model), **ref_kw)
     model = copy.deepcopy(base)
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, overlap_comm=overlap,
-                                    reduce_bucket_size=rbs, allgather_bucket_size=agbs, **kw)
+                                    overlap_gather=gather, reduce_bucket_size=rbs, allgather_bucket_size=agbs,
+                                    **kw)
     sharded = shardopt.ShardedDDP(model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=7, gamma=0.5)
@@ -95,6 +96,7 @@ def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip)
         for a, b in zip(losses[:half], losses[half:]):
             if abs(a - b) > 1e-5 * max(1.0, abs(a)):
                 failures.append(f"step {step}: ref {a!r} vs sharded {b!r}")
+    opt.wait_params()  # read outside a forward: with overlap_gather the last gather may be in flight
     for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
         err = ((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item()
         if err > 1e-5:
@@ -126,7 +128,7 @@ def _matrix(rank, world_size, configs):
 def _configs(world_size):
     """Every (optimizer, stage, overlap, bucket size) at world sizes 1 and 2; at 3 and 4 (slow on
     2 cores) alternate halves, so that each combination still runs at one of them. Accumulation
-    mode, clipping and small all-gather spans rotate so every half sees each of them."""
+    mode, clipping, small all-gather spans and overlap_gather rotate so every half sees each of them."""
     configs = []
     for i, (optim_name, stage, overlap, rbs) in enumerate(
             itertools.product(OPTIMS, (1, 2), (True, False), BUCKETS)):
@@ -134,7 +136,8 @@ def _configs(world_size):
         accum = ("none", "no_sync", "accumulate")[j % 3]
         clip = j % 2 == 0
         agbs = 256 if j % 4 == 1 else 10**9  # several all-gathers per bucket
-        configs.append((optim_name, stage, overlap, rbs, agbs, accum, clip))
+        gather = j % 4 in (1, 2)  # gathers finish in the next forward
+        configs.append((optim_name, stage, overlap, rbs, agbs, accum, clip, gather))
     return configs if world_size <= 2 else configs[world_size % 2::2]
 
 
@@ -152,9 +155,9 @@ def test_other_optimizers_match_ddp(world_size):
     """shardopt.CPUAdam inside ShardedOptimizer against torch's AdamW, and the other elementwise optimizers."""
     from dist_harness import run_ranks
 
-    configs = [("cpuadam", 2, True, 1000, 10**9, "accumulate", True),
-               ("adagrad", 1, True, 300, 256, "no_sync", False),
-               ("rmsprop", 2, False, 10**7, 10**9, "none", True)]
+    configs = [("cpuadam", 2, True, 1000, 10**9, "accumulate", True, True),
+               ("adagrad", 1, True, 300, 256, "no_sync", False, False),
+               ("rmsprop", 2, False, 10**7, 10**9, "none", True, False)]
     results = run_ranks(_matrix, world_size, configs, timeout=600)
     for rank, failed in enumerate(results):
         assert not failed, f"rank {rank}: " + "\n".join(f"{k}: {v}" for k, v in failed.items())

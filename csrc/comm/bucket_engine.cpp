@@ -301,17 +301,13 @@ int64_t BucketEngine::staging_bytes() const {
   return n;
 }
 
-void BucketEngine::all_gather_params(const at::Tensor& flat) {
+void BucketEngine::start_all_gather_params(const at::Tensor& flat) {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(flat.is_contiguous() && flat.dim() == 1, "flat parameter buffer must be contiguous 1-D");
+  TORCH_CHECK(pending_gathers_ == 0, "start_all_gather_params: the previous all-gather of parameters "
+              "was not finished");
+  gathers_.clear();
   if (world_size_ == 1) return;
-  struct Gather {
-    c10::intrusive_ptr<c10d::Work> work;
-    int64_t bucket;
-    at::Tensor rows;    // where the result belongs: [world_size, n], contiguous rows
-    at::Tensor staged;  // defined when rows is strided: gathered here, copied to rows after
-  };
-  std::vector<Gather> gathers;
   for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
     const int64_t b = plan_.gather_bucket[i];
     const int64_t chunk = plan_.bucket_numel[b] / world_size_;
@@ -326,13 +322,45 @@ void BucketEngine::all_gather_params(const at::Tensor& flat) {
     at::Tensor staged = rows.is_contiguous() ? at::Tensor() : rows.contiguous();
     const at::Tensor& target = staged.defined() ? staged : rows;
     auto work = comm::start_all_gather_auto(pg_, target.select(0, rank_), target.view({-1}), impl_);
-    gathers.push_back(Gather{std::move(work), b, rows, staged});
+    gathers_.push_back(Gather{std::move(work), b, rows, staged});
     ++n_all_gathers_;
   }
-  for (auto& gth : gathers) {
-    wait(gth.work, "all-gather", gth.bucket);
-    if (gth.staged.defined()) gth.rows.copy_(gth.staged);
+  pending_gathers_ = static_cast<int64_t>(gathers_.size());
+}
+
+void BucketEngine::finish_gather(Gather& gth) {
+  if (!gth.rows.defined()) return;  // already finished
+  // Forget it first: after a failure the group is broken anyway (every later
+  // op fails too), and a retry must not copy a half-received span.
+  Gather done = std::move(gth);
+  gth = Gather{};
+  --pending_gathers_;
+  wait(done.work, "all-gather", done.bucket);
+  if (done.staged.defined()) done.rows.copy_(done.staged);
+}
+
+void BucketEngine::finish_all_gather(int64_t bucket) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (pending_gathers_ == 0) return;
+  for (auto& gth : gathers_) {
+    if (gth.bucket == bucket) finish_gather(gth);
   }
+}
+
+void BucketEngine::finish_all_gather_params() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& gth : gathers_) finish_gather(gth);
+  gathers_.clear();
+}
+
+void BucketEngine::all_gather_params(const at::Tensor& flat) {
+  start_all_gather_params(flat);
+  finish_all_gather_params();
+}
+
+int64_t BucketEngine::num_pending_gathers() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return pending_gathers_;
 }
 
 }  // namespace shardopt

@@ -98,8 +98,20 @@ class BucketEngine {
   at::Tensor found_nonfinite() const { return found_; }
 
   // All-gathers every rank's updated chunks into `flat` (the flat parameter
-  // buffer, in place), one collective per gather span; returns when done.
+  // buffer, in place), one collective per gather span, in the plan's gather
+  // order. start_* launches them all and returns; until a bucket's gathers are
+  // finished, its part of `flat` must not be read (other ranks' chunks are
+  // being written) nor written (this rank's chunk is being sent). See Note
+  // [Gathering in the next forward] in shardopt/prefetch.py.
+  void start_all_gather_params(const at::Tensor& flat);
+  // Waits for the pending gathers of one bucket (no-op if none).
+  void finish_all_gather(int64_t bucket);
+  // Waits for every pending gather (no-op if none).
+  void finish_all_gather_params();
+  // start + finish.
   void all_gather_params(const at::Tensor& flat);
+  // Buckets whose gathers were started and not yet finished.
+  int64_t num_pending_gathers() const;
 
   // Counters, for tests and benchmarks.
   int64_t num_reduce_scatters() const { return n_reduce_scatters_; }
@@ -124,7 +136,16 @@ class BucketEngine {
     bool accumulate;                       // out must be added into the shard chunk
   };
 
+  // One all-gather span in flight.
+  struct Gather {
+    c10::intrusive_ptr<c10d::Work> work;
+    int64_t bucket;
+    at::Tensor rows;    // where the result belongs: [world_size, n], contiguous rows
+    at::Tensor staged;  // defined when rows is strided: gathered here, copied to rows after
+  };
+
   at::Tensor chunk_view(int64_t bucket) const;
+  void finish_gather(Gather& gather);
   int64_t acquire_slot();
   at::Tensor slot_staging(int64_t slot);
   at::Tensor slot_out(int64_t slot);
@@ -165,6 +186,8 @@ class BucketEngine {
   std::vector<Slot> slots_;
   std::vector<int64_t> free_slots_;
   std::deque<InFlight> inflight_;
+  std::vector<Gather> gathers_;       // started, not finished (empty slots: finished)
+  int64_t pending_gathers_ = 0;
   int64_t n_reduce_scatters_ = 0, n_all_gathers_ = 0;
   double copy_seconds_ = 0.0;
   HostCopier host_copier_;  // offload with CUDA: copies to the host on a side stream
