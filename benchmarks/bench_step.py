@@ -155,6 +155,12 @@ def _interleave(rank, trainers, cfg, shape, rounds, warmup, turn=1):
 # are the turn's mean; one of every `turn` gathers is therefore exposed,
 # which real training (always a next forward) never pays: the figures are
 # conservative for overlap_gather by about one gather / turn.
+# Turns also keep a variant close to how it runs in a real job (alone, step
+# after step). With single interleaved steps, ZeRO-2 / DDP on the 2-rank
+# compute-bound shape measured 0.91 and 0.96 while turns of 2 gave 1.09 and
+# turns of 5 gave 1.01, back to back on the same quiet machine: how each
+# variant's allocations meet the previous variant's freed memory shows up at
+# the 5-10% level on this VM. Hence the default of 4.
 
 
 def _describe(e: BaseException) -> str:
@@ -195,7 +201,8 @@ def _table(results, ws, shape_name, steps, turn):
     lines += ["", "shardopt's phases (ShardedOptimizer.phase_seconds, slowest rank's median): reduce = waiting for "
               "reductions at the end of backward (inside bwd); copy = reduced chunks into the gradient shard "
               "(device to host with offload; inside bwd); step = the inner optimizer, publish = master chunks "
-              "into the model, gather = the all-gather (all three inside step)."]
+              "into the model, gather = starting the all-gather and waiting for it (all three inside step; with "
+              "overlap_gather the waits are in the next forward's hooks, except a turn's last)."]
     return lines
 
 
@@ -395,15 +402,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="30m")
     ap.add_argument("--world-sizes", default="2,4")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10, --peers 5)")
+    ap.add_argument("--steps", type=int, default=None, help="timed rounds (default 4; each runs --turn steps per variant)")
     ap.add_argument("--sweep-buckets", action="store_true")
     ap.add_argument("--peers", action="store_true", help="FSDP2, DeepSpeed, FairScale too (see above)")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--turn", type=int, default=3, help="consecutive steps per variant in a round (Note [Turns])")
+    ap.add_argument("--turn", type=int, default=4, help="consecutive steps per variant in a round (Note [Turns])")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.steps is None:
-        args.steps = 5 if args.peers else 10
+        args.steps = 4
     if args.quick:
         args.model, args.world_sizes, args.steps = "small", "2", 3
     if args.peers:
