@@ -312,11 +312,11 @@ def _peer_rows(results):
     return rows
 
 
-def _peer_table(rows, ws, steps, warmup, shape):
+def _peer_table(rows, ws, steps, warmup, shape, turn):
     lines = [f"### {ws} ranks, batch {shape[0]}x{shape[1]} tokens per rank, {warmup} warm-up + {steps} timed "
-             "steps per variant", "",
+             f"rounds of {turn} steps per variant", "",
              "| round | variant | fwd ms | bwd ms | step ms | total ms | x DDP (same round) | peak RSS growth "
-             f"MiB | loss at step {warmup + steps} | minus DDP's | max abs diff to DDP (first step > 1e-4) |",
+             f"MiB | loss at step {(warmup + steps) * turn} | minus DDP's | max abs diff to DDP (first step > 1e-4) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak = f"{r['peak'] / 2**20:.0f}" if r["peak"] is not None else "-"
@@ -375,7 +375,7 @@ def run_peers(args):
                         timeout=3600, collective_timeout=900)
         rows = _peer_rows(res)
         per_ws.append((ws, rows))
-        lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32))
+        lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32), args.turn)
         lines += ["", f"Bucket size for shardopt (its default) and DeepSpeed: {res[0]['bucket']:,} elements. "
                   f"Run time {time.time() - t0:.0f} s.", ""]
         print("\n".join(lines[-len(rows) - 6:]), flush=True)
