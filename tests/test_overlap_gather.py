@@ -82,7 +82,7 @@ def test_plan_for_a_sequential_model_lets_every_layer_wait_for_itself():
     assert len(set(waits["0"]) | set(waits["3"])) > 2
 
 
-def _run(rank, world_size, tmp, dtype):
+def _run(rank, world_size, tmp, dtype, offload):
     import shardopt
     from shardopt.gpt import PRESETS, synthetic_batch
 
@@ -92,7 +92,7 @@ def _run(rank, world_size, tmp, dtype):
     for defer in (False, True):
         model = _gpt().to(dtype)
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9,
-                                        reduce_bucket_size=2000, overlap_gather=defer)
+                                        reduce_bucket_size=2000, overlap_gather=defer, offload=offload)
         runs[defer] = (model, opt, shardopt.ShardedDDP(model, opt))
     model, opt, wrapper = runs[True]
     pending_at_block0 = []
@@ -154,9 +154,10 @@ def _run(rank, world_size, tmp, dtype):
     return out
 
 
-@pytest.mark.parametrize("world_size,dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
-def test_overlap_gather_matches_gathering_in_step(world_size, dtype, tmp_path):
-    results = run_ranks(_run, world_size, str(tmp_path / "ckpt"), dtype, timeout=300)
+@pytest.mark.parametrize("world_size,dtype,offload", [(2, torch.float32, "none"), (3, torch.float32, "none"),
+                                                      (2, torch.bfloat16, "none"), (2, torch.bfloat16, "cpu")])
+def test_overlap_gather_matches_gathering_in_step(world_size, dtype, offload, tmp_path):
+    results = run_ranks(_run, world_size, str(tmp_path / "ckpt"), dtype, offload, timeout=300)
     for rank, r in enumerate(results):
         where = f"rank {rank}: {r}"
         assert r["losses equal"], where
