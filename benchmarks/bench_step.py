@@ -160,7 +160,11 @@ def _interleave(rank, trainers, cfg, shape, rounds, warmup, turn=1):
 # compute-bound shape measured 0.91 and 0.96 while turns of 2 gave 1.09 and
 # turns of 5 gave 1.01, back to back on the same quiet machine: how each
 # variant's allocations meet the previous variant's freed memory shows up at
-# the 5-10% level on this VM. Hence the default of 4.
+# the 5-10% level on this VM. Hence the default of 4. The number of models
+# sharing the processes matters too: with six variants ZeRO-2's forward ran
+# 5-7% slower than DDP's, with just the two it did not (every forward takes
+# ~19k minor page faults: glibc hands freed activations back to the OS, and
+# on this VM touching fresh pages is expensive). `--variants` runs a subset.
 
 
 def _describe(e: BaseException) -> str:
@@ -407,6 +411,8 @@ def main():
     ap.add_argument("--peers", action="store_true", help="FSDP2, DeepSpeed, FairScale too (see above)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--turn", type=int, default=4, help="consecutive steps per variant in a round (Note [Turns])")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated subset of the default variants (must include DDP), e.g. 'DDP,shardopt ZeRO-2'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.steps is None:
@@ -423,6 +429,13 @@ def main():
                     ("shardopt ZeRO-1", "ZeRO-1", None), ("shardopt ZeRO-2", "ZeRO-2", None),
                     ("shardopt ZeRO-2 + overlap_gather", "ZeRO-2-gather", None),
                     ("shardopt ZeRO-2 + offload", "ZeRO-2-offload", None)]
+        if args.variants:
+            # Fewer models per process: see Note [Turns] on how variants sharing a process interact.
+            wanted = [w.strip() for w in args.variants.split(",")]
+            unknown = [w for w in wanted if w not in {v[0] for v in variants}]
+            if unknown or "DDP" not in wanted:
+                ap.error(f"--variants must name DDP and any of {[v[0] for v in variants]}; got {unknown or wanted}")
+            variants = [v for v in variants if v[0] in wanted]
     lines = [f"# Step time — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average at start "
              f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, gloo over 127.0.0.1, 1 thread per rank, "
