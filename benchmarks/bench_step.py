@@ -406,13 +406,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="30m")
     ap.add_argument("--world-sizes", default="2,4")
-    ap.add_argument("--steps", type=int, default=None, help="timed rounds (default 4; each runs --turn steps per variant)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed rounds (default 4; each runs --turn steps per variant)")
     ap.add_argument("--sweep-buckets", action="store_true")
     ap.add_argument("--peers", action="store_true", help="FSDP2, DeepSpeed, FairScale too (see above)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--turn", type=int, default=4, help="consecutive steps per variant in a round (Note [Turns])")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated subset of the default variants (must include DDP), e.g. 'DDP,shardopt ZeRO-2'")
+                    help="comma-separated subset of the default variants (must include DDP), "
+                         "e.g. 'DDP,shardopt ZeRO-2'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.steps is None:

@@ -94,13 +94,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optim=None, *, stage: int = 2,
                  reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
-                 overlap_gather: bool = False, offload: str = "none", pin_memory: bool = True, reduce_dtype: torch.dtype | None = None,
-                 loss_scale="auto", nonfinite: str = "auto", max_grad_norm: float | None = None,
+                 overlap_gather: bool = False, offload: str = "none", pin_memory: bool = True,
+                 reduce_dtype: torch.dtype | None = None, loss_scale="auto", nonfinite: str = "auto",
+                 max_grad_norm: float | None = None,
                  process_group=None, num_staging_buffers: int = 2, comm_impl: str = "auto", **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
-                                  overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory, reduce_dtype=reduce_dtype,
-                                  loss_scale=loss_scale, nonfinite=nonfinite, max_grad_norm=max_grad_norm,
+                                  overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
+                                  reduce_dtype=reduce_dtype, loss_scale=loss_scale, nonfinite=nonfinite,
+                                  max_grad_norm=max_grad_norm,
                                   num_staging_buffers=num_staging_buffers, comm_impl=comm_impl)
         self._gather_pending = False  # parameters are being gathered (Note [Gathering in the next forward])
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
