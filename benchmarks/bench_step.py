@@ -24,6 +24,8 @@ reported with its error.
     python benchmarks/bench_step.py --sweep-buckets    # ZeRO-2 step time against reduce_bucket_size
     python benchmarks/bench_step.py --peers --out benchmarks/results/DATE-peers.md   # + DATE-peers.png
     python benchmarks/bench_step.py --quick [--peers]
+    python benchmarks/bench_step.py --peers --rounds-of "FairScale, zero_grad(set_to_none=False)" --repeat 3
+        # a closer look at one peer: K rounds of just it and the anchors
 """
 from __future__ import annotations
 
@@ -258,7 +260,7 @@ def _peer_memory(rank, name, cfg, shape, bucket):
         gc.collect()
 
 
-def _peers(rank, world_size, model_name, shape, steps, warmup, turn):
+def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds):
     import torch.distributed as dist
 
     import peers
@@ -268,9 +270,10 @@ def _peers(rank, world_size, model_name, shape, steps, warmup, turn):
     cfg = PRESETS[model_name]
     # DeepSpeed gets the bucket size shardopt picks by default, so both cut the model alike.
     bucket = auto_bucket_size(num_params(GPT(cfg)))
-    memory = {name: _peer_memory(rank, name, cfg, shape, bucket) for name in peers.VARIANTS}
+    names_used = [n for n in peers.VARIANTS if n in ANCHORS or any(n in r for r in peer_rounds)]
+    memory = {name: _peer_memory(rank, name, cfg, shape, bucket) for name in names_used}
     rounds = []
-    for names in PEER_ROUNDS:
+    for names in peer_rounds:
         trainers, errors = {}, {}
         for name in ANCHORS + names:
             if isinstance(memory[name], str):  # it failed alone: it would fail here too
@@ -288,10 +291,10 @@ def _peers(rank, world_size, model_name, shape, steps, warmup, turn):
     return dict(memory=memory, rounds=rounds, bucket=bucket)
 
 
-def _peer_rows(results):
+def _peer_rows(results, peer_rounds):
     """One row per (round, variant): slowest rank's medians, max peak over ranks, rank 0's losses."""
     rows = []
-    for ri, names in enumerate(PEER_ROUNDS):
+    for ri, names in enumerate(peer_rounds):
         ddp = ANCHORS[0]
         per_rank = [r["rounds"][ri] for r in results]
         errors = {}
@@ -339,7 +342,7 @@ def _peer_chart(path, per_ws):
 
     import peers
 
-    labels = list(peers.VARIANTS)
+    labels = [n for n in peers.VARIANTS if any(r["name"] == n for _, rows in per_ws for r in rows)]
 
     def per_variant(rows, key):
         # A variant's value: its row in the first round it ran in (anchors: the median over rounds).
@@ -372,12 +375,21 @@ def run_peers(args):
              "after k-1 updates.", ""]
     versions = _versions()
     lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    peer_rounds = PEER_ROUNDS
+    if args.rounds_of:
+        import peers
+        if args.rounds_of not in peers.VARIANTS or args.rounds_of in ANCHORS:
+            raise SystemExit(f"--rounds-of: expected one of {[n for n in peers.VARIANTS if n not in ANCHORS]}, "
+                             f"got {args.rounds_of!r}")
+        peer_rounds = [[args.rounds_of]] * args.repeat
+        lines += [f"`--rounds-of {args.rounds_of!r} --repeat {args.repeat}`: {args.repeat} rounds of the anchors "
+                  "and that variant only.", ""]
     per_ws = []
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         t0 = time.time()
         res = run_ranks(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup, args.turn,
-                        timeout=3600, collective_timeout=900)
-        rows = _peer_rows(res)
+                        peer_rounds, timeout=3600, collective_timeout=900)
+        rows = _peer_rows(res, peer_rounds)
         per_ws.append((ws, rows))
         lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32), args.turn)
         lines += ["", f"Bucket size for shardopt (its default) and DeepSpeed: {res[0]['bucket']:,} elements. "
@@ -410,6 +422,9 @@ def main():
                     help="timed rounds (default 4; each runs --turn steps per variant)")
     ap.add_argument("--sweep-buckets", action="store_true")
     ap.add_argument("--peers", action="store_true", help="FSDP2, DeepSpeed, FairScale too (see above)")
+    ap.add_argument("--rounds-of", default=None, metavar="VARIANT",
+                    help="with --peers: instead of the usual rounds, --repeat rounds of the anchors and VARIANT")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds for --rounds-of")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--turn", type=int, default=4, help="consecutive steps per variant in a round (Note [Turns])")
     ap.add_argument("--variants", default=None,
