@@ -52,9 +52,27 @@ def _on_ranks(fn, args, argv: list[str], timeout_s: int) -> int:
         return _relaunch(args.world_size, argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        return fn(args)
+        code = fn(args)
     finally:
         dist.destroy_process_group()
+    _exit_rank(code)
+
+
+# Note [Ranks leave without interpreter shutdown]
+# In torch 2.13 a gloo worker thread that drops the last C++ reference to a
+# tensor Python has seen must take the GIL; if the main thread has begun
+# interpreter shutdown by then, the worker is unwound mid-destructor and the
+# process aborts ("terminate called without an active exception", exit -6)
+# after all the work is done (pytorch/pytorch#190489). destroy_process_group()
+# does not always join those threads first, and the demo's last collective
+# (all_gather_object) leaves exactly such a reference behind, so the demo rank
+# failed about 1 run in 6 here. A rank process this command started (it
+# created the process group) has nothing left to do at this point, so it
+# flushes its output and leaves without running interpreter shutdown.
+def _exit_rank(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def parse_count(text: str) -> int:

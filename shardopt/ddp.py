@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -66,17 +67,22 @@ class ShardedDDP(nn.Module):
             self._broadcast_coalesced(others + [b for b in module.buffers()])
             optimizer._load_master_from_model()
 
+        # See Note [Hooks die with the wrapper].
+        handles = []
+        this = weakref.ref(self)
         for i, p in enumerate(optimizer._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            handles.append(p.register_post_accumulate_grad_hook(_grad_hook(this, i)))
         # With separate master weights (Note [Master weights] in optimizer.py), new
         # values loaded into the model must reach the masters, or the next step
         # would overwrite them with the old ones. Post hooks run for every module
         # of a load, so this sees loads into the model or into this wrapper.
-        module.register_load_state_dict_post_hook(lambda mod, keys: optimizer._load_master_from_model())
+        handles.append(module.register_load_state_dict_post_hook(
+            lambda mod, keys: optimizer._load_master_from_model()))
         if optimizer.config.overlap_gather:
-            self._install_gather_waits(waits)
+            handles += self._install_gather_waits(waits)
+        weakref.finalize(self, _detach, handles, optimizer)
 
-    def _install_gather_waits(self, waits) -> None:
+    def _install_gather_waits(self, waits) -> list:
         """Hooks that wait for parameters still being gathered (Note [Gathering in the next forward])."""
         opt = self.optimizer
 
@@ -86,13 +92,15 @@ class ShardedDDP(nn.Module):
         def wait_all(*args):
             opt.wait_params()
 
+        handles = []
         for w in waits:
-            w.module.register_forward_pre_hook(waiter(w.buckets))
+            handles.append(w.module.register_forward_pre_hook(waiter(w.buckets)))
             # Reading or loading weights through state dicts, from any module down.
-            w.module.register_state_dict_pre_hook(wait_all)
-            w.module.register_load_state_dict_pre_hook(wait_all)
+            handles.append(w.module.register_state_dict_pre_hook(wait_all))
+            handles.append(w.module.register_load_state_dict_pre_hook(wait_all))
         # Whatever runs after the forward (loss, backward, user code) sees final values.
-        self.module.register_forward_hook(wait_all)
+        handles.append(self.module.register_forward_hook(wait_all))
+        return handles
 
     def _broadcast_coalesced(self, tensors):
         tensors = [t for t in tensors if t.numel()]
@@ -109,28 +117,24 @@ class ShardedDDP(nn.Module):
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.copy_(v)
 
-    def _make_hook(self, index: int):
+    def _on_grad(self, index: int, p: torch.Tensor) -> None:
+        """A parameter's gradient is complete: hand it to the bucket engine."""
         opt = self.optimizer
-        stage1 = opt.config.stage == 1
-
-        def hook(p: torch.Tensor) -> None:
-            engine = opt.engine
-            if not self._sync:
-                engine.note_used(index)
-                return
-            if not self._callback_queued:
-                # Runs once the whole backward pass is done: reduce what is left.
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-                self._callback_queued = True
-            engine.mark_ready(index, p.grad)
-            if stage1:
-                view = opt._grad_views[index]
-                if p.grad is not view:  # replaced by user code: the engine copied it back in
-                    p.grad = view
-            else:
-                p.grad = None  # stage 2: the full-size gradient is released here
-
-        return hook
+        engine = opt.engine
+        if not self._sync:
+            engine.note_used(index)
+            return
+        if not self._callback_queued:
+            # Runs once the whole backward pass is done: reduce what is left.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        engine.mark_ready(index, p.grad)
+        if opt.config.stage == 1:
+            view = opt._grad_views[index]
+            if p.grad is not view:  # replaced by user code: the engine copied it back in
+                p.grad = view
+        else:
+            p.grad = None  # stage 2: the full-size gradient is released here
 
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -161,3 +165,28 @@ class ShardedDDP(nn.Module):
             yield
         finally:
             self._sync = old
+
+
+# Note [Hooks die with the wrapper]
+# A parameter's gradient hooks are held by autograd in C++, where Python's
+# garbage collector cannot see them. A hook that referenced the wrapper or the
+# optimizer strongly would close a cycle through C++ (parameter -> hook ->
+# wrapper -> model -> parameter) that is never collected: a dropped model,
+# its optimizer state and the process group would live until exit (a sweep
+# that builds one model after another would keep them all). So the gradient
+# hooks hold the wrapper weakly, and when the wrapper is collected
+# every hook it installed is removed, as DDP's reducer removes its own: the
+# model becomes a plain module again, and the optimizer refuses to step
+# (nothing reduces gradients into it any more).
+def _grad_hook(wrapper_ref, index: int):
+    def hook(p: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper._on_grad(index, p)
+    return hook
+
+
+def _detach(handles, optimizer) -> None:
+    for h in handles:
+        h.remove()
+    optimizer._detach_model()

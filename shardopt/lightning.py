@@ -247,8 +247,9 @@ def _masters_from_state_dict(opt: ShardedOptimizer, module: nn.Module, state_dic
         master.copy_(saved.reshape(-1)[pc.start - slot.offset:pc.end - slot.offset])
 
 
-# Modules ShardedDDP has hooked: its gradient hooks cannot be removed, so a
-# second wrap would reduce every gradient twice (see _setup_model).
+# Modules ShardedDDP has hooked: its gradient hooks stay while that wrapper
+# lives, and the finished Trainer may still hold it, so a second wrap would
+# reduce every gradient twice (see _setup_model).
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 

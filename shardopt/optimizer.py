@@ -193,6 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             separate_master=self.master is not None)
 
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
+        self._attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
         self._backwards = 0         # backward passes reduced since the last step
         self._global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self._found_nonfinite = False  # some rank's gradients held inf/nan (valid with _global_used)
@@ -236,7 +237,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gather_order: indices into layout.gather_spans, in the order the
         forward needs them (prefetch.plan_gather_order).
         """
-        if self.engine is not None:
+        if self._attached:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
         plan = _ext._C.BucketPlan()
         lay = self.layout
@@ -263,6 +264,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
         self.engine = _ext._C.BucketEngine(self.process_group, plan, opts, flat_grad, self.shard_grad)
         self.engine.set_loss_scale(self.loss_scale)
+        self._attached = True
+
+    def _detach_model(self) -> None:
+        """Called when the ShardedDDP wrapper is collected (Note [Hooks die with the wrapper] in ddp.py).
+
+        Gradients no longer reach the engine: a later step() raises instead of
+        stepping without gradients, and a new ShardedDDP may attach. The engine
+        stays until then, for its counters and memory_stats().
+        """
+        if self.engine is not None:
+            self.wait_params()
+        self._attached = False
 
     def add_param_group(self, param_group):
         if hasattr(self, "layout"):  # torch.optim.Optimizer.__init__ adds the constructor's groups first
@@ -272,9 +285,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -------------------------------------------------------------- gradients
     def _require_engine(self):
-        if self.engine is None:
+        if not self._attached:
             raise RuntimeError("no gradients reach this ShardedOptimizer: wrap the model with "
-                               "shardopt.ShardedDDP(model, optimizer) before training")
+                               "shardopt.ShardedDDP(model, optimizer) before training (and keep the wrapper: "
+                               "once it is garbage-collected its hooks are gone)")
         return self.engine
 
     def _end_backward(self) -> None:

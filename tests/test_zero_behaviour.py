@@ -325,3 +325,55 @@ def test_bad_arguments_raise_clear_errors():
     for name, needle in needles.items():
         assert errors[name] is not None, f"{name}: no error raised"
         assert needle in errors[name], f"{name}: {errors[name]!r} does not mention {needle!r}"
+
+
+# ---------------------------------------------------------------- lifetime
+def _wrapper_lifetime(rank, world_size):
+    import gc
+    import weakref
+
+    import shardopt
+
+    out = {}
+    for stage, overlap_gather in ((1, False), (2, True)):
+        torch.manual_seed(0)
+        model = AwkwardNet()
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9,
+                                        stage=stage, reduce_bucket_size=1000, overlap_gather=overlap_gather)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        _one_step(wrapper, opt, 0, rank)
+        refs = [weakref.ref(o) for o in (model, opt, wrapper)]
+        del model, opt, wrapper
+        gc.collect()
+        out[f"stage {stage} freed"] = [r() is None for r in refs]
+
+    # The wrapper alone dropped: the model is a plain module again and the
+    # optimizer, which no gradient reaches any more, refuses to step.
+    model, opt, wrapper = _build(stage=2)
+    _one_step(wrapper, opt, 0, rank)
+    del wrapper
+    gc.collect()
+    x, y = batch(1, rank)
+    loss = nn.functional.cross_entropy(model(x, uses_branch(1, rank)).reshape(-1, 37), y.reshape(-1))
+    loss.backward()
+    out["plain grads kept"] = sum(p.grad is not None for p in model.parameters())
+    try:
+        opt.step()
+        out["step error"] = None
+    except RuntimeError as e:
+        out["step error"] = str(e)
+    # ... and a new wrapper attaches and trains.
+    model.zero_grad(set_to_none=True)
+    out["rewrapped loss"] = _one_step(shardopt.ShardedDDP(model, opt), opt, 2, rank)
+    return out
+
+
+def test_dropped_wrapper_frees_model_and_removes_its_hooks():
+    # Gradient hooks live in C++, out of the garbage collector's sight: if they held
+    # the wrapper strongly, a dropped model + optimizer (and their process group)
+    # would never be freed (Note [Hooks die with the wrapper] in ddp.py).
+    out = run_ranks(_wrapper_lifetime, 2)[0]
+    assert out["stage 1 freed"] == [True, True, True] and out["stage 2 freed"] == [True, True, True], out
+    assert out["plain grads kept"] > 0  # stage 2 hooks would have set every .grad to None
+    assert out["step error"] is not None and "ShardedDDP" in out["step error"]
+    assert 0 < out["rewrapped loss"] < 100
