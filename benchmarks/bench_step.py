@@ -432,6 +432,8 @@ def main():
                          "e.g. 'DDP,shardopt ZeRO-2'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.rounds_of and not args.peers:
+        ap.error("--rounds-of picks rounds of the peer benchmark: add --peers")
     if args.steps is None:
         args.steps = 4
     if args.quick:
