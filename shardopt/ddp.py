@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 
 import torch
@@ -71,7 +72,12 @@ class ShardedDDP(nn.Module):
         handles = []
         this = weakref.ref(self)
         for i, p in enumerate(optimizer._params):
+            handles.append(p.register_hook(_pre_accumulate_hook(this, i)))
             handles.append(p.register_post_accumulate_grad_hook(_grad_hook(this, i)))
+        # Parameters given new storage after wrapping are refused before any forward
+        # (Note [Parameters stay in the flat buffer] in optimizer.py).
+        self._param_names = [named[pos][0] for pos in positions]
+        handles.append(module.register_forward_pre_hook(_check_in_place_hook(this)))
         # With separate master weights (Note [Master weights] in optimizer.py), new
         # values loaded into the model must reach the masters, or the next step
         # would overwrite them with the old ones. Post hooks run for every module
@@ -80,7 +86,8 @@ class ShardedDDP(nn.Module):
             lambda mod, keys: optimizer._load_master_from_model()))
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
-        weakref.finalize(self, _detach, handles, optimizer)
+            _wait_in_named_parameters(module, optimizer)
+        weakref.finalize(self, _detach, handles, optimizer, module)
 
     def _install_gather_waits(self, waits) -> list:
         """Hooks that wait for parameters still being gathered (Note [Gathering in the next forward])."""
@@ -101,6 +108,23 @@ class ShardedDDP(nn.Module):
         # Whatever runs after the forward (loss, backward, user code) sees final values.
         handles.append(self.module.register_forward_hook(wait_all))
         return handles
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """model.zero_grad() == opt.zero_grad(), as with DDP + torch.optim (and frozen parameters' grads)."""
+        self.optimizer.zero_grad(set_to_none)
+        managed = self.optimizer._index
+        for p in self.module.parameters():
+            if id(p) not in managed and p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    def named_parameters(self, *args, **kwargs):
+        # With overlap_gather, parameters read right after step() (an EMA) must be final.
+        self.optimizer.wait_params()
+        return super().named_parameters(*args, **kwargs)
 
     def _broadcast_coalesced(self, tensors):
         tensors = [t for t in tensors if t.numel()]
@@ -135,6 +159,7 @@ class ShardedDDP(nn.Module):
                 p.grad = view
         else:
             p.grad = None  # stage 2: the full-size gradient is released here
+        opt._installed[index] = p.grad
 
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -186,7 +211,55 @@ def _grad_hook(wrapper_ref, index: int):
     return hook
 
 
-def _detach(handles, optimizer) -> None:
+def _pre_accumulate_hook(wrapper_ref, index: int):
+    def hook(grad: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper.optimizer._before_accumulate(index)
+    return hook
+
+
+def _check_in_place_hook(wrapper_ref):
+    @torch.compiler.disable
+    def hook(module, args) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper.optimizer.check_params_in_place(wrapper._param_names)
+    return hook
+
+
+# Note [Waiting in named_parameters]
+# With overlap_gather, step() returns while parameters are still being
+# gathered, and the forward's hooks wait for them. Code that reads parameters
+# right after step() through model.parameters() (an EMA, torch's
+# AveragedModel, weight-norm logging) would read values half written. So, while
+# a wrapper with overlap_gather lives, parameters()/named_parameters() wait
+# first, on the wrapper (a method override) and on the wrapped module (an
+# instance attribute, removed with the wrapper). The module finds its
+# optimizer through a weak registry, not an attribute: copy.deepcopy(model)
+# (as EMA code does) must give a plain module that waits for nothing.
+_WAITING_MODULES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _waiting_named_parameters(module, *args, **kwargs):
+    ref = _WAITING_MODULES.get(module)
+    optimizer = ref() if ref is not None else None
+    if optimizer is not None:
+        optimizer.wait_params()
+    return type(module).named_parameters(module, *args, **kwargs)
+
+
+_waiting_named_parameters.__name__ = "named_parameters"  # pickles as getattr(module, "named_parameters")
+
+
+def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
+    _WAITING_MODULES[module] = weakref.ref(optimizer)
+    module.named_parameters = types.MethodType(_waiting_named_parameters, module)
+
+
+def _detach(handles, optimizer, module) -> None:
     for h in handles:
         h.remove()
+    if _WAITING_MODULES.pop(module, None) is not None:
+        module.__dict__.pop("named_parameters", None)
     optimizer._detach_model()

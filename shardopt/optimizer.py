@@ -37,6 +37,7 @@ from shardopt import offload as _offload
 from shardopt.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
+from shardopt.sharded_grad import GradShard, ShardedGrad
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -148,6 +149,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 view = self.flat_param[slot.offset:slot.end]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
+        # Where each parameter must stay (Note [Parameters stay in the flat buffer]).
+        self._param_ptrs = [p.data_ptr() for p in self._params]
         # Stage 1 keeps full-size gradients in one flat buffer (the params'
         # .grad are views of it); stage 2 keeps only this rank's chunks.
         self.flat_grad = None
@@ -191,6 +194,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._kernel_writes_model = _offload.attach_lowp_copies(
             self.inner, self._piece_params, [self.flat_param[pc.start:pc.end] for pc in self._pieces],
             separate_master=self.master is not None)
+
+        # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py). _installed[i] is what this
+        # optimizer last put in parameter i's .grad: its ShardedGrad, its stage-1 view, or None.
+        self._grad_shard = GradShard(self._params, self._pieces, self._piece_grads,
+                                     [slot.offset for slot in self.layout.params], self.process_group,
+                                     self.world_size, self._had_grad)
+        self._installed: list = list(self._grad_views) if self.config.stage == 1 else [None] * len(self._params)
+        self._last_used = torch.zeros(len(self._params), dtype=torch.bool)  # global, at the last step
+        self._reconciled = False    # this backward pass already reconciled user changes to p.grad
 
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
         self._attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
@@ -275,6 +287,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self.engine is not None:
             self.wait_params()
+        for i, p in enumerate(self._params):
+            if isinstance(p.grad, ShardedGrad):  # nothing will answer for it any more
+                p.grad = None
+            self._installed[i] = p.grad
         self._attached = False
 
     def add_param_group(self, param_group):
@@ -298,25 +314,94 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # Gradients accumulated under no_sync for parameters this backward did not reach.
             for i in engine.unready_params():
                 p = self._params[i]
-                if p.grad is not None:
+                if p.grad is not None and not isinstance(p.grad, ShardedGrad):
                     engine.mark_ready(i, p.grad)
                     p.grad = None
         t0 = time.perf_counter()
         engine.flush()
         self._phase["reduce"] += time.perf_counter() - t0
         self._backwards += 1
+        self._reconciled = False
+        # The gradients now live in the shard (Note [Sharded p.grad]). As with DDP, a parameter
+        # has one if some rank's backward reached it (or it had one before); the others keep None.
+        # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.
+        n = len(self._params)
+        stats = torch.cat([self._had_grad().double(), self._grad_shard.local_square_norms()])
+        if self.world_size > 1:
+            dist.all_reduce(stats, group=self.process_group)
+        self._grad_shard.set_norms(2.0, stats[n:].sqrt())
+        has = (stats[:n] > 0).tolist()
+        for i, (p, handle, h) in enumerate(zip(self._params, self._grad_shard.handles, has)):
+            if h:
+                p.grad = handle
+            elif self.config.stage == 1:
+                p.grad = None  # not the zeroed view: DDP's p.grad is None here too
+            self._installed[i] = p.grad
+
+    def _before_accumulate(self, index: int) -> None:
+        """A backward pass is about to accumulate into parameter `index`'s .grad (ShardedDDP's pre-hook).
+
+        Autograd must not accumulate into a ShardedGrad: the reduced part stays
+        in the shard, and the new gradient is reduced into it; stage 1 puts back
+        the flat-buffer view autograd accumulates into.
+        """
+        if not self._reconciled:
+            # First parameter of this backward: take in what user code did to p.grad
+            # before anything of this pass is reduced (Note [Sharded p.grad]).
+            self._reconcile_grads()
+            self._reconciled = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_reconciled)
+        p = self._params[index]
+        if isinstance(p.grad, ShardedGrad):
+            p.grad = self._grad_views[index] if self.config.stage == 1 else None
+            self._installed[index] = p.grad
+
+    def _end_reconciled(self) -> None:
+        self._reconciled = False
+
+    def _reconcile_grads(self) -> None:
+        """Takes in replacements of a reduced p.grad by user code (Note [Sharded p.grad]).
+
+        None (nn.Module.zero_grad): the parameter's gradient is cleared, and it
+        no longer counts as having one. A tensor: it becomes the gradient.
+        """
+        cleared = []
+        for i, p in enumerate(self._params):
+            handle = self._installed[i]
+            if not isinstance(handle, ShardedGrad) or p.grad is handle:
+                continue
+            if p.grad is None:
+                cleared.append(i)
+                self._installed[i] = None
+            else:
+                self._grad_shard.assign(i, p.grad)
+                self.engine.note_used(i)
+                p.grad = handle
+        if not cleared:
+            return
+        if len(cleared) == len(self._params):
+            self._zero_all(set_to_none=True)  # model.zero_grad(): the same as opt.zero_grad()
+            return
+        used = self.engine.used()  # the engine's own flags: cleared in place
+        for i in cleared:
+            self._grad_shard.zero(i)
+            used[i] = 0
+            self._last_used[i] = False
+            self._grad_shard.kept[i] = False
 
     def _finish_grad_sync(self) -> torch.Tensor:
         """Makes sure gradients are reduced and returns the global "got a gradient" flags."""
         if self._global_used is None:
             engine = self._require_engine()
+            self._reconcile_grads()
             if self._backwards == 0:
                 # This rank ran no backward that reached a parameter; its peers may
                 # have, and wait for its share of every bucket: reduce zeros.
                 self._end_backward()
                 self._backwards = 0
             # One small all-reduce answers every cross-rank question of this step.
-            flags = torch.cat([engine.used().to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32),
+            used = engine.used().bool() | self._grad_shard.kept
+            flags = torch.cat([used.to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32),
                                engine.found_nonfinite().cpu().to(torch.int32)])
             if self.world_size > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -325,6 +410,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
                                    "step on every rank: call loss.backward() first")
             self._global_used = flags[:-2].bool()
+            self._last_used |= self._global_used
             self._found_nonfinite = bool(found)
             if self._found_nonfinite and self._nonfinite == "raise":
                 raise FloatingPointError(
@@ -343,28 +429,50 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._finish_grad_sync()
         norm_type = float(norm_type)
         g = self.shard_grad
+        # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]).
+        norms = self._grad_shard.norms(norm_type)
         if math.isinf(norm_type):
-            local = g.abs().max() if g.numel() else torch.zeros((), dtype=g.dtype)
-            local = local.float()
-            if self.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = local
+            total = norms.max().float() if norms.numel() else torch.zeros(())
         else:
-            local = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
-            if self.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
-            total = (local ** (1.0 / norm_type)).float()
-        # As torch.nn.utils.clip_grad_norm_: no host sync, scale by a clamped coefficient.
-        g.mul_(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).to(g.dtype))
+            total = (norms ** norm_type).sum() ** (1.0 / norm_type)
+            total = total.float()
+        # As torch.nn.utils.clip_grad_norm_: scale by a clamped coefficient.
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        g.mul_(coef.to(g.dtype))
+        self._grad_shard.scale_all(coef)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forgets accumulated gradients (the shard, and .grad of the managed parameters)."""
+        """Forgets accumulated gradients (the shard, and .grad of the managed parameters).
+
+        set_to_none=False keeps torch.optim's meaning: parameters that had a
+        gradient keep a zero one, so the next step() updates them (momentum,
+        weight decay) even if no backward reaches them.
+        """
+        if self.engine is not None and not set_to_none:
+            self._reconcile_grads()
+            self._grad_shard.kept |= self._had_grad()
+        self._zero_all(set_to_none)
+
+    def _had_grad(self) -> torch.Tensor:
+        """Per parameter: whether DDP + torch.optim would hold a gradient tensor for it (p.grad not None)."""
+        used = self.engine.used().bool() if self.engine is not None else torch.zeros_like(self._last_used)
+        return used | self._last_used | self._grad_shard.kept
+
+    def _zero_all(self, set_to_none: bool) -> None:
         if self.engine is not None:
             self.engine.zero_grad()
-        if self.config.stage == 2:
-            for p in self._params:
-                p.grad = None
+        if not set_to_none:
+            self.shard_grad.zero_()  # the ShardedGrads left in p.grad read zeros
+            self._grad_shard.set_norms(2.0, torch.zeros(len(self._params), dtype=torch.float64))
+        else:
+            self._grad_shard.kept.zero_()
+            self._last_used.zero_()
+        for i, p in enumerate(self._params):
+            if set_to_none or not isinstance(p.grad, ShardedGrad):
+                # Stage 1: the view autograd accumulates into (zeroed by the engine).
+                p.grad = self._grad_views[i] if self.config.stage == 1 else None
+            self._installed[i] = p.grad
         self._backwards = 0
         self._global_used = None
 
@@ -389,6 +497,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         """One optimizer step on every rank, or a skip on every rank if any rank saw inf/nan (see nonfinite)."""
         self.wait_params()
+        self.check_params_in_place()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -457,6 +566,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._phase["gather"] += time.perf_counter() - t1
         if not defer:
             self.wait_params()
+
+    # Note [Parameters stay in the flat buffer]
+    # Every managed parameter is a view into flat_param: the all-gather writes
+    # there, the optimizer steps there. Code that gives a parameter new storage
+    # after wrapping (`p.data = ...`, model.to(dtype), model.half()) cuts it
+    # loose: the optimizer would go on stepping the buffer while the model
+    # computes with the new tensor. That cannot work, so it is refused: before
+    # each forward (ShardedDDP) and each step, on every rank, before anything
+    # wrong is computed.
+    def check_params_in_place(self, names: list[str] | None = None) -> None:
+        """Raises if a managed parameter no longer lives in the flat buffer (see the Note above)."""
+        for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
+            if p.data_ptr() != ptr or p.dtype != self.dtype:
+                name = f"parameter '{names[i]}'" if names else f"parameter {i} (shape {tuple(p.shape)})"
+                dtype = f" (its dtype is now {p.dtype}, was {self.dtype})" if p.dtype != self.dtype else ""
+                raise RuntimeError(
+                    f"{name} was given new storage after ShardedOptimizer was built{dtype}: p.data = ..., "
+                    f"model.to(dtype), model.half() or model.float() after wrapping cut it loose from the "
+                    f"optimizer's flat buffer. Cast or move the model first, then build ShardedOptimizer and "
+                    f"ShardedDDP; to change values, copy in place (with torch.no_grad(): p.copy_(new)).")
 
     def wait_params(self) -> None:
         """Returns once every parameter holds the last step's value on this rank.

@@ -1,0 +1,392 @@
+"""The everyday lines of a DDP training loop, under ShardedDDP: DDP's result, or a clear error.
+
+For each idiom, every rank trains two copies of AwkwardNet (tied, frozen and
+sometimes-unused parameters, sizes no world size divides, parameters
+straddling buckets) from the same seed on the same data, 4 steps: one with
+DDP(find_unused_parameters=True) + the torch optimizer, one with ShardedDDP +
+ShardedOptimizer, each loop written with the idiom. The idiom either gives
+the same parameters (<= 1e-6, and the same logged values), or the shardopt
+loop raises the documented error on every rank before anything wrong is
+computed. tests/README.md has the table (idiom -> behaviour -> test).
+
+All idioms of one stage run in one launch of 2 ranks (cached), one test each.
+"""
+import copy
+import functools
+import traceback
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_harness import run_ranks
+from models import AwkwardNet, batch, uses_branch
+
+STEPS = 4
+TOL = 1e-6
+SGD = (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01))
+ADAMW = (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))
+
+
+class Pair:
+    """The DDP + torch.optim copy and the shardopt copy of one model, and the loop pieces both share."""
+
+    def __init__(self, rank, stage, optim=SGD, **shard_kw):
+        import shardopt
+
+        cls, kw = optim
+        torch.manual_seed(0)
+        base = AwkwardNet()
+        self.rank = rank
+        self.ref_module = copy.deepcopy(base)
+        self.ref = DDP(self.ref_module, find_unused_parameters=True)
+        self.ref_opt = cls(self.ref_module.parameters(), **kw)
+        self.module = copy.deepcopy(base)
+        self.opt = shardopt.ShardedOptimizer(self.module.parameters(), optim=cls, stage=stage,
+                                             reduce_bucket_size=300, allgather_bucket_size=200,
+                                             **shard_kw, **kw)
+        self.sharded = shardopt.ShardedDDP(self.module, self.opt)
+
+    def sides(self):
+        """(wrapper, optimizer, unwrapped module) for DDP, then for shardopt."""
+        return ((self.ref, self.ref_opt, self.ref_module), (self.sharded, self.opt, self.module))
+
+    def loss(self, wrapper, step, micro=0):
+        x, y = batch(step, self.rank, micro)
+        out = wrapper(x, uses_branch(step, self.rank))
+        return nn.functional.cross_entropy(out.reshape(-1, 37), y.reshape(-1))
+
+    def diff(self):
+        self.opt.wait_params()
+        return max((a - b).abs().max().item()
+                   for a, b in zip(self.ref_module.parameters(), self.module.parameters()))
+
+
+def _train(pair, body, steps=STEPS):
+    """Runs body(wrapper, opt, module, step, logged) for both sides; returns (param diff, logs)."""
+    logs = ([], [])
+    for step in range(steps):
+        for side, (wrapper, opt, module) in enumerate(pair.sides()):
+            body(wrapper, opt, module, step, logs[side])
+    return pair.diff(), logs[0], logs[1]
+
+
+def _standard(pair, zero=None, clip=None, steps=STEPS):
+    """forward, backward, [clip], step, zero: `zero` and `clip` replace the plain calls."""
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step).backward()
+        if clip is not None:
+            log.append(clip(wrapper, opt, module))
+        opt.step()
+        if zero is None:
+            opt.zero_grad()
+        else:
+            zero(wrapper, opt, module)
+    return _train(pair, body, steps)
+
+
+# ------------------------------------------------------------------ idioms
+# Each returns (parameter difference, DDP's logged values, shardopt's logged values).
+def model_zero_grad(rank, stage):
+    return _standard(Pair(rank, stage), zero=lambda w, o, m: w.zero_grad())
+
+
+def model_zero_grad_adamw(rank, stage):
+    return _standard(Pair(rank, stage, ADAMW), zero=lambda w, o, m: w.zero_grad())
+
+
+def unwrapped_zero_grad(rank, stage):
+    return _standard(Pair(rank, stage), zero=lambda w, o, m: m.zero_grad())
+
+
+def zero_grad_between_forward_and_backward(rank, stage):
+    pair = Pair(rank, stage)
+
+    def body(wrapper, opt, module, step, log):
+        loss = pair.loss(wrapper, step)
+        wrapper.zero_grad()  # clears the previous step's gradients after the forward
+        loss.backward()
+        opt.step()
+    return _train(pair, body)
+
+
+def submodule_zero_grad(rank, stage):
+    # Only l2's gradient cleared before step() on odd steps: l2 is not stepped then
+    # (torch.optim skips a None gradient), the rest is.
+    pair = Pair(rank, stage)
+
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step).backward()
+        if step % 2:
+            module.l2.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    return _train(pair, body)
+
+
+def clip_grad_norm_(rank, stage):
+    return _standard(Pair(rank, stage),
+                     clip=lambda w, o, m: float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.05)))
+
+
+def clip_grad_norm_adamw(rank, stage):
+    return _standard(Pair(rank, stage, ADAMW),
+                     clip=lambda w, o, m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+
+
+def clip_grad_norm_inf(rank, stage):
+    return _standard(Pair(rank, stage), clip=lambda w, o, m: float(
+        torch.nn.utils.clip_grad_norm_(w.parameters(), 0.01, norm_type=float("inf"))))
+
+
+def clip_grad_value_(rank, stage):
+    # Then the total norm of the clamped gradients (after clamp_, a collective on every rank).
+    def clip(w, o, m):
+        torch.nn.utils.clip_grad_value_(w.parameters(), 0.005)
+        return float(torch.nn.utils.get_total_norm([p.grad for p in w.parameters() if p.grad is not None]))
+    return _standard(Pair(rank, stage), clip=clip)
+
+
+def grad_norm_logged_on_rank_0_only(rank, stage):
+    # DDP's p.grad is local: rank 0 alone may read its norm. So is a sharded p.grad's 2-norm
+    # (computed with the reduction), also after clip_grad_norm_ scaled it.
+    def log(w, o, m):
+        torch.nn.utils.clip_grad_norm_(w.parameters(), 0.05)
+        return [float(p.grad.norm()) for p in m.parameters() if p.grad is not None] if rank == 0 else []
+    return _standard(Pair(rank, stage), clip=log)
+
+
+def grad_norm_logging(rank, stage):
+    # Lightning's own helper (per-parameter 2-norms and their total), then a plain read.
+    from lightning.pytorch.utilities import grad_norm
+
+    def log(w, o, m):
+        norms = {k: float(v) for k, v in grad_norm(m, 2).items()}
+        norms["l1.weight.grad.norm()"] = float(m.l1.weight.grad.norm())
+        return norms
+    return _standard(Pair(rank, stage), clip=log)
+
+
+def no_sync_then_clip_grad_norm_(rank, stage):
+    pair = Pair(rank, stage)
+
+    def body(wrapper, opt, module, step, log):
+        with wrapper.no_sync():
+            (pair.loss(wrapper, step, micro=0) / 2).backward()
+        (pair.loss(wrapper, step, micro=1) / 2).backward()
+        log.append(float(torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    return _train(pair, body)
+
+
+def full_tensor_read(rank, stage):
+    # A tool that needs gradient values: DDP reads p.grad, shardopt p.grad.full_tensor().
+    pair = Pair(rank, stage)
+
+    def log(w, o, m):
+        grads = [p.grad if o is pair.ref_opt else p.grad.full_tensor() for p in m.parameters()
+                 if p.grad is not None and p.requires_grad]
+        return [g.flatten()[:7].tolist() for g in grads]
+    return _standard(pair, clip=log)
+
+
+def zero_grad_set_to_none_false(rank, stage):
+    # A parameter that had a gradient keeps a zero one, so it is stepped (momentum,
+    # decay) on steps where no rank uses it (the branch, at step 1).
+    return _standard(Pair(rank, stage), zero=lambda w, o, m: o.zero_grad(set_to_none=False))
+
+
+def model_zero_grad_set_to_none_false(rank, stage):
+    return _standard(Pair(rank, stage), zero=lambda w, o, m: m.zero_grad(set_to_none=False))
+
+
+def backward_twice_before_step(rank, stage):
+    pair = Pair(rank, stage)
+
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step, micro=0).backward()
+        pair.loss(wrapper, step, micro=1).backward()
+        opt.step()
+        opt.zero_grad()
+    return _train(pair, body)
+
+
+def no_zero_grad_at_all(rank, stage):
+    # Gradients accumulate across steps, as torch.optim does without zero_grad.
+    return _standard(Pair(rank, stage), zero=lambda w, o, m: None)
+
+
+def grad_scaler(rank, stage):
+    # torch.amp.GradScaler with unscale_ + clip_grad_norm_; on step 2 rank 1's gradients
+    # overflow: every rank must skip that step and halve the scale.
+    pair = Pair(rank, stage)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) for _ in range(2)]
+
+    def body(wrapper, opt, module, step, log):
+        scaler = scalers[0 if opt is pair.ref_opt else 1]
+        loss = pair.loss(wrapper, step)
+        if step == 2 and rank == 1:
+            loss = loss * 1e38
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        log.append(float(torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 0.05)))
+        scaler.step(opt)
+        scaler.update()
+        log.append(scaler.get_scale())
+        opt.zero_grad()
+    return _train(pair, body)
+
+
+def ema_after_step_overlap_gather(rank, stage):
+    # An EMA over model.parameters() (the wrapper's and the unwrapped module's) right
+    # after step(), with the all-gather still in flight (overlap_gather).
+    pair = Pair(rank, stage, overlap_gather=True)
+    emas = [[p.detach().clone() for p in m.parameters()] * 2 for _, _, m in pair.sides()]
+    in_flight = []
+
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step).backward()
+        opt.step()
+        opt.zero_grad()
+        sharded = opt is pair.opt
+        if sharded:
+            in_flight.append(opt.engine.num_pending_gathers)
+        ema = emas[1 if sharded else 0]
+        params = list(wrapper.parameters()) + list(module.parameters())
+        if sharded:
+            in_flight.append(opt.engine.num_pending_gathers)
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.mul_(0.5).add_(p, alpha=0.5)
+    diff, _, _ = _train(pair, body)
+    ema_diff = max((a - b).abs().max().item() for a, b in zip(*emas))
+    return max(diff, ema_diff), [], in_flight
+
+
+def compile_overlap_gather(rank, stage):
+    pair = Pair(rank, stage, overlap_gather=True)
+    pair.sharded = torch.compile(pair.sharded)
+    return _standard(pair)
+
+
+# Idioms that cannot work: the shardopt loop must raise (checked on every rank).
+def step_without_backward(rank, stage):
+    pair = Pair(rank, stage)
+    before = [p.detach().clone() for p in pair.module.parameters()]
+    try:
+        pair.opt.step()
+    finally:
+        assert all(torch.equal(a, b) for a, b in zip(before, pair.module.parameters()))
+
+
+def half_after_wrapping(rank, stage):
+    pair = Pair(rank, stage)
+    pair.module.half()
+    pair.loss(pair.sharded, 0)
+
+
+def to_dtype_after_wrapping_with_grads(rank, stage):
+    pair = Pair(rank, stage)
+    pair.loss(pair.sharded, 0).backward()  # p.grad is set: the cast reaches it
+    pair.module.to(torch.float64)
+
+
+def data_assignment_after_wrapping(rank, stage):
+    pair = Pair(rank, stage)
+    pair.module.l1.weight.data = pair.module.l1.weight.data.clone()
+    pair.loss(pair.sharded, 0)
+
+
+def data_assignment_then_step(rank, stage):
+    pair = Pair(rank, stage)
+    pair.loss(pair.sharded, 0).backward()
+    pair.module.l2.bias.data = torch.zeros_like(pair.module.l2.bias)
+    pair.opt.step()
+
+
+def add_param_group_after_wrapping(rank, stage):
+    pair = Pair(rank, stage)
+    pair.opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+
+
+def reading_sharded_grad_values(rank, stage):
+    pair = Pair(rank, stage)
+    pair.loss(pair.sharded, 0).backward()
+    pair.module.l1.weight.grad.clone()
+
+
+MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_between_forward_and_backward,
+         submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
+         grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
+         zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,
+         no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather]
+# idiom -> (exception type, text the message must contain)
+RAISE = {
+    step_without_backward: (RuntimeError, "before any backward()"),
+    half_after_wrapping: (RuntimeError, "given new storage after ShardedOptimizer was built"),
+    to_dtype_after_wrapping_with_grads: (RuntimeError, "model.half() / model.to(dtype)"),
+    data_assignment_after_wrapping: (RuntimeError, "parameter 'l1.weight' was given new storage"),
+    data_assignment_then_step: (RuntimeError, "given new storage"),
+    add_param_group_after_wrapping: (NotImplementedError, "pass every group to the constructor"),
+    reading_sharded_grad_values: (RuntimeError, "p.grad.full_tensor()"),
+}
+
+
+def _all_idioms(rank, world_size, stage):
+    out = {}
+    for idiom in MATCH:
+        try:
+            out[idiom.__name__] = ("ok", idiom(rank, stage))
+        except Exception:  # noqa: BLE001 - reported per idiom
+            out[idiom.__name__] = ("raised", traceback.format_exc())
+    for idiom in RAISE:
+        try:
+            idiom(rank, stage)
+            out[idiom.__name__] = ("ok", None)
+        except Exception as e:  # noqa: BLE001 - the expected outcome
+            out[idiom.__name__] = ("raised", (type(e), str(e)))
+    return out
+
+
+@functools.cache
+def _results(stage):
+    return run_ranks(_all_idioms, 2, stage, timeout=600)
+
+
+def _close(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    if a != a:  # nan: the same skipped step on both sides
+        return b != b
+    return abs(a - b) <= 1e-5 * max(1.0, abs(a))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("idiom", [f.__name__ for f in MATCH])
+def test_idiom_matches_ddp(idiom, stage):
+    for rank, results in enumerate(_results(stage)):
+        status, value = results[idiom]
+        assert status == "ok", f"rank {rank}:\n{value}"
+        diff, ref_logs, logs = value
+        assert diff <= TOL, f"rank {rank}: parameters differ by {diff}"
+        if idiom == "ema_after_step_overlap_gather":
+            # The reads happened while gathers were in flight, and parameters() waited for them.
+            assert max(logs[0::2]) > 0 and max(logs[1::2]) == 0, logs
+        else:
+            assert _close(ref_logs, logs), f"rank {rank}: logged {ref_logs} (DDP) vs {logs} (shardopt)"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("idiom", [f.__name__ for f in RAISE])
+def test_idiom_raises_documented_error(idiom, stage):
+    exc_type, text = next(v for k, v in RAISE.items() if k.__name__ == idiom)
+    for rank, results in enumerate(_results(stage)):
+        status, value = results[idiom]
+        assert status == "raised", f"rank {rank}: {idiom} did not raise"
+        assert issubclass(value[0], exc_type) and text in value[1], f"rank {rank}: {value}"
