@@ -13,7 +13,8 @@ launcher, samplers, reductions are DDP's):
     with the same class, groups and hyper-parameters (Note [Rebinding LR schedulers]);
   * the LightningModule is wrapped in ShardedDDP; `accumulate_grad_batches`
     uses its `no_sync`;
-  * `gradient_clip_val` clips the global norm over every rank's shard;
+  * `gradient_clip_val` clips the global norm over every rank's shard (or, with
+    gradient_clip_algorithm="value", every element of the shards);
   * precision goes through ShardedPrecision (bf16/fp16 model, fp32 master
     weights in the optimizer, loss scaling for fp16);
   * `trainer.save_checkpoint(path)` writes shardopt's sharded checkpoint (a
@@ -43,7 +44,6 @@ try:
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning_utilities import apply_to_collection
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("shardopt.lightning needs the `lightning` package: pip install 'shardopt[lightning]'") from e
@@ -129,9 +129,8 @@ class ShardedPrecision(Precision):
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         _unwrap(optimizer).clip_grad_norm(float(clip_val))
 
-    def clip_grad_by_value(self, optimizer, clip_val) -> None:
-        raise ValueError("ShardedStrategy clips by the global gradient norm only: use "
-                         "gradient_clip_algorithm='norm' (the default)")
+    # clip_grad_by_value is Lightning's own: clip_grad_value_ over the optimizer's parameters, whose
+    # .grad act on the shards (Note [Sharded p.grad] in shardopt/sharded_grad.py).
 
     def teardown(self) -> None:
         self.optimizer = None
@@ -325,9 +324,6 @@ class ShardedStrategy(DDPStrategy):
                                    "instance: its parameters keep the gradient hooks of that run, so fitting it "
                                    "again would reduce every gradient twice. Create a new LightningModule for each "
                                    "fit (load the weights, or pass ckpt_path= to continue)")
-            if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE and trainer.gradient_clip_val:
-                raise ValueError("ShardedStrategy clips by the global gradient norm only: use "
-                                 "gradient_clip_algorithm='norm' (the default)")
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
         # Cast before the optimizer exists: it is built on the model's final parameters.

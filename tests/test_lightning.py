@@ -113,13 +113,16 @@ PARITY = [
     ("adamw", "step", None, 1, "shardopt"),                                  # the registered name
     ("sgd", "warmup", 0.05, 2, {"stage": 2, "reduce_bucket_size": 1000}),    # clip active every step
     ("adamw", "warmup", 0.5, 3, {"stage": 1, "reduce_bucket_size": 300, "overlap_comm": False}),
+    ("sgd", "step", (0.01, "value"), 1, {"stage": 1, "reduce_bucket_size": 300}),  # clip by value, active
 ]
 SAMPLES = 2 * BATCH * 9  # 9 micro-batches per rank: with accumulate 2 the last step has one
 
 
 def _fit(world_size, strategy, optim, sched, clip, accum):
     model = AwkwardModule(optim, sched)
-    trainer = _trainer(world_size, strategy, gradient_clip_val=clip, accumulate_grad_batches=accum)
+    val, algorithm = clip if isinstance(clip, tuple) else (clip, "norm")
+    trainer = _trainer(world_size, strategy, gradient_clip_val=val, gradient_clip_algorithm=algorithm,
+                       accumulate_grad_batches=accum)
     trainer.fit(model, _loader(SAMPLES))
     return model, trainer
 
@@ -174,8 +177,6 @@ def _setup_errors(world_size, trained):
     out = []
     cases = [
         ("two optimizers", AwkwardModule(two_optimizers=True), {}, "exactly one optimizer"),
-        ("clip by value", AwkwardModule(), dict(gradient_clip_val=0.5, gradient_clip_algorithm="value"),
-         "gradient_clip_algorithm='norm'"),
         ("the same module again", trained, {}, "Create a new LightningModule"),
     ]
     for what, model, kw, expected in cases:
