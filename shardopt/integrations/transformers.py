@@ -1,0 +1,217 @@
+"""Hugging Face Trainer with ZeRO-1/2 from shardopt: `ShardedTrainer`, a drop-in for `transformers.Trainer`.
+
+    from shardopt.integrations.transformers import ShardedTrainer
+    trainer = ShardedTrainer(model=model, args=args, train_dataset=ds, shardopt_config="ds_config.json")
+    trainer.train()                       # launched with torchrun, as with --deepspeed
+
+Note [ShardedTrainer: what changes in the Trainer]
+--------------------------------------------------
+Everything the Trainer does stays the Trainer's (data, accumulation, logging,
+evaluation, callbacks, autocast, checkpoint folders), except four things:
+  * the optimizer: the one the Trainer would build (its class and keyword
+    arguments for `optim`, no weight decay on biases and norm weights), or the
+    one the config's "optimizer" block names, as a ShardedOptimizer over the
+    same groups; optimizers that are not elementwise are refused at
+    construction;
+  * the model is wrapped in ShardedDDP instead of DDP (accelerate only wraps
+    the optimizer, without its device placement, which would ask the
+    optimizer for a whole state dict);
+  * optimizer state is saved with shardopt.save_checkpoint inside the
+    Trainer's `checkpoint-N` folder (sub-folder `shardopt/`, every rank writes
+    its part) and loaded with load_checkpoint, at any number of processes; the
+    scheduler, RNG and trainer state are the Trainer's own files;
+  * a DeepSpeed-format `shardopt_config` is read as the Trainer reads one for
+    DeepSpeed ("auto" values: Note [Trainer "auto" values] in hf_config.py).
+The Trainer's loop needs nothing else: it clears gradients with
+model.zero_grad(), clips with clip_grad_norm_ over model.parameters() and
+unscales through GradScaler, all of which act on the shards (Note [Sharded
+p.grad] in shardopt/sharded_grad.py).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from shardopt.checkpoint import load_checkpoint, save_checkpoint
+from shardopt.ddp import ShardedDDP
+from shardopt.ds_config import translate
+from shardopt.integrations.hf_config import check_scheduler, deepspeed_lr_lambda, resolve_auto, split_config
+from shardopt.optimizer import ShardedOptimizer, _check_elementwise
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    raise ImportError("shardopt.integrations.transformers needs transformers: "
+                      "pip install 'shardopt[transformers]'") from e
+
+CHECKPOINT_SUBDIR = "shardopt"
+
+
+class ShardedTrainer(Trainer):
+    """`transformers.Trainer` with a ShardedOptimizer + ShardedDDP in place of torch.optim + DDP.
+
+    Takes the Trainer's arguments, plus `shardopt_config`: a DeepSpeed config
+    (dict or JSON path, "auto" values allowed) or None for the Trainer's own
+    optimizer at ZeRO-2 with shardopt's defaults. `shardopt_kwargs` override
+    ShardedOptimizer arguments (stage=..., overlap_gather=..., ...).
+    """
+
+    def __init__(self, *args, shardopt_config=None, shardopt_kwargs: dict | None = None, **kwargs):
+        optimizers = kwargs.get("optimizers", (None, None))
+        super().__init__(*args, **kwargs)
+        self._shardopt_config = shardopt_config
+        self._shardopt_kwargs = dict(shardopt_kwargs or {})
+        self._check_arguments(optimizers)
+        # Validated now, not at train(): a config that cannot work fails at construction.
+        self._resolved = None
+        if shardopt_config is not None:
+            self._resolved = resolve_auto(shardopt_config, self.args, self.args.world_size)
+            opt_cfg, sched = split_config(self._resolved)
+            translate(opt_cfg)  # raises listing every key that cannot be used
+            check_scheduler(sched)
+
+    # ------------------------------------------------------------ validation
+    def _check_arguments(self, optimizers) -> None:
+        a = self.args
+        refused = []
+        if a.deepspeed:
+            refused.append("deepspeed=...: pass the DeepSpeed config as ShardedTrainer(shardopt_config=...)")
+        if a.fsdp:
+            refused.append("fsdp=...: ShardedTrainer shards the optimizer itself; drop the fsdp arguments")
+        if a.n_gpu > 1:
+            refused.append("several GPUs in one process (DataParallel): launch one process per GPU with torchrun")
+        user_opt = optimizers[0] if optimizers else None
+        if user_opt is not None and not isinstance(user_opt, ShardedOptimizer):
+            refused.append(f"optimizers=({type(user_opt).__name__}, ...): pass optimizer_cls_and_kwargs=(cls, "
+                           "kwargs), or a ShardedOptimizer, so that the state is sharded")
+        ck = a.activation_checkpointing_kwargs or a.gradient_checkpointing_kwargs or {}
+        if isinstance(ck, dict) and ck.get("use_reentrant"):
+            refused.append("activation_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing runs "
+                           "nested backward passes that would reduce gradients early; use use_reentrant=False")
+        if self._shardopt_config is None or "optimizer" not in resolve_auto(
+                self._shardopt_config, a, a.world_size):
+            cls, _ = self._optimizer_cls_and_kwargs()
+            try:
+                _check_elementwise(cls)
+            except (ValueError, TypeError) as e:
+                refused.append(f"optim={a.optim!r}: {e}")
+        if refused:
+            raise ValueError("ShardedTrainer cannot train with:\n  " + "\n  ".join(refused))
+
+    def _optimizer_cls_and_kwargs(self):
+        if self.optimizer_cls_and_kwargs is not None:
+            return self.optimizer_cls_and_kwargs
+        return self.get_optimizer_cls_and_kwargs(self.args, self.model)
+
+    # ------------------------------------------------------------- optimizer
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        if self._resolved is not None and "optimizer" in self._resolved:
+            # As DeepSpeed builds it from its config: one group, the config's hyper-parameters.
+            opt_cfg, _ = split_config(self._resolved)
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = ShardedOptimizer.from_config(params, opt_cfg, **self._shardopt_kwargs)
+            return self.optimizer
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        cls, kwargs = self._optimizer_cls_and_kwargs()
+        # Stage, buckets, offload, reduce dtype from the config; the optimizer is the Trainer's.
+        shard_kw = dict(translate(split_config(self._resolved)[0]).kwargs) if self._resolved is not None else {}
+        shard_kw.update(self._shardopt_kwargs)
+        self.optimizer = ShardedOptimizer(groups, optim=cls, **kwargs, **shard_kw)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        sched = None
+        if self._resolved is not None:
+            cfg = resolve_auto(self._shardopt_config, self.args, self.args.world_size, num_training_steps)
+            _, sched = split_config(cfg)
+        if sched is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        opt = optimizer if optimizer is not None else self.optimizer
+        base = opt.param_groups[0]["lr"]
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(opt, deepspeed_lr_lambda(sched, base))
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    # ----------------------------------------------------------------- model
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if not training or isinstance(model, ShardedDDP) or isinstance(
+                getattr(model, "_orig_mod", None), ShardedDDP):
+            return model
+        if self.optimizer is None:
+            self.create_optimizer(model)
+        opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+        _autocast_forward(model, self.accelerator)
+        wrapped = ShardedDDP(model, opt)
+        if self.args.torch_compile:
+            wrapped = torch.compile(wrapped, backend=self.args.torch_compile_backend or "inductor",
+                                    mode=self.args.torch_compile_mode)
+        return wrapped
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        # accelerate wraps only the optimizer here (the model is ours), without device placement: it
+        # would round-trip the whole optimizer state through state_dict() (Note above).
+        acc = self.accelerator
+        old, acc.device_placement = acc.device_placement, False
+        try:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        finally:
+            acc.device_placement = old
+
+    # ------------------------------------------------------------ checkpoints
+    def _sharded(self) -> tuple[torch.nn.Module, ShardedOptimizer]:
+        opt = self.optimizer
+        while not isinstance(opt, ShardedOptimizer):
+            opt = opt.optimizer
+        return self.model_wrapped, opt
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        model, opt = self._sharded()
+        # Every rank writes its shard; the step counts and Adam moments resume at any world size.
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, opt)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{checkpoint} has no {CHECKPOINT_SUBDIR}/ folder: it was not written by "
+                                    "ShardedTrainer (a Trainer + DDP checkpoint holds a whole optimizer.pt, "
+                                    "which ShardedTrainer does not read; start from its weights with "
+                                    "model_name_or_path instead)")
+        model, opt = self._sharded()
+        load_checkpoint(path, model, opt)
+        sched = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+def _autocast_forward(model: torch.nn.Module, accelerator) -> None:
+    """The autocast accelerate's prepare_model would add (bf16/fp16 Trainer arguments), outputs back in fp32."""
+    if not getattr(accelerator, "native_amp", False) or getattr(model, "_shardopt_autocast", False):
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args, **kwargs):
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(autocast_forward)
+    model._shardopt_autocast = True
+
+
+__all__ = ["ShardedTrainer"]

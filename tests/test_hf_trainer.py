@@ -1,0 +1,188 @@
+"""ShardedTrainer (shardopt.integrations.transformers) against the real transformers.Trainer with DDP.
+
+A tiny GPT-2 built from a GPT2Config (no download, no dropout) trains on token
+sequences cut from this repository's own source files, on real gloo ranks.
+Both trainers see the same seed, data and arguments; logged losses, grad
+norms, learning rates and final weights must agree within 1e-5.
+"""
+import glob
+import os
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TextDataset(torch.utils.data.Dataset):
+    """Byte-level sequences of this repository's Python sources (a local corpus, vocabulary 256)."""
+
+    def __init__(self, n: int):
+        text = b"".join(open(f, "rb").read() for f in sorted(glob.glob(os.path.join(ROOT, "shardopt", "*.py"))))
+        ids = torch.tensor(list(text[: n * SEQ]), dtype=torch.long)
+        self.rows = ids.view(n, SEQ)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=24, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _env(rank, world_size):
+    # The harness made the process group; accelerate reads where it is from the environment.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def _args(out, **kw):
+    base = dict(output_dir=out, report_to="none", use_cpu=True, seed=0, logging_steps=1, save_strategy="no",
+                per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=6, learning_rate=3e-3,
+                weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=0.5,
+                ddp_find_unused_parameters=False, disable_tqdm=True, dataloader_num_workers=0)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def _fit(sharded, args, resume=None, dataset=48, **kw):
+    from accelerate.state import AcceleratorState
+
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    AcceleratorState._reset_state()  # each Trainer its own mixed-precision settings
+    model = tiny_gpt2()
+    cls = ShardedTrainer if sharded else transformers.Trainer
+    trainer = cls(model=model, args=args, train_dataset=TextDataset(dataset), **kw)
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [{k: v for k, v in entry.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
+            for entry in trainer.state.log_history if "loss" in entry]
+    return logs, {n: p.detach().float().clone() for n, p in model.named_parameters()}, trainer
+
+
+def _compare(ref, ours, tol, what):
+    (ref_logs, ref_w, _), (logs, w, _) = ref, ours
+    out = []
+    if len(ref_logs) != len(logs):
+        out.append(f"{what}: {len(logs)} log entries vs {len(ref_logs)}")
+    for a, b in zip(ref_logs, logs):
+        for k in a:
+            if abs(a[k] - b.get(k, float("nan"))) > tol * max(1.0, abs(a[k])):
+                out.append(f"{what}: step {a.get('step')} {k}: {a[k]!r} (reference) vs {b.get(k)!r}")
+    for n, p in ref_w.items():
+        # Relative to the parameter's size, absolute below 1 (as the logged values): biases that
+        # start at zero move by ulps that AdamW scales up when the reduction order changes.
+        err = ((p - w[n]).abs().max() / p.abs().max().clamp_min(1.0)).item()
+        if err > tol:
+            out.append(f"{what}: final {n}: relative error {err:.2e}")
+    return out
+
+
+def _is_sharded(trainer, what):
+    from shardopt import ShardedDDP, ShardedOptimizer
+
+    _, opt = trainer._sharded()
+    out = []
+    if not isinstance(opt, ShardedOptimizer) or not isinstance(trainer.model_wrapped, ShardedDDP):
+        out.append(f"{what}: trained with {type(opt).__name__} / {type(trainer.model_wrapped).__name__}")
+    # Accumulation through no_sync: one reduction per optimizer step, not per micro-batch.
+    steps = trainer.state.global_step
+    if opt.engine.num_reduce_scatters != steps * len(opt.layout.buckets):
+        out.append(f"{what}: {opt.engine.num_reduce_scatters} reduce-scatters for {steps} steps of "
+                   f"{len(opt.layout.buckets)} buckets")
+    return out
+
+
+def _parity(rank, world_size, tmp):
+    _env(rank, world_size)
+    failures = []
+    for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5)):
+        ref = _fit(False, _args(f"{tmp}/ddp-{what}", **kw))
+        ours = _fit(True, _args(f"{tmp}/so-{what}", **kw))
+        failures += _compare(ref, ours, tol, what)
+        failures += _is_sharded(ours[2], what)
+        clipped = [e["grad_norm"] for e in ref[0] if e["grad_norm"] > 0.5]
+        if not clipped:
+            failures.append(f"{what}: clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")
+    return failures
+
+
+def test_matches_trainer_with_ddp(tmp_path):
+    """Accumulation 2, clipping 0.5 (active), linear warmup: losses, grad_norm, lr and weights as DDP's."""
+    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), timeout=400)):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------------------- resume
+# The global batch stays 12 samples per optimizer step at every process count (per-device batch
+# x processes x accumulation 2), so the runs see the same data in the same steps.
+PER_DEVICE = {1: 6, 2: 3, 3: 2}
+
+
+def _resume_args(tmp, world_size, **kw):
+    return _args(tmp, per_device_train_batch_size=PER_DEVICE[world_size], save_strategy="steps", save_steps=3,
+                 save_total_limit=1, **kw)
+
+
+def _train_and_save(rank, world_size, tmp):
+    _env(rank, world_size)
+    logs, weights, trainer = _fit(True, _resume_args(tmp, world_size), dataset=96)
+    kept = sorted(os.listdir(tmp))
+    return logs, weights, kept
+
+
+def _resume(rank, world_size, tmp, ckpt):
+    _env(rank, world_size)
+    logs, weights, trainer = _fit(True, _resume_args(tmp, world_size), resume=ckpt, dataset=96)
+    return logs, weights, trainer._sharded()[1].world_size
+
+
+def test_resume_at_other_process_counts(tmp_path):
+    """Save at 2 processes (every 3 steps, save_total_limit=1), resume step 3 at 1 and 3: as uninterrupted."""
+    import shutil
+
+    run = tmp_path / "run"
+    logs, weights, kept = run_ranks(_train_and_save, 2, str(run), timeout=400)[0]
+    assert kept == ["checkpoint-6"], kept  # save_total_limit removed checkpoint-3 after checkpoint-6
+    # The same run interrupted after step 3 (and its checkpoint).
+    short = tmp_path / "short"
+    run_ranks(_train_and_save_until, 2, str(short), 3, timeout=400)
+    ckpt = short / "checkpoint-3"
+    assert (ckpt / "shardopt").is_dir() and (ckpt / "trainer_state.json").is_file()
+    for world_size in (1, 3):
+        out = tmp_path / f"resumed-{world_size}"
+        shutil.copytree(short, out)
+        r_logs, r_weights, ws = run_ranks(_resume, world_size, str(out), str(out / "checkpoint-3"),
+                                          timeout=400)[0]
+        assert ws == world_size
+        r_logs = [e for e in r_logs if e["step"] > 3]  # the log history before step 3 comes from the checkpoint
+        failures = _compare((logs[3:], weights, None), (r_logs, r_weights, None), 1e-5, f"resumed at {world_size}")
+        assert [e["step"] for e in r_logs] == [4, 5, 6]
+        assert not failures, "\n".join(failures)
+
+
+class StopAt(transformers.TrainerCallback):
+    """Ends training after `step` (its checkpoint is written first): an interrupted run."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _train_and_save_until(rank, world_size, tmp, steps):
+    _env(rank, world_size)
+    _fit(True, _resume_args(tmp, world_size), dataset=96, callbacks=[StopAt(steps)])
