@@ -143,7 +143,9 @@ setup(
     # Developed and tested against lightning 2.6 (the strategy uses some of its internals).
     # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
     extras_require={"lightning": ["lightning>=2.6"], "bench": ["matplotlib"],
-                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib"]},
+                    "transformers": ["transformers>=5", "accelerate>=1"],
+                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "transformers>=5",
+                             "accelerate>=1", "deepspeed==0.19.*"]},
     entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

@@ -13,7 +13,7 @@ import torch
 
 from dist_harness import run_ranks
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the [test] extra installs it)
 
 SEQ = 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ def _fit(sharded, args, resume=None, dataset=48, **kw):
     from shardopt.integrations.transformers import ShardedTrainer
 
     AcceleratorState._reset_state()  # each Trainer its own mixed-precision settings
-    model = tiny_gpt2()
+    model = kw.pop("model", None) or tiny_gpt2()
     cls = ShardedTrainer if sharded else transformers.Trainer
     trainer = cls(model=model, args=args, train_dataset=TextDataset(dataset), **kw)
     trainer.train(resume_from_checkpoint=resume)
@@ -94,8 +94,9 @@ def _is_sharded(trainer, what):
 
     _, opt = trainer._sharded()
     out = []
-    if not isinstance(opt, ShardedOptimizer) or not isinstance(trainer.model_wrapped, ShardedDDP):
-        out.append(f"{what}: trained with {type(opt).__name__} / {type(trainer.model_wrapped).__name__}")
+    model = getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)  # under torch.compile
+    if not isinstance(opt, ShardedOptimizer) or not isinstance(model, ShardedDDP):
+        out.append(f"{what}: trained with {type(opt).__name__} / {type(model).__name__}")
     # Accumulation through no_sync: one reduction per optimizer step, not per micro-batch.
     steps = trainer.state.global_step
     if opt.engine.num_reduce_scatters != steps * len(opt.layout.buckets):
@@ -107,7 +108,10 @@ def _is_sharded(trainer, what):
 def _parity(rank, world_size, tmp):
     _env(rank, world_size)
     failures = []
-    for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5)):
+    for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5),
+                          ("checkpointing", dict(gradient_checkpointing=True), 1e-5),
+                          # aot_eager: dynamo and AOTAutograd as with inductor, without its compile time.
+                          ("torch_compile", dict(torch_compile=True, torch_compile_backend="aot_eager"), 1e-5)):
         ref = _fit(False, _args(f"{tmp}/ddp-{what}", **kw))
         ours = _fit(True, _args(f"{tmp}/so-{what}", **kw))
         failures += _compare(ref, ours, tol, what)
@@ -186,3 +190,77 @@ class StopAt(transformers.TrainerCallback):
 def _train_and_save_until(rank, world_size, tmp, steps):
     _env(rank, world_size)
     _fit(True, _resume_args(tmp, world_size), dataset=96, callbacks=[StopAt(steps)])
+
+
+# --------------------------------------------------------- DeepSpeed config
+# The ZeRO-2 config of the Trainer's DeepSpeed documentation, "auto" values and all.
+DS_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def _deepspeed_config(rank, world_size, tmp):
+    """ShardedTrainer with DS_ZERO2 vs Trainer + DDP given what DeepSpeed would build from it: AdamW over one
+    group with the Trainer's hyper-parameters, and DeepSpeed's own WarmupLR class."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    _env(rank, world_size)
+    args = _args(f"{tmp}/ddp")
+    model = tiny_gpt2()
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    ref_sched = WarmupLR(ref_opt, warmup_min_lr=0.0, warmup_max_lr=args.learning_rate, warmup_num_steps=2)
+    ref = _fit(False, args, model=model, optimizers=(ref_opt, ref_sched))
+    ours = _fit(True, _args(f"{tmp}/so"), shardopt_config=DS_ZERO2)
+    failures = _compare(ref, ours, 1e-5, "DeepSpeed config") + _is_sharded(ours[2], "DeepSpeed config")
+    _, opt = ours[2]._sharded()
+    facts = (opt.config.stage, opt.config.offload, type(opt.inner).__name__, len(opt.param_groups))
+    if facts != (2, "cpu", "CPUAdam", 1):
+        failures.append(f"stage / offload / inner optimizer / groups: {facts}")
+    return failures
+
+
+def test_deepspeed_config_with_auto_values(tmp_path):
+    for rank, failures in enumerate(run_ranks(_deepspeed_config, 2, str(tmp_path), timeout=400)):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+# ---------------------------------------------------------- refused at once
+REFUSED = [
+    (dict(optim="adafactor"), {}, "not known to be elementwise"),
+    (dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}), {},
+     "use_reentrant=False"),
+    ({}, dict(shardopt_config={"zero_optimization": {"stage": 3}}), "parameter sharding (stage 3) is not supported"),
+    ({}, dict(shardopt_config=dict(DS_ZERO2, optimizer={"type": "Lamb", "params": {"lr": "auto"}})), "Lamb"),
+    ({}, dict(shardopt_config=dict(DS_ZERO2, gradient_clipping=2.0)), "gradient_clipping is 2.0 in the config"),
+    ({}, dict(shardopt_config=dict(DS_ZERO2, scheduler={"type": "OneCycle", "params": {}})), "lr_scheduler_type"),
+]
+
+
+@pytest.mark.parametrize("args_kw, trainer_kw, expected", REFUSED, ids=lambda v: str(v)[:40])
+def test_refused_at_construction(tmp_path, args_kw, trainer_kw, expected):
+    """What cannot work fails in ShardedTrainer(...), naming the fix, before any training."""
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    with pytest.raises((ValueError, TypeError)) as err:
+        ShardedTrainer(model=tiny_gpt2(), args=_args(str(tmp_path), **args_kw), train_dataset=TextDataset(8),
+                       **trainer_kw)
+    assert expected in str(err.value)
+
+
+def test_refuses_a_plain_torch_optimizer(tmp_path):
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
+        ShardedTrainer(model=model, args=_args(str(tmp_path)), train_dataset=TextDataset(8),
+                       optimizers=(torch.optim.AdamW(model.parameters()), None))
