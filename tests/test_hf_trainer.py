@@ -108,7 +108,9 @@ def _is_sharded(trainer, what):
 def _parity(rank, world_size, tmp):
     _env(rank, world_size)
     failures = []
-    for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5),
+    # fp16: on CPU accelerate autocasts without a GradScaler; GradScaler over sharded gradients is
+    # test_idioms.py's grad_scaler.
+    for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5), ("fp16", dict(fp16=True), 1e-5),
                           ("checkpointing", dict(gradient_checkpointing=True), 1e-5),
                           # aot_eager: dynamo and AOTAutograd as with inductor, without its compile time.
                           ("torch_compile", dict(torch_compile=True, torch_compile_backend="aot_eager"), 1e-5)):
