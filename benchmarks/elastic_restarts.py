@@ -38,9 +38,10 @@ def one_run(share_store: bool) -> tuple[bool, str, float]:
                            pg_timeout=20, lose_node=1, lose_at_step=7, share_store=share_store,
                            rdzv_conf=RDZV_CONF, timeout=240)
         resumed = [p for p in run.progress if p[0] == 1]
-        ok = run.codes[0] == 0 and resumed and resumed[-1][1:] == (2, 20)
+        ok = run.codes[0] == 0 and resumed and resumed[-1][1:3] == (2, 20)
         if ok:
-            return True, f"resumed at world size 2 from step {resumed[0][2] - 1}", run.seconds
+            return True, (f"resumed at world size 2 from step {resumed[0][2] - 1}, first step "
+                          f"{resumed[0][3] - run.lost_at:.1f} s after the loss"), run.seconds
         restart_log = run.logs[0]
         for pattern in _CAUSES:
             m = re.search(pattern, restart_log.split("attempt 1", 1)[-1] if "attempt 1" in restart_log

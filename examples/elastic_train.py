@@ -143,7 +143,7 @@ def train(a) -> None:
                 shardopt.save_checkpoint(a.ckpt, model, opt, extra={"step": step, "loader": loader.state_dict()})
             if rank == 0 and a.progress:
                 with open(a.progress, "a") as f:
-                    f.write(f"{attempt} {world} {step}\n")
+                    f.write(f"{attempt} {world} {step} {time.time():.3f}\n")
             time.sleep(max(0.0, a.step_time - (time.monotonic() - t0)))
     except Exception as e:  # noqa: BLE001 - say so on this rank, then fail (torchrun restarts us)
         print(f"[rank {rank} of {world}, attempt {attempt}] stopped at step {step + 1} at t={time.time():.3f}: "
@@ -168,7 +168,7 @@ def main(argv=None):
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=30, help="process group timeout, seconds")
     ap.add_argument("--out", help="rank 0 saves the final weights here (torch.save)")
-    ap.add_argument("--progress", help="rank 0 appends 'attempt world_size step' here after every step")
+    ap.add_argument("--progress", help="rank 0 appends 'attempt world_size step unix_time' here after every step")
     ap.add_argument("--step-time", type=float, default=0.0,
                     help="make every step last at least this long (seconds; demos and tests)")
     a = ap.parse_args(argv)

@@ -27,7 +27,7 @@ class TrainingRun:
     logs: list
     """Each node's torchrun output (its ranks' output included)."""
     progress: list
-    """(attempt, world_size, step) after every step, as rank 0 wrote them."""
+    """(attempt, world_size, step, time.time()) after every step, as rank 0 wrote them."""
     lost_at: float | None
     """time.time() when the node was lost."""
     lost_after_step: int | None
@@ -45,7 +45,8 @@ def _read_progress(path: str) -> list:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [tuple(int(v) for v in line.split()) for line in f if line.count(" ") == 2 and line.endswith("\n")]
+        rows = [line.split() for line in f if line.count(" ") == 3 and line.endswith("\n")]
+    return [(int(a), int(w), int(s), float(t)) for a, w, s, t in rows]
 
 
 def run_training(cluster, workdir: str, *, nodes: int = 2, nproc: int = 2, steps: int = 30, save_every: int = 5,

@@ -206,6 +206,8 @@ def test_elastic_resume_after_losing_a_node(cluster, tmp_path):
     assert second and {p[1] for p in second} == {2} and second[-1][2] == steps, text
     resumed_from = second[0][2] - 1
     assert resumed_from % 5 == 0 and 5 <= resumed_from <= run.lost_after_step + 1, (resumed_from, text)
+    print(f"\nlost after step {run.lost_after_step}; resumed from step {resumed_from} at world size 2, "
+          f"first step {second[0][3] - run.lost_at:.1f}s after the loss")
     assert "warning: restarts need" not in text
 
     model = build_model()
