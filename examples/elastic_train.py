@@ -5,7 +5,11 @@ it must be one that survives, see below):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 1 \\
         --rdzv-backend c10d --rdzv-endpoint NODE0:29400 --rdzv-id job42 --local-addr THIS_NODE \\
+        --rdzv-conf last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         examples/elastic_train.py --ckpt /shared/ckpt --steps 200 --save-every 20
+
+(The --rdzv-conf timings make a restart take seconds: by default torchrun
+waits 15 s for a lost node's heartbeats to expire, then 30 s for late joiners.)
 
 If a node dies, the ranks left raise (a peer was lost) within the process
 group's timeout; torchrun restarts them (--max-restarts 1) in a new
@@ -23,14 +27,20 @@ Run it on one machine with two emulated nodes: tests/test_cluster.py
 Note [Restarts and the launcher's shared store]
 -----------------------------------------------
 By default (torch >= 2.4) the workers of every attempt use one TCPStore that
-the rank-0 launcher creates once and keeps across restarts. The keys of the
-dead attempt stay in it: init_process_group of the new attempt finds the old
-process group's keys under the same names (the group counter restarts at 0
-in the new processes), and gloo connects to the dead ranks' addresses
-("connectFullMesh failed ... Connection refused") or waits for them until
-its timeout. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's
-environment, rank 0 of each attempt creates a fresh store, so each attempt
-starts clean. Measured on the emulated cluster: see README, "Multi-node".
+the launcher of node rank 0 creates for the first rendezvous and keeps
+across restarts (torch's `_create_c10d_store` assumes "a new TCPStore for
+every retry", which no longer holds). The keys of the dead attempt stay in
+it, and the new attempt's init_process_group uses the same key names (the
+group counter restarts at 0 in the new processes): a rank that reads a
+peer's address before that peer has overwritten it gets the dead process's,
+and gloo fails with "connectFullMesh failed ... Connection refused" (seen:
+the refused address was the one the dead attempt's rank had reported as
+"Connection closed by peer") or waits for a connection that never comes
+until its timeout. It is a race, which is why a restart sometimes works.
+With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's environment,
+rank 0 of each attempt creates a fresh store, so each attempt starts clean.
+Known upstream as pytorch/pytorch#135712 (closed, still happening in 2.13).
+Measured on the emulated cluster: benchmarks/results/2026-11-23-elastic-restarts.md.
 
 The rendezvous store itself (--rdzv-backend c10d) lives in the torchrun of
 the node named by --rdzv-endpoint; if that node is lost, nothing can
