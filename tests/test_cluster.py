@@ -227,6 +227,27 @@ def test_elastic_resume_after_losing_a_node(cluster, tmp_path):
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
+def _where(rank, world_size, fail_rank):
+    if rank == fail_rank:
+        raise ValueError(f"rank {rank} fails on purpose")
+    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+        sent = int(f.read())
+    return rank, world_size, int(os.environ["GROUP_RANK"]), sent
+
+
+@needs_cluster
+def test_run_ranks_on_cluster(cluster):
+    """The benchmarks' launcher: run_ranks' contract (results in rank order, failures with tracebacks)."""
+    from dist_harness import RankFailure
+    from shardopt.cluster_ranks import run_ranks_on_cluster
+
+    got = run_ranks_on_cluster(cluster, 2, 1, _where, None, timeout=120)
+    assert [g[:2] for g in got] == [(0, 2), (1, 2)] and sorted(g[2] for g in got) == [0, 1], got
+    assert all(g[3] > 0 for g in got)  # each rank reads its own node's link counter
+    with pytest.raises(RankFailure, match="rank 1 fails on purpose"):
+        run_ranks_on_cluster(cluster, 2, 1, _where, 1, timeout=120)
+
+
 # ------------------------------------------------------------------ cleaning up
 @needs_cluster
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
