@@ -96,6 +96,7 @@ class EmulatedCluster:
         self._procs: list[subprocess.Popen] = []
         self._closed = False
         self._jobs = 0
+        self._owner = os.getpid()  # a forked child inherits the object (and atexit) but must not clean up
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "EmulatedCluster":
@@ -127,7 +128,7 @@ class EmulatedCluster:
 
     def close(self) -> None:
         """Kills every process in the cluster's namespaces and deletes them; safe to call twice."""
-        if self._closed:
+        if self._closed or os.getpid() != self._owner:
             return
         self._closed = True
         for p in self._procs:
@@ -157,7 +158,6 @@ class EmulatedCluster:
         finally:
             if out:
                 out.close()
-        p.node = node
         self._procs.append(p)
         return p
 
