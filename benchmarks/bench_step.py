@@ -26,6 +26,13 @@ reported with its error.
     python benchmarks/bench_step.py --quick [--peers]
     python benchmarks/bench_step.py --peers --rounds-of "FairScale, zero_grad(set_to_none=False)" --repeat 3
         # a closer look at one peer: K rounds of just it and the anchors
+    python benchmarks/bench_step.py --cluster 2x2 --rate 1gbit [--peers]   # root: emulated nodes
+
+--cluster NODESxRANKS runs the ranks on an emulated cluster (shardopt/cluster.py: every node a
+network namespace whose link is shaped to --rate; ranks started by torchrun, one per node) instead
+of on 127.0.0.1, and adds the bytes each node sent over its link per step (its veth's counter, read
+around each variant's turn; the busiest node's) to the tables. With --peers the rounds
+are CLUSTER_ROUNDS: DDP, torch ZeRO, FSDP2 flat and HSDP, DeepSpeed ZeRO-2, shardopt ZeRO-1/2.
 """
 from __future__ import annotations
 
@@ -55,6 +62,25 @@ PEER_ROUNDS = [
     ["FairScale OSS + ShardedDDP", "FairScale, zero_grad(set_to_none=False)"],
     ["DeepSpeed ZeRO-2", "DeepSpeed ZeRO-2 + CPU Adam offload", "shardopt ZeRO-2 + offload"],
 ]
+CLUSTER_ROUNDS = [
+    ["shardopt ZeRO-1", "torch ZeroRedundancyOptimizer", "FSDP2 (fully_shard)"],
+    ["FSDP2 HSDP (replicate across nodes, shard within)", "DeepSpeed ZeRO-2"],
+]
+# How ranks are started: run_ranks (127.0.0.1) or, with --cluster, run_ranks_on_cluster (main()).
+RUNNER = run_ranks
+TRANSPORT = "gloo over 127.0.0.1"
+
+
+def _link_tx_bytes():
+    """Bytes this rank's node has sent over its link so far (emulated cluster), or None on one machine."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname or ifname == "lo":
+        return None
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
 
 
 def _make(variant, cfg, rbs):
@@ -118,6 +144,7 @@ def _interleave(rank, trainers, cfg, shape, rounds, warmup, turn=1):
                 continue
             dist.barrier()
             acc = dict.fromkeys(("fwd", "bwd", "step", "total"), 0.0)
+            sent = _link_tx_bytes()
             try:
                 before = _phases(t)
                 for k in range(turn):
@@ -134,12 +161,15 @@ def _interleave(rank, trainers, cfg, shape, rounds, warmup, turn=1):
                     losses[name].append(loss.item())
                     for key, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
                         acc[key] += v / turn
+                if sent is not None:
+                    dist.barrier()  # every rank of the node done sending this turn's bytes
+                    acc["sent"] = (_link_tx_bytes() - sent) / turn
             except Exception as e:  # noqa: BLE001 - reported in the table
                 errors[name] = _describe(e)
                 continue
             if rnd >= warmup:
                 for key, v in acc.items():
-                    times[name][key].append(v)
+                    times[name].setdefault(key, []).append(v)
                 if before is not None:
                     after = _phases(t)
                     for k in PHASES:
@@ -194,16 +224,18 @@ def _table(results, ws, shape_name, steps, turn):
     med = {n: {k: max(r[n][k] for r in per_rank) for k in per_rank[0][n]} for n in names}
     base = med["DDP"]["total"]
     ref_loss = losses["DDP"]
+    sent = "sent" in med["DDP"]
     lines = [f"### {ws} ranks, {shape_name}, {steps} rounds of {turn} steps per variant (Note [Turns])", "",
              "| variant | fwd ms | bwd ms | step ms | total ms | x DDP | max abs loss diff to DDP | "
-             + " | ".join(f"{k} ms" for k in PHASES) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(PHASES)]
+             + ("MB sent per node per step | " if sent else "") + " | ".join(f"{k} ms" for k in PHASES) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + sent)]
     for n in names:
         m = med[n]
         diff = max(abs(a - b) for a, b in zip(losses[n], ref_loss))
         phases = " | ".join(f"{m[f'phase {k}'] * 1e3:.1f}" if f"phase {k}" in m else "" for k in PHASES)
+        link = f"{m['sent'] / 1e6:.1f} | " if sent else ""
         lines.append(f"| {n} | {m['fwd'] * 1e3:.1f} | {m['bwd'] * 1e3:.1f} | {m['step'] * 1e3:.1f} | "
-                     f"{m['total'] * 1e3:.1f} | {m['total'] / base:.2f} | {diff:.1e} | {phases} |")
+                     f"{m['total'] * 1e3:.1f} | {m['total'] / base:.2f} | {diff:.1e} | {link}{phases} |")
     lines += ["", "shardopt's phases (ShardedOptimizer.phase_seconds, slowest rank's median): reduce = waiting for "
               "reductions at the end of backward (inside bwd); copy = reduced chunks into the gradient shard "
               "(device to host with offload; inside bwd); step = the inner optimizer, publish = master chunks "
@@ -308,7 +340,8 @@ def _peer_rows(results, peer_rounds):
             peak = None if any(isinstance(m, str) for m in mem) else max(mem)
             row = dict(round=ri + 1, name=n, error=errors.get(n), peak=peak)
             if n not in errors:
-                m = {k: max(r["med"][n][k] for r in per_rank) for k in ("fwd", "bwd", "step", "total")}
+                m = {k: max(r["med"][n][k] for r in per_rank) for k in ("fwd", "bwd", "step", "total", "sent")
+                     if k in per_rank[0]["med"][n]}
                 loss = per_rank[0]["losses"][n]
                 row.update(m, ratio=m["total"] / base if base else None, loss=loss[-1],
                            diff=loss[-1] - ref[-1] if ref else None,
@@ -322,17 +355,19 @@ def _peer_rows(results, peer_rounds):
 def _peer_table(rows, ws, steps, warmup, shape, turn):
     lines = [f"### {ws} ranks, batch {shape[0]}x{shape[1]} tokens per rank, {warmup} warm-up + {steps} timed "
              f"rounds of {turn} steps per variant", "",
-             "| round | variant | fwd ms | bwd ms | step ms | total ms | x DDP (same round) | peak RSS growth "
+             "| round | variant | fwd ms | bwd ms | step ms | total ms | x DDP (same round) | MB sent per node per "
+             "step | peak RSS growth "
              f"MiB | loss at step {(warmup + steps) * turn} | minus DDP's | max abs diff to DDP (first step > 1e-4) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak = f"{r['peak'] / 2**20:.0f}" if r["peak"] is not None else "-"
         if r["error"]:
-            lines.append(f"| {r['round']} | {r['name']} | error: `{r['error']}` | | | | | {peak} | | | |")
+            lines.append(f"| {r['round']} | {r['name']} | error: `{r['error']}` | | | | | | {peak} | | | |")
             continue
         first = f" (step {r['first_off'] + 1})" if r["first_off"] is not None else ""
+        sent = f"{r['sent'] / 1e6:.1f}" if "sent" in r else "-"
         lines.append(f"| {r['round']} | {r['name']} | {r['fwd'] * 1e3:.0f} | {r['bwd'] * 1e3:.0f} | "
-                     f"{r['step'] * 1e3:.0f} | {r['total'] * 1e3:.0f} | {r['ratio']:.2f} | {peak} | "
+                     f"{r['step'] * 1e3:.0f} | {r['total'] * 1e3:.0f} | {r['ratio']:.2f} | {sent} | {peak} | "
                      f"{r['loss']:.5f} | {r['diff']:+.1e} | {r['maxdiff']:.1e}{first} |")
     return lines
 
@@ -365,7 +400,7 @@ def run_peers(args):
     steps, warmup = args.steps, 1
     lines = [f"# Peers: step time, memory and loss — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average at start "
-             f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, gloo over 127.0.0.1, 1 thread per rank, "
+             f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {TRANSPORT}, 1 thread per rank, "
              f"GPT '{args.model}', fp32, AdamW(lr=1e-3, weight_decay=0.1), no clipping. "
              "`python benchmarks/bench_step.py --peers` (benchmarks/peers.py builds every variant). Times: "
              f"medians of the slowest rank; in a round, variants take turns of {args.turn} consecutive steps "
@@ -375,7 +410,7 @@ def run_peers(args):
              "after k-1 updates.", ""]
     versions = _versions()
     lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
-    peer_rounds = PEER_ROUNDS
+    peer_rounds = CLUSTER_ROUNDS if args.cluster else PEER_ROUNDS
     if args.rounds_of:
         import peers
         if args.rounds_of not in peers.VARIANTS or args.rounds_of in ANCHORS:
@@ -387,7 +422,7 @@ def run_peers(args):
     per_ws = []
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         t0 = time.time()
-        res = run_ranks(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup, args.turn,
+        res = RUNNER(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup, args.turn,
                         peer_rounds, timeout=3600, collective_timeout=900)
         rows = _peer_rows(res, peer_rounds)
         per_ws.append((ws, rows))
@@ -430,6 +465,9 @@ def main():
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset of the default variants (must include DDP), "
                          "e.g. 'DDP,shardopt ZeRO-2'")
+    ap.add_argument("--cluster", default=None, metavar="NODESxRANKS",
+                    help="run on an emulated cluster of NODES nodes x RANKS ranks (root; see above)")
+    ap.add_argument("--rate", default="1gbit", help="with --cluster: each node's link rate (tc tbf)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.rounds_of and not args.peers:
@@ -438,6 +476,17 @@ def main():
         args.steps = 4
     if args.quick:
         args.model, args.world_sizes, args.steps = "small", "2", 3
+    if args.cluster:
+        try:
+            nodes, nproc = (int(v) for v in args.cluster.lower().split("x"))
+        except ValueError:
+            ap.error(f"--cluster: expected NODESxRANKS such as 2x2, got {args.cluster!r}")
+        args.world_sizes = str(nodes * nproc)
+        return _on_cluster(nodes, nproc, args.rate, lambda: _run(args, ap))
+    return _run(args, ap)
+
+
+def _run(args, ap):
     if args.peers:
         return run_peers(args)
     if args.sweep_buckets:
@@ -457,11 +506,11 @@ def main():
             variants = [v for v in variants if v[0] in wanted]
     lines = [f"# Step time — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average at start "
-             f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, gloo over 127.0.0.1, 1 thread per rank, "
+             f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {TRANSPORT}, 1 thread per rank, "
              f"GPT '{args.model}', AdamW (fused=True inside every variant). Medians of the slowest rank.", ""]
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         for shape_name, shape in SHAPES.items():
-            res = run_ranks(_bench, ws, variants, args.model, shape, args.steps, args.turn, timeout=3600,
+            res = RUNNER(_bench, ws, variants, args.model, shape, args.steps, args.turn, timeout=3600,
                             collective_timeout=600)
             lines += _table(res, ws, shape_name, args.steps, args.turn) + [""]
             print("\n".join(lines[-(len(variants) + 5):]), flush=True)
@@ -469,6 +518,22 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write(report + "\n")
+
+
+def _on_cluster(nodes, nproc, rate, run):
+    """Calls run() with every rank started by torchrun on an emulated cluster (RUNNER, TRANSPORT)."""
+    global RUNNER, TRANSPORT
+    from shardopt.cluster import EmulatedCluster
+    from shardopt.cluster_ranks import run_ranks_on_cluster
+
+    with EmulatedCluster(nodes, rate) as cluster:
+        def runner(fn, ws, *a, timeout, collective_timeout):
+            return run_ranks_on_cluster(cluster, nodes, nproc, fn, *a, timeout=timeout,
+                                        collective_timeout=collective_timeout)
+        RUNNER = runner
+        TRANSPORT = (f"gloo over an emulated cluster of {nodes} nodes x {nproc} ranks (network namespaces, "
+                     f"{rate} link per node in each direction, tc tbf, no added delay; shardopt/cluster.py)")
+        return run()
 
 
 if __name__ == "__main__":

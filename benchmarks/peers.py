@@ -28,6 +28,7 @@ VARIANTS = {
     "DDP + AdamW(fused)": "ddp",
     "torch ZeroRedundancyOptimizer": "torch-zero",
     "FSDP2 (fully_shard)": "fsdp2",
+    "FSDP2 HSDP (replicate across nodes, shard within)": "fsdp2-hsdp",
     "DeepSpeed ZeRO-2": "deepspeed",
     "DeepSpeed ZeRO-2 + CPU Adam offload": "deepspeed-offload",
     "FairScale OSS + ShardedDDP": "fairscale",
@@ -104,12 +105,17 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
                                       weight_decay=WD, fused=True)
         return _torch_style(DDP(model), opt)
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "fsdp2-hsdp"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        if kind == "fsdp2":
+            mesh = init_device_mesh("cpu", (world,))
+        else:  # HSDP: a 2D mesh, replicas across nodes, shards within one (torchrun's LOCAL_WORLD_SIZE)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)

@@ -1,0 +1,269 @@
+"""Multi-node for real: ranks started by torchrun on an emulated cluster (shardopt/cluster.py).
+
+One cluster of 3 nodes (network namespaces, 1 Gbit/s links) serves the whole
+module. On it: ZeRO-1/2 at 2 nodes x 2 ranks and 3 nodes x 1 rank against a
+single-process reference (tests/cluster_parity_worker.py); a node lost by
+SIGKILL and by a cut link, where every surviving rank must fail saying so
+within the process group's timeout; and elastic resume under torchrun
+--nnodes 1:2 --max-restarts 1 with examples/elastic_train.py, which must end
+with the weights of an uninterrupted single-process run.
+
+Needs root (ip netns, tc); elsewhere the cluster tests skip, printing why.
+The plan tests (pure) run everywhere.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from shardopt import cluster_plan as cp
+from shardopt.cluster import EmulatedCluster, existing_namespaces, unavailable_reason
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+REASON = unavailable_reason()
+needs_cluster = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
+
+# Short rendezvous timings: a restart takes seconds instead of ~45 s (torchrun's defaults wait
+# 15 s for a lost node's heartbeats to expire, then 30 s for late joiners).
+RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 3, "join_timeout": 60}
+PG_TIMEOUT = 10            # process group timeout of the node-loss runs, seconds
+REPORT_MARGIN = 3          # a surviving rank reports the loss within PG_TIMEOUT + this
+EXIT_MARGIN = 15           # ...and its node's torchrun has exited within PG_TIMEOUT + this
+PEER_LOST = ("peer may have died", "peer rank has probably exited", "Connection closed by peer",
+             "Connection reset by peer")
+
+
+# ------------------------------------------------------------------ the plan (pure)
+def test_plan_names_addresses_and_commands():
+    plan = cp.plan_cluster(3, "1gbit", run_id="shardopt-42-abc123")
+    assert plan.namespaces == ("shardopt-42-abc123-sw", "shardopt-42-abc123-n0", "shardopt-42-abc123-n1",
+                               "shardopt-42-abc123-n2")
+    assert [n.addr for n in plan.nodes] == ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
+    flat = [" ".join(c) for c in cp.setup_commands(plan)]
+    # Every command names one of the plan's namespaces: nothing happens in the machine's own.
+    assert all(any(ns in c for ns in plan.namespaces) for c in flat), flat
+    text = "\n".join(flat)
+    for forbidden in ("default", "route", "nat", "iptables", "eth0"):
+        assert forbidden not in text, forbidden
+    assert sum("tbf rate 1000000000bit" in c for c in flat) == 2 * 3  # both directions of every link
+    assert cp.teardown_commands(plan) == [["ip", "netns", "delete", ns] for ns in reversed(plan.namespaces)]
+    assert cp.shaping_commands(cp.plan_cluster(2, None, run_id="x"), cp.plan_cluster(2, None, run_id="x").nodes[0]) == []
+    for bad in ("a b", "", "x;rm"):
+        with pytest.raises(ValueError):
+            cp.plan_cluster(2, run_id=bad)
+
+
+@pytest.mark.parametrize("rate,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
+                                       ("500kbit", 5 * 10**5), (10**6, 10**6), (None, None), ("640", 640)])
+def test_parse_rate(rate, bits):
+    assert cp.parse_rate(rate) == bits
+
+
+@pytest.mark.parametrize("bad", ["1gbps", "fast", "-1mbit", "0mbit"])
+def test_parse_rate_refuses(bad):
+    with pytest.raises(ValueError, match="rate"):
+        cp.parse_rate(bad)
+
+
+def test_torchrun_command_per_node():
+    plan = cp.plan_cluster(2, run_id="r")
+    host = cp.torchrun_command(plan, 0, 2, "train.py", ["--x", 1], nnodes="1:2", max_restarts=1, python="py")
+    assert cp.torchrun_command(plan, 0, 2, "t.py", nnodes=2)[4] == "2"
+    other = cp.torchrun_command(plan, 1, 2, "train.py", ["--x", 1], nnodes="1:2", max_restarts=1, python="py")
+    assert host[:3] == ["py", "-m", "torch.distributed.run"] and host[-3:] == ["train.py", "--x", "1"]
+    opt = lambda argv, k: argv[argv.index(k) + 1]  # noqa: E731
+    assert opt(host, "--rdzv-conf") == "is_host=1" and opt(other, "--rdzv-conf") == "is_host=0"
+    assert opt(host, "--local-addr") == "198.18.0.1" and opt(other, "--local-addr") == "198.18.0.2"
+    assert opt(host, "--rdzv-endpoint") == opt(other, "--rdzv-endpoint") == "198.18.0.1:29400"
+    assert opt(other, "--nnodes") == "1:2" and opt(other, "--max-restarts") == "1"
+
+
+# ------------------------------------------------------------------ the cluster
+@pytest.fixture(scope="module")
+def cluster():
+    from shardopt.cluster import ClusterUnavailable
+
+    try:
+        c = EmulatedCluster(3, "1gbit").start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"emulated cluster unavailable: {e}")
+    try:
+        yield c
+    finally:
+        c.close()
+    assert not set(c.plan.namespaces) & existing_namespaces()
+
+
+def _ip(*args) -> str:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+@needs_cluster
+def test_cluster_is_isolated_and_shaped(cluster):
+    for n in cluster.plan.nodes:
+        assert _ip("-n", n.netns, "route").split() == ["198.18.0.0/24", "dev", "so0", "proto", "kernel", "scope",
+                                                         "link", "src", n.addr]  # no default route
+        links = [line.split(": ")[1].split("@")[0] for line in _ip("-n", n.netns, "-o", "link").splitlines()]
+        assert sorted(links) == ["lo", "so0"], links
+        qdisc = subprocess.run(["ip", "netns", "exec", n.netns, "tc", "qdisc", "show", "dev", "so0"],
+                               capture_output=True, text=True, timeout=30).stdout
+        assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc
+    assert "inet " not in _ip("-n", cluster.plan.switch, "addr")  # the switch has no address at all
+
+
+@needs_cluster
+@pytest.mark.parametrize("nodes,nproc", [(2, 2), (3, 1)])
+def test_zero_matches_single_process_reference(cluster, tmp_path, nodes, nproc):
+    """ZeRO-1/2, fp32 and bf16, clipping and no_sync (the cases of cluster_parity_worker.py)."""
+    import json
+
+    rdzv_id, port = cluster.new_job()
+    logs = [tmp_path / f"node{i}.log" for i in range(nodes)]
+    procs = [cluster.torchrun(i, nproc, os.path.join(HERE, "cluster_parity_worker.py"),
+                              ["--out", tmp_path, "--timeout", 60], nnodes=nodes, log=logs[i], rdzv_id=rdzv_id,
+                              port=port)
+             for i in range(nodes)]
+    try:
+        codes = cluster.wait(procs, timeout=300)
+    except TimeoutError as e:
+        codes = [str(e)]
+    out = "".join(f"\n=== node {i} ===\n" + p.read_text(errors="replace")[-4000:] for i, p in enumerate(logs))
+    assert codes == [0] * nodes, out
+    results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(nodes * nproc)]
+    assert {r["world_size"] for r in results} == {nodes * nproc}
+    assert sorted(r["node"] for r in results) == sorted(list(range(nodes)) * nproc)
+    for r in results:
+        assert not r["failures"], f"rank {r['rank']}: " + "\n".join(r["failures"][:8])
+
+
+def _load_latest(rank, world_size, ckpt):
+    import shardopt
+    from elastic_train import build_model, make_optimizer_kwargs
+
+    model = build_model()
+    opt = shardopt.ShardedOptimizer(model.parameters(), **make_optimizer_kwargs(), stage=2)
+    model = shardopt.ShardedDDP(model, opt)
+    return shardopt.load_checkpoint(ckpt, model, opt)["step"]
+
+
+def _check_survivors_report_loss(run, nproc, timeout):
+    text = run.log_text()
+    assert run.lost_at is not None, "the node was never lost (training ended or failed first)" + text
+    mine = [s for s in run.stops if s[0] == 0]
+    assert sorted(s[1] for s in mine) == sorted(set(s[1] for s in mine)) and len(mine) == nproc, text
+    for node, rank, world, attempt, step, t, msg in mine:
+        assert t - run.lost_at <= timeout + REPORT_MARGIN, f"rank {rank} reported after {t - run.lost_at:.1f}s"
+        assert any(p in msg for p in PEER_LOST), msg
+    assert run.codes[0] not in (0, None), text
+    assert run.ended[0] - run.lost_at <= timeout + EXIT_MARGIN, text
+    return max(s[5] for s in mine) - run.lost_at
+
+
+@needs_cluster
+@pytest.mark.parametrize("how", ["kill", "link"])
+def test_losing_a_node_fails_every_survivor_in_time(cluster, tmp_path, how):
+    """Node 1 of 2 x 2 ranks is SIGKILLed (a crash: sockets close) or cut off (no packet, no FIN:
+    only the timeout can tell). The ranks of node 0 raise, naming the lost peer, within the process
+    group's timeout, torchrun on node 0 exits with an error, and the last checkpoint loads."""
+    from dist_harness import run_ranks
+
+    run = run_training_on(cluster, tmp_path, steps=60, max_restarts=0, pg_timeout=PG_TIMEOUT, how=how)
+    took = _check_survivors_report_loss(run, 2, PG_TIMEOUT)
+    print(f"\n{how}: survivors reported the loss {took:.2f}s after it (process group timeout {PG_TIMEOUT}s); "
+          f"node 0's torchrun exited after {run.ended[0] - run.lost_at:.2f}s")
+    step = run_ranks(_load_latest, 1, str(tmp_path / "ckpt"), timeout=120)[0]
+    assert step % 5 == 0 and 5 <= step <= run.lost_after_step + 1, (step, run.lost_after_step)
+
+
+def run_training_on(cluster, workdir, **kw):
+    from shardopt.cluster_runs import run_training
+
+    return run_training(cluster, str(workdir), nodes=2, nproc=2, save_every=5, lose_node=1, lose_at_step=7,
+                        rdzv_conf=RDZV_CONF, timeout=240, **kw)
+
+
+@needs_cluster
+def test_elastic_resume_after_losing_a_node(cluster, tmp_path):
+    """torchrun --nnodes 1:2 --max-restarts 1 (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): node 1 is
+    lost after step 7; node 0 resumes from the step-5 checkpoint at world size 2 and ends with the
+    weights of an uninterrupted single-process run of the same 20 steps (AdamW, clipping)."""
+    from elastic_train import GlobalBatches, build_model, loss_of, make_data, make_optimizer_kwargs
+
+    steps = 20
+    run = run_training_on(cluster, tmp_path, steps=steps, nnodes="1:2", max_restarts=1, pg_timeout=20)
+    text = run.log_text()
+    assert run.codes[0] == 0, text
+    first = [p for p in run.progress if p[0] == 0]
+    second = [p for p in run.progress if p[0] == 1]
+    assert first and {p[1] for p in first} == {4}, text
+    assert second and {p[1] for p in second} == {2} and second[-1][2] == steps, text
+    resumed_from = second[0][2] - 1
+    assert resumed_from % 5 == 0 and 5 <= resumed_from <= run.lost_after_step + 1, (resumed_from, text)
+    print(f"\nlost after step {run.lost_after_step}; resumed from step {resumed_from} at world size 2, "
+          f"first step {second[0][3] - run.lost_at:.1f}s after the loss")
+    assert "warning: restarts need" not in text
+
+    model = build_model()
+    kw = make_optimizer_kwargs()
+    opt = kw.pop("optim")(model.parameters(), **kw)
+    x, y = make_data()
+    loader = GlobalBatches(len(x), 16)
+    for _ in range(steps):
+        idx = loader.next_global()
+        loss_of(model, x[idx], y[idx]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    final = torch.load(tmp_path / "final.pt")
+    for name, p in model.state_dict().items():
+        err = ((p - final[name]).abs().max() / p.abs().max()).item()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def _where(rank, world_size, fail_rank):
+    if rank == fail_rank:
+        raise ValueError(f"rank {rank} fails on purpose")
+    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+        sent = int(f.read())
+    return rank, world_size, int(os.environ["GROUP_RANK"]), sent
+
+
+@needs_cluster
+def test_run_ranks_on_cluster(cluster):
+    """The benchmarks' launcher: run_ranks' contract (results in rank order, failures with tracebacks)."""
+    from dist_harness import RankFailure
+    from shardopt.cluster_ranks import run_ranks_on_cluster
+
+    got = run_ranks_on_cluster(cluster, 2, 1, _where, None, timeout=120)
+    assert [g[:2] for g in got] == [(0, 2), (1, 2)] and sorted(g[2] for g in got) == [0, 1], got
+    assert all(g[3] > 0 for g in got)  # each rank reads its own node's link counter
+    with pytest.raises(RankFailure, match="rank 1 fails on purpose"):
+        run_ranks_on_cluster(cluster, 2, 1, _where, 1, timeout=120)
+
+
+# ------------------------------------------------------------------ cleaning up
+@needs_cluster
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_removes_every_namespace_and_link(sig):
+    """`python -m shardopt.cluster --hold` builds 2 nodes and waits; a signal must leave nothing behind
+    (no namespace of its, no new link in the machine's own namespace), and never touch others' namespaces."""
+    p = subprocess.Popen([sys.executable, "-m", "shardopt.cluster", "--hold", "--nodes", "2"],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        names = p.stdout.readline().split()
+        assert len(names) == 3 and set(names) <= existing_namespaces(), names
+        p.send_signal(sig)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert not set(names) & existing_namespaces()
+    # Links are only ever made inside the namespaces; none of the machine's own refers to them.
+    assert not any(ns in _ip("-o", "link") for ns in names)
