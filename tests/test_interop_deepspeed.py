@@ -257,6 +257,23 @@ def _edited_copy(root, tmp, how):
     elif how == "stage3":
         os.rename(os.path.join(dst, "mp_rank_00_model_states.pt"),
                   os.path.join(dst, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    elif how == "fp16":
+        # DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (this machine), so the fp32 checkpoint
+        # is made into what an fp16 run writes: an fp16 module, the same fp32 masters, a dynamic scaler.
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+        path = os.path.join(dst, "mp_rank_00_model_states.pt")
+        sd = torch.load(path, weights_only=False)
+        sd["module"] = {k: v.half() for k, v in sd["module"].items()}
+        torch.save(sd, path)
+        for f in optim_files:
+            path = os.path.join(dst, f)
+            sd = torch.load(path, weights_only=False)
+            scaler = DynamicLossScaler(init_scale=2.0 ** 12, scale_window=100, min_scale=1, delayed_shift=2,
+                                       consecutive_hysteresis=False)
+            scaler.cur_iter, scaler.last_overflow_iter = 7, 4
+            sd["optimizer_state_dict"].update(loss_scaler=scaler, dynamic_loss_scale=True)
+            torch.save(sd, path)
     elif how == "tensor_parallel":
         os.rename(os.path.join(dst, "mp_rank_00_model_states.pt"), os.path.join(dst, "mp_rank_01_model_states.pt"))
     else:
@@ -294,6 +311,25 @@ def _refusals(rank, world_size, bad):
     return errors
 
 
+def _fp16_load(rank, world_size, path):
+    import shardopt
+
+    model = _model(1, torch.float16)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, reduce_bucket_size=150)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    shardopt.load_checkpoint(path, wrapper, opt)   # weights_only: DynamicLossScaler by its stand-in
+    return _sharded_masters(model, opt), opt.loss_scaler.state_dict()
+
+
+def test_fp16_checkpoint_restores_masters_and_loss_scale(ds_root, tmp_path):
+    root, ref = ds_root
+    masters, scaler = run_ranks(_fp16_load, 2, _edited_copy(root, str(tmp_path), "fp16"))[0]
+    for n, want in ref["fp32"]["saved"].items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(masters[n][k], want[k]), (n, k)
+    assert scaler["scale"] == 2.0 ** 12 and scaler["overflows_left"] == 2 and scaler["clean_steps"] == 2, scaler
+
+
 def test_unmappable_deepspeed_checkpoints_are_refused(ds_root, tmp_path):
     root, _ = ds_root
     bad = {how: _edited_copy(root, str(tmp_path), how)
@@ -305,3 +341,20 @@ def test_unmappable_deepspeed_checkpoints_are_refused(ds_root, tmp_path):
     for how, needle in needles.items():
         assert errors[how] is not None and needle in errors[how], (how, errors[how])
         assert not errors[how + ": changed"], how
+
+
+@pytest.mark.skipif(os.environ.get("SHARDOPT_TEST_DS_OFFLOAD") != "1",
+                    reason="DeepSpeed's CPU Adam is compiled on first use (about 5 minutes on 2 busy cores); "
+                           "set SHARDOPT_TEST_DS_OFFLOAD=1")
+def test_shardopt_resumes_deepspeed_offload(tmp_path):
+    """offload_optimizer: DeepSpeed's CPU Adam keeps an int step; loaded bitwise, continued within 1e-5."""
+    root = str(tmp_path)
+    ref = run_ranks(_deepspeed_runs, 2, root, ["offload"], timeout=1200)[0]["offload"]
+    got = run_ranks(_shardopt_resume, 3, root, ["offload"], 2, timeout=300)[0]["offload"]
+    for n, want in ref["saved"].items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["loaded"][n][k], want[k]), (n, k)
+        assert float(got["loaded"][n]["step"]) == K
+    for n, want in ref["resumed"].items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert _max_rel(got["resumed"][n][k], want[k]) < 1e-5, (n, k, _max_rel(got["resumed"][n][k], want[k]))
