@@ -1,7 +1,9 @@
-"""DeepSpeed ZeRO-2 checkpoints resumed by shardopt at other world sizes, against DeepSpeed resuming them.
+"""DeepSpeed ZeRO-1/2 checkpoints resumed by shardopt at other world sizes, against DeepSpeed resuming them.
 
 Real DeepSpeed (the `interop` extra) on CPU/gloo. One 2-rank DeepSpeed run per
-dtype (fp32, bf16) trains K steps on TinyNet, saves, then resumes its own
+setting (ZeRO-2 fp32 and bf16; ZeRO-1 fp32, and bf16 with fp32 gradient
+accumulation, which is DeepSpeed's BF16_Optimizer) trains K steps on TinyNet,
+saves, then resumes its own
 checkpoint in a fresh engine and trains K more: the reference. shardopt
 resumes the same checkpoints at 1, 2 and 3 ranks (stage 2, stage 1 at 3
 ranks, bucket sizes unlike DeepSpeed's) and trains K more with
@@ -71,7 +73,7 @@ def _trainable(model):
 
 
 # ------------------------------------------------------------------ DeepSpeed
-def _engine(seed, dtype, world_size, offload=False):
+def _engine(seed, dtype, world_size, offload=False, stage=2, fp32_accum=False):
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     os.environ["WORLD_SIZE"] = str(world_size)
     import logging
@@ -79,11 +81,13 @@ def _engine(seed, dtype, world_size, offload=False):
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     model = _model(seed, torch.float32)
     config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
                                     "overlap_comm": False, "contiguous_gradients": True},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
+    if fp32_accum:  # ZeRO-1 + bf16 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, bf16_* files
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     opt = None
     if offload:  # DeepSpeed's own CPU Adam (its only optimizer with offload)
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
@@ -119,7 +123,8 @@ def _ds_snapshot(engine):
         full = {k: torch.zeros(p.numel()) for k in ("param", "exp_avg", "exp_avg_sq")}
         m = p._hp_mapping
         if m is not None:
-            flat = zero.single_partition_of_fp32_groups[m.param_group_index]
+            flats = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+            flat = flats[m.param_group_index]
             state = zero.optimizer.state[flat]
             lo, hi = m.lp_fragment_address.start, m.lp_fragment_address.start + m.lp_fragment_address.numel
             at, num = m.hp_fragment_address.start, m.hp_fragment_address.numel
@@ -131,20 +136,23 @@ def _ds_snapshot(engine):
     return out
 
 
-_DS_RUNS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "offload": (torch.float32, True)}
+# name -> (dtype, optimizer offload, ZeRO stage, fp32 gradient accumulation)
+_DS_RUNS = {"fp32": (torch.float32, False, 2, False), "bf16": (torch.bfloat16, False, 2, False),
+            "offload": (torch.float32, True, 2, False), "zero1": (torch.float32, False, 1, False),
+            "zero1-bf16": (torch.bfloat16, False, 1, True)}
 
 
 def _deepspeed_runs(rank, world_size, root, names):
     out = {}
     for name in names:
-        dtype, offload = _DS_RUNS[name]
+        dtype, offload, stage, fp32_accum = _DS_RUNS[name]
         path = os.path.join(root, name)
-        engine = _engine(0, dtype, world_size, offload)
+        engine = _engine(0, dtype, world_size, offload, stage, fp32_accum)
         _ds_train(engine, range(K), rank, world_size, dtype)
         saved = _ds_snapshot(engine)
         engine.save_checkpoint(path, client_state={"epoch": 7})
         # (a) DeepSpeed resumes its own checkpoint in a fresh engine.
-        engine2 = _engine(1, dtype, world_size, offload)
+        engine2 = _engine(1, dtype, world_size, offload, stage, fp32_accum)
         engine2.load_checkpoint(path)
         _ds_train(engine2, range(K, 2 * K), rank, world_size, dtype)
         out[name] = {"saved": saved, "step": float(engine.optimizer.optimizer.state_dict()["state"][0]["step"]),
@@ -179,7 +187,7 @@ def _shardopt_resume(rank, world_size, root, names, stage):
 
     out = {}
     for name in names:
-        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        dtype = _DS_RUNS[name][0]
         model = _model(1, dtype)   # another seed: anything not restored shows
         opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, stage=stage,
                                         reduce_bucket_size=150, reduce_dtype=dtype)
@@ -200,18 +208,24 @@ def _max_rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
+# DeepSpeed runs the resume tests load, and how close the continued runs must end: fp32 sums in
+# another order; bf16 reduces gradients in bf16 at different world sizes. "zero1-bf16" is DeepSpeed's
+# BF16_Optimizer (its own file names and layout: padded partitions).
+_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "zero1": 1e-5, "zero1-bf16": 2e-2}
+
+
 @pytest.fixture(scope="module")
 def ds_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ds"))
-    ref = run_ranks(_deepspeed_runs, 2, root, ["fp32", "bf16"], timeout=400)[0]
+    ref = run_ranks(_deepspeed_runs, 2, root, list(_TOLERANCE), timeout=400)[0]
     return root, ref
 
 
 @pytest.mark.parametrize("world_size,stage", [(1, 2), (2, 2), (3, 1)])
-def test_shardopt_resumes_deepspeed_zero2(ds_root, world_size, stage):
+def test_shardopt_resumes_deepspeed(ds_root, world_size, stage):
     root, ref = ds_root
-    got = run_ranks(_shardopt_resume, world_size, root, ["fp32", "bf16"], stage, timeout=300)[0]
-    for name, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
+    got = run_ranks(_shardopt_resume, world_size, root, list(_TOLERANCE), stage, timeout=300)[0]
+    for name, tol in _TOLERANCE.items():
         r, g = ref[name], got[name]
         for n, want in r["saved"].items():
             for k in ("param", "exp_avg", "exp_avg_sq"):  # what DeepSpeed saved, bit for bit
