@@ -162,9 +162,11 @@ def load_file(path: str, weights_only: bool = True):
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the DeepSpeed checkpoint is incomplete") from None
     except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(
-            f"{path} holds objects other than tensors and DeepSpeed's own bookkeeping ({e}); if you trust "
-            "the file, pass weights_only=False (or `convert --trust-extra`)") from None
+            f"{path} holds objects other than tensors and DeepSpeed's own bookkeeping{what}, e.g. in "
+            "client_state; if you trust the file, pass weights_only=False (or `convert --trust-extra`)") from None
     except RuntimeError as e:
         raise CheckpointError(f"{path} cannot be read ({e}): the file is damaged or not a torch file") from None
 

@@ -288,6 +288,13 @@ def _edited_copy(root, tmp, how):
             scaler.cur_iter, scaler.last_overflow_iter = 7, 4
             sd["optimizer_state_dict"].update(loss_scaler=scaler, dynamic_loss_scale=True)
             torch.save(sd, path)
+    elif how == "client_object":   # a client_state object weights_only loading does not allow
+        import datetime
+
+        path = os.path.join(dst, "mp_rank_00_model_states.pt")
+        sd = torch.load(path, weights_only=False)
+        sd["when"] = datetime.date(2020, 1, 2)
+        torch.save(sd, path)
     elif how == "tensor_parallel":
         os.rename(os.path.join(dst, "mp_rank_00_model_states.pt"), os.path.join(dst, "mp_rank_01_model_states.pt"))
     else:
@@ -322,6 +329,11 @@ def _refusals(rank, world_size, bad):
         except shardopt.CheckpointError as e:
             errors[how] = str(e)
         errors[how + ": changed"] = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # A trusted file: weights_only=False unpickles the client's object (DeepSpeed's own still by stand-ins).
+    model = _model(1, torch.float32)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR)
+    errors["client_object, trusted"] = shardopt.load_checkpoint(bad["client_object"], shardopt.ShardedDDP(model, opt),
+                                                                opt, weights_only=False)["client_state"]
     return errors
 
 
@@ -347,14 +359,16 @@ def test_fp16_checkpoint_restores_masters_and_loss_scale(ds_root, tmp_path):
 def test_unmappable_deepspeed_checkpoints_are_refused(ds_root, tmp_path):
     root, _ = ds_root
     bad = {how: _edited_copy(root, str(tmp_path), how)
-           for how in ("pipeline", "stage3", "tensor_parallel", "sgd", "adam_l2")}
+           for how in ("pipeline", "stage3", "tensor_parallel", "sgd", "adam_l2", "client_object")}
     bad["into_sgd"] = os.path.join(root, "fp32")
     errors = run_ranks(_refusals, 1, bad)[0]
     needles = {"pipeline": "pipeline-parallel", "stage3": "ZeRO stage 3", "tensor_parallel": "tensor/model parallel",
-               "sgd": "not Adam / AdamW", "adam_l2": "Adam (L2 weight decay)", "into_sgd": "holds Adam state"}
+               "sgd": "not Adam / AdamW", "adam_l2": "Adam (L2 weight decay)", "into_sgd": "holds Adam state",
+               "client_object": "bookkeeping (datetime.date), e.g. in client_state; if you trust the file"}
     for how, needle in needles.items():
         assert errors[how] is not None and needle in errors[how], (how, errors[how])
         assert not errors[how + ": changed"], how
+    assert errors["client_object, trusted"]["when"].year == 2020
 
 
 @pytest.mark.skipif(os.environ.get("SHARDOPT_TEST_DS_OFFLOAD") != "1",
