@@ -142,10 +142,12 @@ setup(
     # Lightning is optional (shardopt.lightning); the tests cover it, so CI installs it.
     # Developed and tested against lightning 2.6 (the strategy uses some of its internals).
     # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
-    extras_require={"lightning": ["lightning>=2.6"], "bench": ["matplotlib"],
+    # interop: DeepSpeed, whose ZeRO-1/2 checkpoints load_checkpoint reads (without it too); the
+    # tests resume real DeepSpeed runs. Its install pulls no torch when torch is already there (pin it).
+    extras_require={"lightning": ["lightning>=2.6"], "bench": ["matplotlib"], "interop": ["deepspeed>=0.19,<0.20"],
                     "transformers": ["transformers>=5", "accelerate>=1"],
-                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "transformers>=5",
-                             "accelerate>=1", "deepspeed==0.19.*"]},
+                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "deepspeed>=0.19,<0.20",
+                             "transformers>=5", "accelerate>=1"]},
     entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

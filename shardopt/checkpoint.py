@@ -31,6 +31,10 @@ gathers their indexes, writes the manifest, fsyncs, renames the directory to
 at any moment leaves `latest` pointing at the previous complete checkpoint.
 The directory must be on a file system every rank sees (shared, or one node).
 
+Loading reads through a `Source` (names, shapes, and chunks of any element
+range of a parameter): `NativeSource` for this format, ds_ckpt.DeepSpeedSource
+for DeepSpeed's ZeRO-1/2 folders; everything after that is one code path.
+
 Loading happens in two phases so that a bad checkpoint changes nothing: every
 rank first reads and verifies what it needs (manifest checksum, file sizes, a
 crc32 per record it reads) and stages the optimizer state (reversibly); ranks
@@ -307,11 +311,18 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
 
 # ---------------------------------------------------------------------- load
 def resolve_checkpoint_dir(path, tag: str | None = None) -> str:
-    """The checkpoint directory meant by `path` (a tag directory, or a directory with `latest`) and `tag`."""
+    """The checkpoint directory meant by `path` (a tag directory, or a directory with `latest`) and `tag`.
+
+    DeepSpeed's folders have the same shape (`latest` names a tag folder).
+    """
     path = os.fspath(path)
     if tag is not None:
         return os.path.join(path, tag)
     if os.path.exists(os.path.join(path, MANIFEST)):
+        return path
+    from shardopt.ds_ckpt import looks_like_deepspeed
+
+    if looks_like_deepspeed(path):  # a DeepSpeed tag folder
         return path
     latest = os.path.join(path, LATEST)
     try:
@@ -342,10 +353,104 @@ def read_extra(reader: RecordReader, body: dict, weights_only: bool = True):
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=weights_only)
 
 
-def _mismatch(body: dict, info: ModelInfo, opt) -> str | None:
+class Source:
+    """A checkpoint as the loader sees it, whatever wrote it: names, shapes, chunks, model state.
+
+    `NativeSource` reads shardopt's own format; `shardopt.ds_ckpt.DeepSpeedSource`
+    reads DeepSpeed's ZeRO-1/2 folders. Both hand the loader the same
+    (name, element range) chunks, so staging, agreement and installing are one
+    code path (Note [Checkpoint layout]).
+    """
+
+    directory: str
+    params: dict
+    """Trainable parameter name -> {"shape": list, "group": int}."""
+    model_state: dict
+    """Frozen parameter / buffer name -> ("frozen" | "buffer", shape tuple)."""
+    scaler = None
+    """Loss-scaler state for shardopt.precision.LossScaler.load_state_dict, or None."""
+
+    def resolve_hyper(self, opt) -> list:
+        """Every param group's hyper-parameters after the load; raises if the optimizers cannot meet."""
+        raise NotImplementedError
+
+    def chunks(self, name: str, start: int, end: int) -> list:
+        """Chunks of `name` overlapping elements [start, end), sorted by start (master values in PARAM)."""
+        raise NotImplementedError
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class NativeSource(Source):
+    """A checkpoint written by save_checkpoint (Note [Checkpoint layout])."""
+
+    def __init__(self, directory: str, weights_only: bool):
+        self.directory, self.weights_only = directory, weights_only
+        self.body = body = read_manifest(directory)
+        self.params = body["params"]
+        self.model_state = {n: (v["kind"], tuple(v["tensor"]["shape"])) for n, v in body["model_state"].items()}
+        self.scaler = from_json(body["loss_scaler"]) if body["loss_scaler"] is not None else None
+        self._saved: dict = {}
+        for file, entry in body["files"].items():
+            for p in entry.get("pieces", ()):
+                self._saved.setdefault(p["name"], []).append((file, p))
+        for entries in self._saved.values():
+            entries.sort(key=lambda fp: fp[1]["start"])
+        self._reader = RecordReader(directory, body["files"])
+        self._cache: dict = {}  # a saved piece overlapping two of ours is read once
+
+    def resolve_hyper(self, opt) -> list:
+        saved_cls, cls = self.body["optimizer"], _class_name(opt.optim_class)
+        same = saved_cls == cls
+        if not same and not any({saved_cls, cls} <= s for s in _SAME_STATE):
+            raise CheckpointError(f"{self.directory} holds {saved_cls} state, this optimizer is {cls}: build the "
+                                  "optimizer with the class that saved it")
+        return resolve_hyper(opt, [from_json(g["hyper"]) for g in self.body["param_groups"]], same,
+                             f"checkpoint {self.directory}")
+
+    def chunks(self, name: str, start: int, end: int) -> list:
+        out = []
+        for file, p in self._saved.get(name, ()):
+            if p["start"] < end and p["end"] > start:
+                key = (file, p["param"]["offset"])
+                if key not in self._cache:
+                    self._cache[key] = read_chunk(self._reader, file, p)
+                out.append(self._cache[key])
+        return out
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        return self._reader.read(MODEL_FILE, self.body["model_state"][name]["tensor"])
+
+    def extra(self):
+        return read_extra(self._reader, self.body, self.weights_only)
+
+    def close(self) -> None:
+        self._cache.clear()
+        self._reader.close()
+
+
+def open_source(path, tag: str | None = None, weights_only: bool = True) -> Source:
+    """The checkpoint at `path` (shardopt's, or a DeepSpeed ZeRO-1/2 folder) as a Source."""
+    directory = resolve_checkpoint_dir(path, tag)
+    if not os.path.exists(os.path.join(directory, MANIFEST)):
+        from shardopt import ds_ckpt
+
+        if ds_ckpt.looks_like_deepspeed(directory):
+            return ds_ckpt.DeepSpeedSource(directory, weights_only)
+    return NativeSource(directory, weights_only)
+
+
+def _mismatch(src: Source, info: ModelInfo, opt) -> str | None:
     """What differs between the saved model and this one, or None."""
-    saved = {n: ("trainable", tuple(v["shape"])) for n, v in body["params"].items()}
-    saved.update({n: (v["kind"], tuple(v["tensor"]["shape"])) for n, v in body["model_state"].items()})
+    saved = {n: ("trainable", tuple(v["shape"])) for n, v in src.params.items()}
+    saved.update(src.model_state)
     here = {n: ("trainable", tuple(p.shape)) for n, p in zip(info.names, opt._params)}
     here.update({n: (kind, tuple(t.shape)) for n, (t, kind) in info.others.items()})
 
@@ -366,8 +471,8 @@ def _mismatch(body: dict, info: ModelInfo, opt) -> str | None:
                  for n in both if (saved[n][0] == "trainable") != (here[n][0] == "trainable")]:
         problems.append(f"trainable vs not: {some(kinds)}")
     if not problems:
-        groups = [f"{n} (group {body['params'][n]['group']} in the checkpoint, {s.group} here)"
-                  for n, s in zip(info.names, opt.layout.params) if body["params"][n]["group"] != s.group]
+        groups = [f"{n} (group {src.params[n]['group']} in the checkpoint, {s.group} here)"
+                  for n, s in zip(info.names, opt.layout.params) if src.params[n]["group"] != s.group]
         if groups:
             problems.append(f"in another param group: {some(groups)}")
     return "; ".join(problems) or None
@@ -382,58 +487,39 @@ class _Staged:
     extra: object
 
 
-def _stage(directory: str, body: dict, opt, info: ModelInfo, swap: InnerStateSwap, weights_only: bool) -> _Staged:
+def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
     """Reads and verifies everything this rank needs; changes nothing but the (undoable) inner state."""
-    saved_cls, cls = body["optimizer"], _class_name(opt.optim_class)
-    same = saved_cls == cls
-    if not same and not any({saved_cls, cls} <= s for s in _SAME_STATE):
-        raise CheckpointError(f"{directory} holds {saved_cls} state, this optimizer is {cls}: build the "
-                              "optimizer with the class that saved it")
-    if problem := _mismatch(body, info, opt):
+    directory = src.directory
+    if problem := _mismatch(src, info, opt):
         raise CheckpointError(f"{directory} is a checkpoint of a different model: {problem}. Build the model "
                               "it was saved from (`python -m shardopt convert` gives plain weights to load "
                               "selectively)")
-    hyper = resolve_hyper(opt, [from_json(g["hyper"]) for g in body["param_groups"]], same,
-                           f"checkpoint {directory}")
-    saved: dict = {}
-    for file, entry in body["files"].items():
-        for p in entry.get("pieces", ()):
-            saved.setdefault(p["name"], []).append((file, p))
-    for entries in saved.values():
-        entries.sort(key=lambda fp: fp[1]["start"])
-    reader = RecordReader(directory, body["files"])
-    try:
-        cache: dict = {}  # a saved piece overlapping two of ours is read once
-        masters, states = {}, {}
-        for i, pc in enumerate(opt._pieces):
-            name = info.names[pc.param]
-            slot = opt.layout.params[pc.param]
-            a, b = pc.start - slot.offset, pc.end - slot.offset
-            chunks = []
-            for file, p in saved[name]:
-                if p["start"] < b and p["end"] > a:
-                    key = (file, p["param"]["offset"])
-                    if key not in cache:
-                        cache[key] = read_chunk(reader, file, p)
-                    chunks.append(cache[key])
-            slices, scalars = cut(chunks, a, b, f"parameter {name!r}")
-            masters[i] = slices.pop(PARAM)
-            states[i] = {**slices, **scalars}
-        cache.clear()
-        others = {n: reader.read(MODEL_FILE, v["tensor"]) for n, v in body["model_state"].items()}
-        extra = read_extra(reader, body, weights_only)
-    finally:
-        reader.close()
-    scaler = from_json(body["loss_scaler"]) if body["loss_scaler"] is not None else None
+    hyper = src.resolve_hyper(opt)
+    masters, states = {}, {}
+    for i, pc in enumerate(opt._pieces):
+        name = info.names[pc.param]
+        slot = opt.layout.params[pc.param]
+        a, b = pc.start - slot.offset, pc.end - slot.offset
+        slices, scalars = cut(src.chunks(name, a, b), a, b, f"parameter {name!r}")
+        masters[i] = slices.pop(PARAM)
+        states[i] = {**slices, **scalars}
+    others = {n: src.model_tensor(n) for n in src.model_state}
+    extra = src.extra()
     swap.apply(states, hyper)  # last: the only change, and undoable
-    return _Staged(masters, others, hyper, scaler, extra)
+    return _Staged(masters, others, hyper, src.scaler, extra)
 
 
 def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_only: bool = True):
     """Loads a checkpoint written by save_checkpoint at any world size; returns its `extra`.
 
     Call on every rank (a collective). `path` is the directory given to
-    save_checkpoint (its `latest` is loaded, or `tag`) or a tag directory.
+    save_checkpoint (its `latest` is loaded, or `tag`) or a tag directory;
+    or a DeepSpeed ZeRO-1/2 checkpoint folder (engine.save_checkpoint's
+    directory or one of its tags): its fp32 masters, Adam moments and step
+    counts load the same way, and the returned `extra` is then
+    {"client_state", "global_steps", "global_samples", "skipped_steps",
+    "lr_scheduler", "ds_version"} (Note [DeepSpeed ZeRO-1/2 checkpoint files]
+    in ds_ckpt.py).
     Refuses, on every rank and changing nothing, a damaged checkpoint or one
     of a different model (naming missing / unexpected / mis-shaped
     parameters). Restores master weights (and so the model's), optimizer state
@@ -449,8 +535,11 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
             raise RuntimeError("load_checkpoint needs the model wrapped: build shardopt.ShardedDDP(model, "
                                "optimizer) first, then load (loading ends by all-gathering the weights)")
         info = describe_model(_unwrap(model), opt)
-        directory = resolve_checkpoint_dir(path, tag)
-        staged = _stage(directory, read_manifest(directory), opt, info, swap, weights_only)
+        src = open_source(path, tag, weights_only)
+        try:
+            staged = _stage(src, opt, info, swap)
+        finally:
+            src.close()
     except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
         error = e
     try:

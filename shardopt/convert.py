@@ -1,5 +1,8 @@
 """`python -m shardopt convert CKPT OUT.pt`: a sharded checkpoint as one plain torch file, offline.
 
+CKPT may also be a DeepSpeed ZeRO-1/2 checkpoint folder (shardopt/ds_ckpt.py): its
+fp32 masters and Adam state come out in the same format.
+
 The output is {"model": the model's state_dict (every key, tied names included,
 in the model's order and dtype), "optimizer": a torch.optim state dict as
 ShardedOptimizer.state_dict() gives after consolidate_state_dict(), "extra": the
@@ -16,13 +19,18 @@ import os
 import torch
 
 from shardopt.checkpoint import MODEL_FILE, PARAM, read_chunk, read_extra, resolve_checkpoint_dir
-from shardopt.ckpt_io import RecordReader, atomic_write_bytes, from_json, parse_dtype, read_manifest
+from shardopt.ckpt_io import MANIFEST, RecordReader, atomic_write_bytes, from_json, parse_dtype, read_manifest
 from shardopt.ckpt_state import assemble
 
 
 def checkpoint_to_torch(path, tag: str | None = None, weights_only: bool = True) -> dict:
     """The checkpoint at `path` (see load_checkpoint) as {"model", "optimizer", "extra"} (module docstring)."""
     directory = resolve_checkpoint_dir(path, tag)
+    if not os.path.exists(os.path.join(directory, MANIFEST)):
+        from shardopt import ds_ckpt
+
+        if ds_ckpt.looks_like_deepspeed(directory):
+            return ds_ckpt.to_torch(directory, weights_only)
     body = read_manifest(directory)
     reader = RecordReader(directory, body["files"])
     try:
@@ -76,7 +84,7 @@ def convert(path, out, tag: str | None = None, weights_only: bool = True) -> Non
 def add_parser(sub) -> None:
     """Registers the `convert` subcommand on an argparse subparsers object."""
     c = sub.add_parser("convert", help="a checkpoint directory -> one torch file (model + torch.optim state)")
-    c.add_argument("checkpoint", help="the directory given to save_checkpoint, or one of its tag directories")
+    c.add_argument("checkpoint", help="the directory given to save_checkpoint (or to DeepSpeed's engine.save_checkpoint), or one of its tag directories")
     c.add_argument("out", help="output file (torch.save format)")
     c.add_argument("--tag", default=None, help="which checkpoint in CHECKPOINT (default: its latest)")
     c.add_argument("--trust-extra", action="store_true",

@@ -1,0 +1,366 @@
+"""torch.distributed.checkpoint (DCP) state dicts for ShardedDDP + ShardedOptimizer, as FSDP2's.
+
+    import torch.distributed.checkpoint as dcp
+    model_sd, optim_sd = shardopt.dcp.get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")          # every rank
+    ...
+    model_sd, optim_sd = shardopt.dcp.get_state_dict(model, opt)      # in another run, any world size
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")
+    shardopt.dcp.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+The dicts have the keys and nesting torch.distributed.checkpoint.state_dict.
+get_state_dict gives for FSDP2 (FQN-keyed model state; optimizer
+{"state": {fqn: {"step", "exp_avg", ...}}, "param_groups": [{..., "params": [fqn, ...]}]}),
+so a checkpoint saved by an FSDP2 run loads here and the reverse, each side at
+its own world size.
+
+Note [How ZeRO-1/2 state is described to DCP]
+---------------------------------------------
+FSDP2 describes every parameter and its optimizer state as a DTensor sharded on
+dim 0 (one row range per rank). Our optimizer state is per piece: a flat
+element range of the parameter (Note [Flat layout] in layout.py) that may
+start and end in the middle of a row, and a rank may hold several pieces of
+one parameter (one per bucket it straddles). A DTensor cannot say that (one
+even split per mesh dimension), and a plain tensor would mean "replicated".
+
+We hand DCP a ShardedTensor per parameter instead, whose local shards are
+*boxes*: a flat range [a, b) of a row-major tensor is the union of at most
+2 x (ndim - 1) + 1 boxes (the rest of the first row, whole rows, the start of
+the last row, recursively for the dims inside a row; for a matrix at most 3),
+each contiguous in memory, so each box is a view of the piece with no copy.
+`range_to_boxes` computes them; every rank computes every rank's boxes from
+the layout (pure code), so each ShardedTensor carries the global metadata with
+no communication. DCP's planner treats boxes like any chunk: on save each
+element is written once by its owner; on load every box reads the overlap of
+whatever chunks were saved (FSDP2's row ranges, or another world size's
+boxes). The same goes for the trainable parameters in the model state dict:
+they are the fp32 *master* pieces (so a bf16 model loses no precision, and
+nothing is written twice), as boxes. Frozen parameters and buffers are the
+model's own (replicated) tensors; the step count, one per parameter and the
+same on every rank, is a plain 0-d tensor as in FSDP2's dicts.
+
+Each rank's dicts hold only the parameters it has pieces of (DCP merges every
+rank's keys when saving, and a rank reads only the keys it has). A ShardedTensor
+without local shards would not do: DCP's load planner drops it, and a key
+missing from a rank's plan makes that planner assume a pre-2.4 checkpoint and
+read `param_groups` as one object, which fails.
+
+get_state_dict returns views of the live state (no copy), so DCP loads in place;
+set_state_dict then installs whatever dicts it is given (these, or plain
+whole tensors) through the same path as load_checkpoint and all-gathers.
+As torch's get_state_dict does for FSDP2, an optimizer that has not stepped
+yet gets its state created first (one inner step with zero gradients and
+lr = 0, no communication), so that there are tensors to load into.
+0-d trainable parameters are refused (a box of a 0-d tensor has no row).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from shardopt.checkpoint import PARAM, _agree, _check_pair, _unwrap, describe_model
+from shardopt.ckpt_io import CheckpointError
+from shardopt.ckpt_state import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
+from shardopt.optim_state import forget_consolidated
+
+
+# --------------------------------------------------------------- pure boxes
+def range_to_boxes(shape, start: int, end: int) -> list[tuple[tuple, tuple]]:
+    """[(offsets, sizes)] of the boxes covering flat elements [start, end) of a row-major `shape`, in order.
+
+    Each box is contiguous in memory, so consecutive boxes tile the range
+    (Note [How ZeRO-1/2 state is described to DCP]).
+    """
+    shape = tuple(shape)
+    if start >= end:
+        return []
+    if len(shape) == 1:
+        return [((start,), (end - start,))]
+    inner = math.prod(shape[1:])
+    r0, c0 = divmod(start, inner)
+    r1, c1 = divmod(end, inner)
+
+    def in_row(r, a, b):
+        return [((r,) + o, (1,) + s) for o, s in range_to_boxes(shape[1:], a, b)]
+
+    if r0 == r1:
+        return in_row(r0, c0, c1)
+    out = []
+    if c0:
+        out += in_row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + shape[1:]))
+    if c1:
+        out += in_row(r1, 0, c1)
+    return out
+
+
+def _flat_offset(shape, offsets) -> int:
+    at = 0
+    for n, o in zip(shape, offsets):
+        at = at * n + o
+    return at
+
+
+# -------------------------------------------------------- sharded tensors
+def _sharded_tensor(shape, dtype, device, boxes, local, group):
+    """A ShardedTensor of `shape` from every rank's boxes [(rank, offsets, sizes)] and this rank's tensors."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    def placement(r):
+        return f"rank:{dist.get_global_rank(group, r) if group is not None else r}/{device}"
+
+    mds = [ShardMetadata(shard_offsets=list(o), shard_sizes=list(s), placement=placement(r)) for r, o, s in boxes]
+    me = dist.get_rank(group)
+    mine = [md for (r, _, _), md in zip(boxes, mds) if r == me]
+    pinned = bool(local) and local[0].is_pinned()
+    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=pinned)
+    meta = ShardedTensorMetadata(shards_metadata=mds, size=torch.Size(shape), tensor_properties=props)
+    shards = [Shard(tensor=t, metadata=md) for t, md in zip(local, mine)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
+
+
+def _is_sharded(v) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(v, ShardedTensor)
+
+
+class _Plan:
+    """Every rank's pieces per parameter, as param-relative ranges and boxes (pure, from the layout)."""
+
+    def __init__(self, opt, names):
+        self.names = names
+        self.ranges: dict = {}   # param index -> [(rank, a, b)]
+        for r in range(opt.world_size):
+            for pc in opt.layout.pieces(r):
+                off = opt.layout.params[pc.param].offset
+                self.ranges.setdefault(pc.param, []).append((r, pc.start - off, pc.end - off))
+        for j, p in enumerate(opt._params):
+            if p.dim() == 0:
+                raise NotImplementedError(f"parameter {names[j]!r} is 0-d: shardopt.dcp cannot describe a 0-d "
+                                          "parameter's pieces to DCP (make it shape (1,))")
+
+    def boxes(self, j, shape):
+        return [(r, o, s) for r, a, b in self.ranges.get(j, ()) for o, s in range_to_boxes(shape, a, b)]
+
+
+def _local_views(shape, piece_tensors: list[tuple[int, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """This rank's pieces [(a, b, flat tensor)] as box-shaped views, in box order."""
+    out = []
+    for a, b, t in piece_tensors:
+        at = 0
+        for _, sizes in range_to_boxes(shape, a, b):
+            n = math.prod(sizes)
+            out.append(t[at:at + n].view(sizes))
+            at += n
+    return out
+
+
+# ------------------------------------------------------------------- get
+def _init_inner_state(opt) -> None:
+    """Creates the inner optimizer's state (as torch's get_state_dict does): zero grads, lr 0, one step."""
+    inner = opt.inner
+    if inner is None or inner.state:
+        return
+    lrs = [g["lr"] for g in inner.param_groups]
+    try:
+        for t in opt._piece_params:
+            t.grad = torch.zeros_like(t)
+        for g in inner.param_groups:
+            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
+        with torch.no_grad():
+            inner.step()
+    finally:
+        for g, lr in zip(inner.param_groups, lrs):
+            g["lr"] = lr
+        for t in opt._piece_params:
+            t.grad = None
+
+
+def get_state_dict(model, optimizer) -> tuple[dict, dict]:
+    """(model state dict, optimizer state dict) in FSDP2's format for DCP (call on every rank).
+
+    Trainable parameters and elementwise optimizer state are ShardedTensors of this
+    rank's pieces (fp32 masters for a low-precision model); see the module docstring.
+    """
+    opt = _check_pair(model, optimizer)
+    opt.wait_params()
+    module = _unwrap(model)
+    info = describe_model(module, opt)
+    plan = _Plan(opt, info.names)
+    _init_inner_state(opt)
+    group = opt.process_group
+    index = {id(p): j for j, p in enumerate(opt._params)}
+
+    mine: dict = {}   # param index -> [(a, b, piece index)]
+    for i, pc in enumerate(opt._pieces):
+        off = opt.layout.params[pc.param].offset
+        mine.setdefault(pc.param, []).append((pc.start - off, pc.end - off, i))
+
+    def sharded(j, tensors):
+        shape = tuple(opt._params[j].shape)
+        local = _local_views(shape, [(a, b, t) for (a, b, _), t in zip(mine.get(j, ()), tensors)])
+        # A rank may hold no piece of a parameter (or none at all: a chunk of padding only).
+        dtype = tensors[0].dtype if tensors else opt.master_dtype
+        device = tensors[0].device if tensors else opt.master_device
+        return _sharded_tensor(shape, dtype, device, plan.boxes(j, shape), local, group)
+
+    # Only what this rank holds (Note [How ZeRO-1/2 state is described to DCP]).
+    masters = {j: sharded(j, [opt._piece_params[i] for _, _, i in mine[j]]) for j in mine}
+    model_sd = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        j = index.get(id(v))
+        if j is None:
+            model_sd[k] = v.detach()
+        elif j in masters:
+            model_sd[k] = masters[j]
+
+    state = {}
+    inner_state = opt.inner.state if opt.inner is not None else {}
+    for j, name in enumerate(info.names):
+        pieces = [opt._piece_params[i] for _, _, i in mine.get(j, ())]
+        sts = [inner_state.get(t, {}) for t in pieces]
+        keys = set(sts[0]) if sts else set()
+        if not keys:
+            # Not stepped yet, or no piece of it on this rank: nothing of it to save or load here
+            # (DCP merges every rank's keys; a rank reads only the keys it has).
+            continue
+        entry = {}
+        for k in sorted(keys):
+            if k in SCALAR_KEYS or not torch.is_tensor(sts[0][k]) or sts[0][k].dim() == 0:
+                entry[k] = _scalar(opt, j, k, sts)
+            else:
+                entry[k] = sharded(j, [st[k] for st in sts])
+        state[name] = entry
+    groups = [dict(group_hyper(g), params=[n for n in names if n is not None])
+              for g, names in zip(opt.param_groups, info.group_names)]
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def _scalar(opt, j, k, sts):
+    """A per-parameter scalar (the step): the live 0-d tensor, as FSDP2's dicts hold it."""
+    v = sts[0][k]
+    return v.detach() if torch.is_tensor(v) else torch.tensor(float(v))
+
+
+# ------------------------------------------------------------------- set
+def _chunks_of(value, name: str, key: str, shape) -> list[Chunk]:
+    """A state-dict value (our ShardedTensor, or a whole tensor) as chunks of the flattened parameter."""
+    if _is_sharded(value):
+        out = [Chunk(name, _flat_offset(shape, s.metadata.shard_offsets),
+                     _flat_offset(shape, s.metadata.shard_offsets) + s.tensor.numel(), {key: s.tensor.reshape(-1)}, {})
+               for s in value.local_shards()]
+        return sorted(out, key=lambda c: c.start)
+    if torch.is_tensor(value) and not _is_dtensor(value):
+        if tuple(value.shape) != tuple(shape):
+            raise CheckpointError(f"{name!r} {key}: shape {tuple(value.shape)}, the parameter's is {tuple(shape)}")
+        return [Chunk(name, 0, math.prod(shape), {key: value.detach().reshape(-1)}, {})]
+    raise CheckpointError(f"{name!r} {key}: a {type(value).__name__}; pass the dicts shardopt.dcp.get_state_dict "
+                          "returned (after dcp.load into them), or whole tensors")
+
+
+def _is_dtensor(v) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(v, DTensor)
+
+
+def _piece_values(opt, info, value, name, key, i):
+    pc = opt._pieces[i]
+    slot = opt.layout.params[pc.param]
+    a, b = pc.start - slot.offset, pc.end - slot.offset
+    slices, _ = cut(_chunks_of(value, name, key, slot.shape), a, b, f"{key} of parameter {name!r}")
+    return slices[key]
+
+
+def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
+                   optim_state_dict: dict | None = None) -> None:
+    """Installs state dicts in get_state_dict's format (after dcp.load into them); call on every rank.
+
+    Either may be None (left as is). Refuses, on every rank and changing nothing
+    but what DCP already wrote, dicts of another model or optimizer.
+    """
+    opt = _check_pair(model, optimizer)
+    opt.wait_params()
+    module = _unwrap(model)
+    swap = InnerStateSwap(opt)
+    error = masters = others = hyper = None
+    try:
+        if getattr(opt, "engine", None) is None:
+            raise RuntimeError("set_state_dict needs the model wrapped: build shardopt.ShardedDDP(model, "
+                               "optimizer) first (loading ends by all-gathering the weights)")
+        info = describe_model(module, opt)
+        if model_state_dict is not None:
+            held = {info.names[pc.param] for pc in opt._pieces}
+            missing = [k for k in held if k not in model_state_dict] + \
+                      [k for k in info.others if k not in model_state_dict]
+            if missing:
+                raise CheckpointError(f"model state dict lacks {', '.join(sorted(missing)[:10])}")
+            masters = {i: _piece_values(opt, info, model_state_dict[info.names[pc.param]], info.names[pc.param],
+                                        PARAM, i) for i, pc in enumerate(opt._pieces)}
+            others = {}
+            for k, (t, _) in info.others.items():
+                v = model_state_dict[k]
+                if tuple(v.shape) != tuple(t.shape):
+                    raise CheckpointError(f"{k!r}: shape {tuple(v.shape)} in the state dict, {tuple(t.shape)} here")
+                others[k] = v
+        if optim_state_dict is not None:
+            hyper = _install_optim(opt, info, optim_state_dict, swap)
+    except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
+        error = e
+    try:
+        _agree(opt, error)
+    except BaseException:
+        swap.undo()
+        raise
+    with torch.no_grad():
+        if hyper is not None:
+            for g, h in zip(opt.param_groups, hyper):
+                g.update(h)
+        for i, values in (masters or {}).items():
+            if values.data_ptr() != opt._piece_params[i].data_ptr():
+                opt._piece_params[i].copy_(values)
+        for k, v in (others or {}).items():
+            info.others[k][0].copy_(v)
+    forget_consolidated(opt)
+    opt.zero_grad()
+    opt._publish_params()
+
+
+def _install_optim(opt, info, sd: dict, swap: InnerStateSwap) -> list:
+    if not isinstance(sd, dict) or not {"state", "param_groups"} <= set(sd):
+        raise CheckpointError("expected an optimizer state dict {'state': ..., 'param_groups': ...} as "
+                              "shardopt.dcp.get_state_dict returns")
+    saved_groups = sd["param_groups"]
+    for gi, (s, names) in enumerate(zip(saved_groups, info.group_names)):
+        ours = [n for n in names if n is not None]
+        if list(s.get("params", ours)) != ours:
+            raise CheckpointError(f"param group {gi} holds {list(s.get('params'))[:5]}... in the state dict, "
+                                  f"{ours[:5]}... here: build the optimizer with the same param groups")
+    hyper = resolve_hyper(opt, [group_hyper(g) for g in saved_groups], True, "the optimizer state dict")
+    states = {}
+    for i, pc in enumerate(opt._pieces):
+        name = info.names[pc.param]
+        st = sd["state"].get(name)
+        if not st:
+            continue
+        shape = opt.layout.params[pc.param].shape
+        piece = {}
+        for k, v in st.items():
+            if _is_sharded(v) or (torch.is_tensor(v) and k not in SCALAR_KEYS and tuple(v.shape) == tuple(shape)
+                                  and len(shape) > 0):
+                piece[k] = _piece_values(opt, info, v, name, k, i).clone()
+            else:
+                piece[k] = v.detach().clone() if torch.is_tensor(v) else v
+        states[i] = piece
+    swap.apply(states, hyper)
+    return hyper

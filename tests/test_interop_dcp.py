@@ -1,0 +1,273 @@
+"""torch.distributed.checkpoint both ways: FSDP2 at 2 ranks -> shardopt at 3, shardopt at 2 -> FSDP2 at 3.
+
+One 2-rank run trains K steps with FSDP2 (fully_shard) and, in the same
+processes, with shardopt; each saves with dcp.save from its get_state_dict,
+then trains K more (the references). One 3-rank run loads each checkpoint
+into the other library (shardopt from FSDP2's, FSDP2 from shardopt's), checks
+that what was loaded equals what was saved bit for bit (weights, exp_avg,
+exp_avg_sq, step, frozen parameters, buffers) and trains K more: both must
+end within 1e-5 of the run they came from (AdamW either way; sums in another
+order). Every run sees the same global batch, so world size does not change
+the averaged gradient.
+"""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+
+K = 3
+GLOBAL_BATCH = 6
+LR, WD = 1e-2, 0.1
+
+
+class TinyNet(nn.Module):
+    """Rows of 7 and 13 elements that no chunk size divides: pieces cut rows, so boxes are needed."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(7, 13)
+        self.norm = nn.LayerNorm(13)
+        self.l2 = nn.Linear(13, 5)
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("shift", torch.zeros(5))
+
+    def forward(self, x):
+        return self.frozen(self.l2(self.norm(torch.relu(self.l1(x))))) + self.shift
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    m = TinyNet()
+    m.shift.normal_()
+    return m
+
+
+def _groups(model):
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if p.ndim >= 2], "weight_decay": WD},
+            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def _train(model, opt, steps, rank, world_size):
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
+        n = GLOBAL_BATCH // world_size
+        nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ----------------------------------------------------------------- FSDP2
+def _fsdp2(seed, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(_groups(model), lr=LR)
+
+
+def _fsdp2_full(model, opt):
+    """Whole weights and optimizer state by name (every rank calls; rank 0's is returned)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if torch.distributed.get_rank() != 0:  # full state dicts are on rank 0 only
+        return None
+    out = {"model": {k: v.clone() for k, v in msd.items()}}
+    out["state"] = {n: {k: v.clone() for k, v in st.items()} for n, st in osd["state"].items()}
+    return out
+
+
+# --------------------------------------------------------------- shardopt
+def _shardopt(seed):
+    import shardopt
+
+    model = _model(seed)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, reduce_bucket_size=150)
+    return model, shardopt.ShardedDDP(model, opt), opt
+
+
+def _shardopt_full(model, opt):
+    """The same as _fsdp2_full, from shardopt's pieces (fp32 masters)."""
+    opt.consolidate_state_dict(to=0)
+    if opt.rank != 0:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    sd = opt.state_dict()
+    order = [p for g in opt.param_groups for p in g["params"]]
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "state": {names[id(order[i])]: st for i, st in sd["state"].items()}}
+
+
+def _save(path, msd, osd):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load(path, msd, osd):
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    return sd["model"], sd["optim"]
+
+
+def _two_ranks(rank, world_size, root):
+    import shardopt.dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out = {}
+    model, opt = _fsdp2(0, world_size)
+    _train(model, opt, range(K), rank, world_size)
+    out["fsdp2 saved"] = _fsdp2_full(model, opt)
+    _save(os.path.join(root, "fsdp2"), *get_state_dict(model, opt))
+    _train(model, opt, range(K, 2 * K), rank, world_size)
+    out["fsdp2 continued"] = _fsdp2_full(model, opt)
+
+    model, wrapper, opt = _shardopt(0)
+    _train(wrapper, opt, range(K), rank, world_size)
+    out["shardopt saved"] = _shardopt_full(model, opt)
+    _save(os.path.join(root, "shardopt"), *shardopt.dcp.get_state_dict(wrapper, opt))
+    _train(wrapper, opt, range(K, 2 * K), rank, world_size)
+    out["shardopt continued"] = _shardopt_full(model, opt)
+    return out if rank == 0 else None
+
+
+def _three_ranks(rank, world_size, root):
+    import shardopt.dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = {}
+    # FSDP2's checkpoint into shardopt.
+    model, wrapper, opt = _shardopt(1)
+    msd, osd = _load(os.path.join(root, "fsdp2"), *shardopt.dcp.get_state_dict(wrapper, opt))
+    shardopt.dcp.set_state_dict(wrapper, opt, model_state_dict=msd, optim_state_dict=osd)
+    out["shardopt loaded"] = _shardopt_full(model, opt)
+    _train(wrapper, opt, range(K, 2 * K), rank, world_size)
+    out["shardopt continued"] = _shardopt_full(model, opt)
+    out["shardopt hyper"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    # shardopt's checkpoint into FSDP2.
+    model, opt = _fsdp2(1, world_size)
+    msd, osd = _load(os.path.join(root, "shardopt"), *get_state_dict(model, opt))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    out["fsdp2 loaded"] = _fsdp2_full(model, opt)
+    _train(model, opt, range(K, 2 * K), rank, world_size)
+    out["fsdp2 continued"] = _fsdp2_full(model, opt)
+    return out if rank == 0 else None
+
+
+def _differences(want, got, rtol):
+    out = []
+    for part in ("model", "state"):
+        assert set(want[part]) == set(got[part]), (part, sorted(want[part]), sorted(got[part]))
+        for n in want[part]:
+            a, b = want[part][n], got[part][n]
+            for k, (x, y) in ({"": (a, b)} if torch.is_tensor(a) else {k: (a[k], b[k]) for k in a}).items():
+                x, y = x.double(), y.double()
+                err = ((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item() if x.numel() else 0.0
+                if (rtol == 0 and not torch.equal(x, y)) or err > rtol:
+                    out.append(f"{part} {n} {k}: relative error {err:.2e}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dcp"))
+    two = run_ranks(_two_ranks, 2, root, timeout=300)[0]
+    three = run_ranks(_three_ranks, 3, root, timeout=300)[0]
+    return two, three
+
+
+def test_fsdp2_checkpoint_resumes_in_shardopt_at_another_world_size(runs):
+    two, three = runs
+    assert _differences(two["fsdp2 saved"], three["shardopt loaded"], 0) == []
+    assert _differences(two["fsdp2 continued"], three["shardopt continued"], 1e-5) == []
+    assert [h["weight_decay"] for h in three["shardopt hyper"]] == [WD, 0.0]
+
+
+def test_shardopt_checkpoint_resumes_in_fsdp2_at_another_world_size(runs):
+    two, three = runs
+    assert _differences(two["shardopt saved"], three["fsdp2 loaded"], 0) == []
+    assert _differences(two["shardopt continued"], three["fsdp2 continued"], 1e-5) == []
+
+
+@pytest.mark.parametrize("shape,start,end,boxes", [
+    ((10,), 3, 7, [((3,), (4,))]),
+    ((4, 5), 0, 20, [((0, 0), (4, 5))]),                          # whole tensor: one box
+    ((4, 5), 5, 15, [((1, 0), (2, 5))]),                          # whole rows
+    ((4, 5), 3, 17, [((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]),  # cut rows at both ends
+    ((4, 5), 6, 8, [((1, 1), (1, 2))]),                           # inside one row
+    ((4, 5), 3, 7, [((0, 3), (1, 2)), ((1, 0), (1, 2))]),         # two partial rows, no whole one
+    ((2, 3, 4), 5, 19, [((0, 1, 1), (1, 1, 3)), ((0, 2, 0), (1, 1, 4)), ((1, 0, 0), (1, 1, 4)),
+                        ((1, 1, 0), (1, 1, 3))]),                 # 3-D: recursion inside rows
+    ((4, 5), 7, 7, []),
+])
+def test_range_to_boxes(shape, start, end, boxes):
+    from shardopt.dcp import range_to_boxes
+
+    got = range_to_boxes(shape, start, end)
+    assert got == boxes
+    # The boxes are the range: same elements, in flat order.
+    ids = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    flat = [ids[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1) for off, size in got]
+    assert (torch.cat(flat).tolist() if flat else []) == list(range(start, end))
+
+
+def _one_rank(rank, world_size, root):
+    """bf16 -> fp32 through DCP keeps the fp32 masters; dicts of another optimizer / model are refused."""
+    import shardopt
+    import shardopt.dcp
+
+    out = {}
+    model = _model(0).to(torch.bfloat16)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, reduce_bucket_size=150)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
+        nn.functional.mse_loss(wrapper(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = shardopt.dcp.get_state_dict(wrapper, opt)
+    # One rank holds every piece, in flat order: the boxes put together are the masters.
+    out["masters"] = {k: torch.cat([s.tensor.reshape(-1) for s in v.local_shards()]).reshape(v.size())
+                      for k, v in msd.items() if hasattr(v, "local_shards")}
+    _save(os.path.join(root, "bf16"), msd, osd)
+
+    model, wrapper, opt = _shardopt(1)
+    _train(wrapper, opt, range(1), 0, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    msd, osd = shardopt.dcp.get_state_dict(wrapper, opt)
+    bad_groups = dict(osd, param_groups=[dict(osd["param_groups"][0], params=osd["param_groups"][0]["params"][::-1]),
+                                         osd["param_groups"][1]])
+    bad_model = {k: v for k, v in msd.items() if k != "shift"}
+    for what, kw in {"groups": dict(optim_state_dict=bad_groups), "model": dict(model_state_dict=bad_model)}.items():
+        try:
+            shardopt.dcp.set_state_dict(wrapper, opt, **kw)
+            out[what] = None
+        except shardopt.CheckpointError as e:
+            out[what] = str(e)
+        out[what + " changed"] = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    msd, osd = _load(os.path.join(root, "bf16"), msd, osd)
+    shardopt.dcp.set_state_dict(wrapper, opt, model_state_dict=msd, optim_state_dict=osd)
+    out["loaded"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out
+
+
+def test_bf16_masters_move_through_dcp_and_mismatched_dicts_are_refused(tmp_path):
+    out = run_ranks(_one_rank, 1, str(tmp_path))[0]
+    assert set(out["masters"]) == set(out["loaded"]) and out["masters"]["l1.weight"].dtype == torch.float32
+    for n, want in out["masters"].items():
+        assert torch.equal(out["loaded"][n], want), n
+    assert "param group 0 holds" in out["groups"] and not out["groups changed"], out["groups"]
+    assert "model state dict lacks shift" in out["model"] and not out["model changed"], out["model"]

@@ -1,0 +1,388 @@
+"""DeepSpeed ZeRO-1/2 checkpoints resumed by shardopt at other world sizes, against DeepSpeed resuming them.
+
+Real DeepSpeed (the `interop` extra) on CPU/gloo. One 2-rank DeepSpeed run per
+setting (ZeRO-2 fp32 and bf16; ZeRO-1 fp32, and bf16 with fp32 gradient
+accumulation, which is DeepSpeed's BF16_Optimizer) trains K steps on TinyNet,
+saves, then resumes its own
+checkpoint in a fresh engine and trains K more: the reference. shardopt
+resumes the same checkpoints at 1, 2 and 3 ranks (stage 2, stage 1 at 3
+ranks, bucket sizes unlike DeepSpeed's) and trains K more with
+torch.optim.AdamW. What was loaded must equal what DeepSpeed saved bit for bit
+(fp32 masters, exp_avg, exp_avg_sq, step); after K more steps the fp32 run
+ends within 1e-5 of DeepSpeed's (sums in another order), the bf16 run within
+bf16 rounding (both reduce in bf16, at different world sizes).
+
+Every run sees the same global batch (each rank its slice of 6 samples), so
+world size does not change the averaged gradient.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+
+deepspeed = pytest.importorskip("deepspeed", reason="pip install -e '.[interop]'")
+
+K = 3
+GLOBAL_BATCH = 6
+LR, WD = 1e-2, 0.1
+
+
+class TinyNet(nn.Module):
+    """Sizes nothing divides (7x13, 13x5): DeepSpeed partitions and shardopt chunks cut parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(7, 13)
+        self.norm = nn.LayerNorm(13)
+        self.l2 = nn.Linear(13, 5)
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("shift", torch.zeros(5))
+
+    def forward(self, x):
+        return self.frozen(self.l2(self.norm(torch.relu(self.l1(x))))) + self.shift
+
+
+def _model(seed, dtype):
+    torch.manual_seed(seed)
+    m = TinyNet()
+    m.shift.normal_()
+    return m.to(dtype)
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _loss(model, step, rank, world_size, dtype):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
+    n = GLOBAL_BATCH // world_size
+    x, y = x[rank * n:(rank + 1) * n].to(dtype), y[rank * n:(rank + 1) * n]
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def _trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------ DeepSpeed
+def _engine(seed, dtype, world_size, offload=False, stage=2, fp32_accum=False):
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    os.environ["WORLD_SIZE"] = str(world_size)
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    model = _model(seed, torch.float32)
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
+                                    "overlap_comm": False, "contiguous_gradients": True},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    if fp32_accum:  # ZeRO-1 + bf16 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, bf16_* files
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    opt = None
+    if offload:  # DeepSpeed's own CPU Adam (its only optimizer with offload)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
+        params = _groups(model)
+    else:
+        opt = torch.optim.AdamW(_groups(model), lr=LR)
+        params = None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params, config=config,
+                                      dist_init_required=False)
+    return engine
+
+
+def _ds_train(engine, steps, rank, world_size, dtype):
+    for step in steps:
+        engine.backward(_loss(engine, step, rank, world_size, dtype))
+        engine.step()
+
+
+def _ds_snapshot(engine):
+    """fp32 masters and Adam state per parameter name, whole, from DeepSpeed's live objects.
+
+    Each parameter's fragment on this rank is placed by DeepSpeed's in-memory
+    mapping (its lp/hp fragment addresses), then summed over ranks, as
+    deepspeed.utils.safe_get_full_fp32_param does (whose optimizer-state twin
+    needs state linked at the first step, which the CPU path here never does).
+    """
+    import torch.distributed as dist
+
+    zero = engine.optimizer
+    out = {}
+    for n, p in _trainable(engine.module):
+        full = {k: torch.zeros(p.numel()) for k in ("param", "exp_avg", "exp_avg_sq")}
+        m = p._hp_mapping
+        if m is not None:
+            flats = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+            flat = flats[m.param_group_index]
+            state = zero.optimizer.state[flat]
+            lo, hi = m.lp_fragment_address.start, m.lp_fragment_address.start + m.lp_fragment_address.numel
+            at, num = m.hp_fragment_address.start, m.hp_fragment_address.numel
+            for k, src in (("param", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+                full[k][lo:hi] = src.narrow(0, at, num).float()
+        for k, t in full.items():
+            dist.all_reduce(t)
+            out.setdefault(n, {})[k] = t.reshape(p.shape)
+    return out
+
+
+# name -> (dtype, optimizer offload, ZeRO stage, fp32 gradient accumulation)
+_DS_RUNS = {"fp32": (torch.float32, False, 2, False), "bf16": (torch.bfloat16, False, 2, False),
+            "offload": (torch.float32, True, 2, False), "zero1": (torch.float32, False, 1, False),
+            "zero1-bf16": (torch.bfloat16, False, 1, True)}
+
+
+def _deepspeed_runs(rank, world_size, root, names):
+    out = {}
+    for name in names:
+        dtype, offload, stage, fp32_accum = _DS_RUNS[name]
+        path = os.path.join(root, name)
+        engine = _engine(0, dtype, world_size, offload, stage, fp32_accum)
+        _ds_train(engine, range(K), rank, world_size, dtype)
+        saved = _ds_snapshot(engine)
+        engine.save_checkpoint(path, client_state={"epoch": 7})
+        # (a) DeepSpeed resumes its own checkpoint in a fresh engine.
+        engine2 = _engine(1, dtype, world_size, offload, stage, fp32_accum)
+        engine2.load_checkpoint(path)
+        _ds_train(engine2, range(K, 2 * K), rank, world_size, dtype)
+        out[name] = {"saved": saved, "step": float(engine.optimizer.optimizer.state_dict()["state"][0]["step"]),
+                     "resumed": _ds_snapshot(engine2),
+                     "model": {k: v.clone() for k, v in engine2.module.state_dict().items()}}
+        del engine, engine2
+    return out if rank == 0 else None
+
+
+# ------------------------------------------------------------------- shardopt
+def _sharded_masters(model, opt):
+    """Every trainable parameter's fp32 master values and Adam state, whole, on every rank."""
+    import torch.distributed as dist
+
+    from shardopt.checkpoint import PARAM, describe_model
+    from shardopt.ckpt_state import assemble, local_chunks
+
+    info = describe_model(model, opt)
+    mine = []
+    for i, c in local_chunks(opt, info.names, copy=True):
+        c.slices[PARAM] = opt._piece_params[i].detach().float().clone()
+        mine.append(c)
+    everyone = [None] * opt.world_size
+    dist.all_gather_object(everyone, mine, group=opt.process_group)
+    full = assemble({n: tuple(p.shape) for n, p in zip(info.names, opt._params)}, (c for cs in everyone for c in cs))
+    return {n: {"param": st[PARAM], "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"], "step": st["step"]}
+            for n, st in full.items()}
+
+
+def _shardopt_resume(rank, world_size, root, names, stage):
+    import shardopt
+
+    out = {}
+    for name in names:
+        dtype = _DS_RUNS[name][0]
+        model = _model(1, dtype)   # another seed: anything not restored shows
+        opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, stage=stage,
+                                        reduce_bucket_size=150, reduce_dtype=dtype)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        extra = shardopt.load_checkpoint(os.path.join(root, name), wrapper, opt)
+        loaded = _sharded_masters(model, opt)
+        for step in range(K, 2 * K):
+            _loss(wrapper, step, rank, world_size, dtype).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {"loaded": loaded, "resumed": _sharded_masters(model, opt), "extra": extra,
+                     "model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    return out if rank == 0 else None
+
+
+def _max_rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+# DeepSpeed runs the resume tests load, and how close the continued runs must end: fp32 sums in
+# another order; bf16 reduces gradients in bf16 at different world sizes. "zero1-bf16" is DeepSpeed's
+# BF16_Optimizer (its own file names and layout: padded partitions).
+_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "zero1": 1e-5, "zero1-bf16": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ds_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ds"))
+    ref = run_ranks(_deepspeed_runs, 2, root, list(_TOLERANCE), timeout=400)[0]
+    return root, ref
+
+
+@pytest.mark.parametrize("world_size,stage", [(1, 2), (2, 2), (3, 1)])
+def test_shardopt_resumes_deepspeed(ds_root, world_size, stage):
+    root, ref = ds_root
+    got = run_ranks(_shardopt_resume, world_size, root, list(_TOLERANCE), stage, timeout=300)[0]
+    for name, tol in _TOLERANCE.items():
+        r, g = ref[name], got[name]
+        for n, want in r["saved"].items():
+            for k in ("param", "exp_avg", "exp_avg_sq"):  # what DeepSpeed saved, bit for bit
+                assert torch.equal(g["loaded"][n][k], want[k]), (name, n, k)
+            assert float(g["loaded"][n]["step"]) == r["step"] == K
+        for n, want in r["resumed"].items():             # K more steps: DeepSpeed's own resume
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                assert _max_rel(g["resumed"][n][k], want[k]) < tol, (name, n, k, _max_rel(g["resumed"][n][k], want[k]))
+        for k in ("frozen.weight", "frozen.bias", "shift"):   # frozen parameters and buffers
+            # (DeepSpeed keeps buffers in fp32 when it casts a model to bf16; ours is all bf16)
+            assert torch.equal(g["model"][k], r["model"][k].to(g["model"][k].dtype)), (name, k)
+        assert g["extra"]["client_state"] == {"epoch": 7} and g["extra"]["global_steps"] == K
+        assert [h["weight_decay"] for h in g["hyper"]] == [WD, 0.0] and g["hyper"][0]["lr"] == LR
+
+
+def test_convert_reads_deepspeed(ds_root, tmp_path):
+    import shardopt.cli
+
+    root, ref = ds_root
+    out = str(tmp_path / "ds.pt")
+    assert shardopt.cli.main(["convert", os.path.join(root, "fp32"), out]) == 0
+    conv = torch.load(out, weights_only=True)
+    names = list(ref["fp32"]["saved"])
+    model = _model(2, torch.float32)
+    model.load_state_dict(conv["model"])
+    opt = torch.optim.AdamW(_groups(model), lr=LR)
+    opt.load_state_dict(conv["optimizer"])
+    by_name = dict(model.named_parameters())
+    for n in names:
+        assert torch.equal(by_name[n].detach(), ref["fp32"]["saved"][n]["param"]), n
+        assert torch.equal(opt.state[by_name[n]]["exp_avg"], ref["fp32"]["saved"][n]["exp_avg"]), n
+
+
+def _edited_copy(root, tmp, how):
+    """A copy of the fp32 checkpoint, edited so that it cannot be mapped."""
+    src = os.path.join(root, "fp32")
+    tag = open(os.path.join(src, "latest")).read().strip()
+    dst = os.path.join(tmp, how)
+    shutil.copytree(os.path.join(src, tag), dst)
+    optim_files = sorted(f for f in os.listdir(dst) if f.endswith("_optim_states.pt"))
+    if how == "pipeline":
+        open(os.path.join(dst, "layer_01-model_00-model_states.pt"), "wb").close()
+    elif how == "stage3":
+        os.rename(os.path.join(dst, "mp_rank_00_model_states.pt"),
+                  os.path.join(dst, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    elif how == "fp16":
+        # DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (this machine), so the fp32 checkpoint
+        # is made into what an fp16 run writes: an fp16 module, the same fp32 masters, a dynamic scaler.
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+        path = os.path.join(dst, "mp_rank_00_model_states.pt")
+        sd = torch.load(path, weights_only=False)
+        sd["module"] = {k: v.half() for k, v in sd["module"].items()}
+        torch.save(sd, path)
+        for f in optim_files:
+            path = os.path.join(dst, f)
+            sd = torch.load(path, weights_only=False)
+            scaler = DynamicLossScaler(init_scale=2.0 ** 12, scale_window=100, min_scale=1, delayed_shift=2,
+                                       consecutive_hysteresis=False)
+            scaler.cur_iter, scaler.last_overflow_iter = 7, 4
+            sd["optimizer_state_dict"].update(loss_scaler=scaler, dynamic_loss_scale=True)
+            torch.save(sd, path)
+    elif how == "client_object":   # a client_state object weights_only loading does not allow
+        import datetime
+
+        path = os.path.join(dst, "mp_rank_00_model_states.pt")
+        sd = torch.load(path, weights_only=False)
+        sd["when"] = datetime.date(2020, 1, 2)
+        torch.save(sd, path)
+    elif how == "tensor_parallel":
+        os.rename(os.path.join(dst, "mp_rank_00_model_states.pt"), os.path.join(dst, "mp_rank_01_model_states.pt"))
+    else:
+        for f in optim_files:
+            path = os.path.join(dst, f)
+            sd = torch.load(path, weights_only=False)
+            base = sd["optimizer_state_dict"]["base_optimizer_state"]
+            for st in base["state"].values():
+                if how == "sgd":
+                    st["momentum_buffer"] = st.pop("exp_avg")
+                    del st["exp_avg_sq"]
+            if how == "adam_l2":
+                for g in base["param_groups"]:
+                    g["decoupled_weight_decay"] = False
+            torch.save(sd, path)
+    return dst
+
+
+def _refusals(rank, world_size, bad):
+    import shardopt
+
+    errors = {}
+    for how, path in bad.items():
+        model = _model(1, torch.float32)
+        cls = torch.optim.SGD if how == "into_sgd" else torch.optim.AdamW
+        opt = shardopt.ShardedOptimizer(_groups(model), optim=cls, lr=LR)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            shardopt.load_checkpoint(path, wrapper, opt)
+            errors[how] = None
+        except shardopt.CheckpointError as e:
+            errors[how] = str(e)
+        errors[how + ": changed"] = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # A trusted file: weights_only=False unpickles the client's object (DeepSpeed's own still by stand-ins).
+    model = _model(1, torch.float32)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR)
+    errors["client_object, trusted"] = shardopt.load_checkpoint(bad["client_object"], shardopt.ShardedDDP(model, opt),
+                                                                opt, weights_only=False)["client_state"]
+    return errors
+
+
+def _fp16_load(rank, world_size, path):
+    import shardopt
+
+    model = _model(1, torch.float16)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, reduce_bucket_size=150)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    shardopt.load_checkpoint(path, wrapper, opt)   # weights_only: DynamicLossScaler by its stand-in
+    return _sharded_masters(model, opt), opt.loss_scaler.state_dict()
+
+
+def test_fp16_checkpoint_restores_masters_and_loss_scale(ds_root, tmp_path):
+    root, ref = ds_root
+    masters, scaler = run_ranks(_fp16_load, 2, _edited_copy(root, str(tmp_path), "fp16"))[0]
+    for n, want in ref["fp32"]["saved"].items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(masters[n][k], want[k]), (n, k)
+    assert scaler["scale"] == 2.0 ** 12 and scaler["overflows_left"] == 2 and scaler["clean_steps"] == 2, scaler
+
+
+def test_unmappable_deepspeed_checkpoints_are_refused(ds_root, tmp_path):
+    root, _ = ds_root
+    bad = {how: _edited_copy(root, str(tmp_path), how)
+           for how in ("pipeline", "stage3", "tensor_parallel", "sgd", "adam_l2", "client_object")}
+    bad["into_sgd"] = os.path.join(root, "fp32")
+    errors = run_ranks(_refusals, 1, bad)[0]
+    needles = {"pipeline": "pipeline-parallel", "stage3": "ZeRO stage 3", "tensor_parallel": "tensor/model parallel",
+               "sgd": "not Adam / AdamW", "adam_l2": "Adam (L2 weight decay)", "into_sgd": "holds Adam state",
+               "client_object": "bookkeeping (datetime.date), e.g. in client_state; if you trust the file"}
+    for how, needle in needles.items():
+        assert errors[how] is not None and needle in errors[how], (how, errors[how])
+        assert not errors[how + ": changed"], how
+    assert errors["client_object, trusted"]["when"].year == 2020
+
+
+@pytest.mark.skipif(os.environ.get("SHARDOPT_TEST_DS_OFFLOAD") != "1",
+                    reason="DeepSpeed's CPU Adam is compiled on first use (about 5 minutes on 2 busy cores); "
+                           "set SHARDOPT_TEST_DS_OFFLOAD=1")
+def test_shardopt_resumes_deepspeed_offload(tmp_path):
+    """offload_optimizer: DeepSpeed's CPU Adam keeps an int step; loaded bitwise, continued within 1e-5."""
+    root = str(tmp_path)
+    ref = run_ranks(_deepspeed_runs, 2, root, ["offload"], timeout=1200)[0]["offload"]
+    got = run_ranks(_shardopt_resume, 3, root, ["offload"], 2, timeout=300)[0]["offload"]
+    for n, want in ref["saved"].items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["loaded"][n][k], want[k]), (n, k)
+        assert float(got["loaded"][n]["step"]) == K
+    for n, want in ref["resumed"].items():
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert _max_rel(got["resumed"][n][k], want[k]) < 1e-5, (n, k, _max_rel(got["resumed"][n][k], want[k]))
