@@ -133,6 +133,16 @@ def fatbin_entries(blob: bytes) -> list[dict]:
     return out
 
 
+def in_cubin(name: str, cubin: bytes) -> bool:
+    """Whether a cubin's string table names kernel `name`: mangled (<length><name>) or plain (extern "C").
+
+    Not a bare substring search: `scale_kernel` is inside `unscale_kernel`,
+    but `12scale_kernel` is not inside `14unscale_kernel`.
+    """
+    n = name.encode()
+    return b"%d%s" % (len(n), n) in cubin or b"\x00%s\x00" % n in cubin
+
+
 def _section(so_path: str, name: str) -> bytes:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "section")
@@ -158,20 +168,21 @@ def check(so_path: str, src_dir: str) -> list[str]:
     problems = []
     for arch in _wanted_archs():
         if not any(e["arch"] == arch for e in cubins):
-            problems.append(f"no sm_{arch} device code in {so_path} (TORCH_CUDA_ARCH_LIST asked for it)")
+            problems.append(f"no sm_{arch} device code in {os.path.basename(so_path)} "
+                            "(TORCH_CUDA_ARCH_LIST asked for it)")
     plain = [e["payload"] for e in cubins if not e["compressed"]]
+    so_name = os.path.basename(so_path)
     for name, path in sorted(kernels.items()):
         stubs = stubs_of(name, symbols)
-        where = ""
-        if plain:
-            where = ", device code " + ("yes" if any(name.encode() in p for p in plain) else "MISSING")
-            if where.endswith("MISSING"):
-                problems.append(f"kernel {name} ({path}) has a host stub but no device code in {so_path}")
-        print(f"  {name:<28} {path:<26} {len(stubs)} instantiation(s){where}")
+        device = any(in_cubin(name, p) for p in plain) if plain else None  # None: cannot tell (compressed)
+        print(f"  {name:<28} {path:<26} {len(stubs)} instantiation(s)"
+              + ("" if device is None else f", device code {'yes' if device else 'MISSING'}"))
         if not stubs:
-            problems.append(f"kernel {name} ({path}) is not in {so_path}: no launch stub, so it was not "
+            problems.append(f"kernel {name} ({path}) is not in {so_name}: no launch stub, so it was not "
                             "compiled (a .cu left out of the build, SHARDOPT_WITH_CUDA unset, or a template "
                             "never instantiated)")
+        elif device is False:
+            problems.append(f"kernel {name} ({path}) has a host stub but no device code in {so_name}")
     archs = sorted({e["arch"] for e in cubins})
     print(f"  device code: {len(cubins)} cubin(s) for sm_{', sm_'.join(map(str, archs)) or '-'}"
           f"{' (compressed)' if cubins and not plain else ''}")

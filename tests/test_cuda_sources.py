@@ -55,6 +55,10 @@ def test_kernel_names_are_read_from_sources():
     assert k.stubs_of("unscale", syms) == ["__device_stub__ZN8shardopt7unscaleEv"]
     assert k.stubs_of("c_linkage", syms) == ["__device_stub__c_linkage"]
     assert k.stubs_of("missing", syms) == []
+    # Device code: a cubin's string table holds the mangled names (or plain extern "C" ones).
+    cubin = b"\x00_ZN8shardopt12_GLOBAL__N_114unscale_kernelIfffEEvPKT_\x00c_linkage\x00"
+    assert k.in_cubin("unscale_kernel", cubin) and k.in_cubin("c_linkage", cubin)
+    assert not k.in_cubin("scale_kernel", cubin) and not k.in_cubin("linkage", cubin)
 
 
 @pytest.mark.parametrize("path", CUDA_SOURCES, ids=lambda p: os.path.relpath(p, ROOT))
