@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from shardopt.device_ops import DeviceOps
+
 # torch.optim.AdamW's default, which the offload default (CPUAdam) must match.
 _ADAMW_DEFAULT_WEIGHT_DECAY = 0.01
 
@@ -28,11 +30,23 @@ def default_optimizer(optim, optim_kwargs: dict, offload: str):
     return CPUAdam, kwargs
 
 
-def zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    """A zeroed 1-D buffer; pinned host memory when asked and CUDA exists (pinning needs a CUDA runtime)."""
-    if pin and device.type == "cpu" and torch.cuda.is_available():
-        return torch.zeros(numel, dtype=dtype, pin_memory=True)
+def zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, ops: DeviceOps) -> torch.Tensor:
+    """A zeroed 1-D buffer; pinned host memory when asked and possible (pinning needs a CUDA runtime)."""
+    if pin and device.type == "cpu" and ops.can_pin():
+        return ops.pinned_zeros(numel, dtype)
     return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def copy_back_is_async(model_chunk: torch.Tensor, master_chunk: torch.Tensor, ops: DeviceOps) -> bool:
+    """Whether the step's master -> model copy can leave the host free: host master, device model, pinned.
+
+    Then the host must not write the master chunk again (the next step) before
+    the device has read it: ShardedOptimizer marks the copies and wait_params()
+    waits for the mark (Note [Device operations behind an interface] in
+    device_ops.py). From pageable memory the copy blocks anyway.
+    """
+    return ops.is_device_memory(model_chunk) and not ops.is_device_memory(master_chunk) \
+        and ops.is_pinned(master_chunk)
 
 
 def attach_lowp_copies(inner, masters, model_views, *, separate_master: bool) -> bool:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from shardopt import _ext
 from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig,
                              auto_bucket_size)
+from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
 from shardopt.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
@@ -163,11 +164,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         offloaded = self.config.offload == "cpu"
         self.master_device = torch.device("cpu") if offloaded else self.device
         pin = offloaded and self.config.pin_memory
-        self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin)
+        # GPU-only operations (pinning, side-stream copies, events): Note [Device
+        # operations behind an interface] in device_ops.py.
+        self._ops = _device_ops.current()
+        self._copy_back_mark = None  # master -> model copies the device may not have done yet
+        self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin,
+                                         self._ops)
         # See Note [Master weights].
         self.master = None
         if offloaded or self.master_dtype != self.dtype:
-            self.master = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin)
+            self.master = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin,
+                                         self._ops)
 
         # Pieces: the inner optimizer's parameters (see Note [Flat layout]).
         chunk_offsets = self.layout.chunk_offsets()
@@ -273,6 +280,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         opts.grad_dtype = self.dtype
         opts.reduce_dtype = self.reduce_dtype
         opts.device = self.device
+        opts.copy_device = self._ops.copy_device()
         flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
         self.engine = _ext._C.BucketEngine(self.process_group, plan, opts, flat_grad, self.shard_grad)
         self.engine.set_loss_scale(self.loss_scale)
@@ -555,9 +563,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         t0 = time.perf_counter()
         if self.master is not None and copy_master:
+            queued = False
             with torch.no_grad():
                 for model_chunk, master_chunk in self._chunks:
-                    model_chunk.copy_(master_chunk, non_blocking=model_chunk.device != master_chunk.device)
+                    non_blocking = _offload.copy_back_is_async(model_chunk, master_chunk, self._ops)
+                    model_chunk.copy_(master_chunk, non_blocking=non_blocking)
+                    queued |= non_blocking
+            if queued:  # wait_params() waits for it before master is written again
+                self._copy_back_mark = self._ops.mark(self.device)
         t1 = time.perf_counter()
         engine = self._require_engine()
         engine.start_all_gather_params(self.flat_param)
@@ -565,7 +578,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._phase["publish"] += t1 - t0
         self._phase["gather"] += time.perf_counter() - t1
         if not defer:
-            self.wait_params()
+            self._wait_gathers()
 
     # Note [Parameters stay in the flat buffer]
     # Every managed parameter is a view into flat_param: the all-gather writes
@@ -592,8 +605,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Only needed with overlap_gather=True, before reading parameters outside
         a forward between step() and the next forward (Note [Gathering in the
-        next forward] in prefetch.py); cheap when nothing is in flight.
+        next forward] in prefetch.py); cheap when nothing is in flight. Every
+        path that writes master chunks (step, loads) calls it first: it also
+        waits for the device to have read the master chunks of a non-blocking
+        copy back (offload to pinned memory; Note [Device operations behind an
+        interface] in device_ops.py).
         """
+        self._wait_gathers()
+        if self._copy_back_mark is not None:
+            self._ops.host_wait(self._copy_back_mark)
+            self._copy_back_mark = None
+
+    def _wait_gathers(self) -> None:
         if self._gather_pending:
             t0 = time.perf_counter()
             self.engine.finish_all_gather_params()

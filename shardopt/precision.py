@@ -10,7 +10,7 @@ Gradients arrive scaled by the loss scale S. The bucket engine already divides
 every gradient by the world size N while copying it into the reduce buffer (as
 DDP's default hook does); it divides by N*S instead, so the reduced shard holds
 true, unscaled gradients with no extra pass, and the same copy pass checks for
-inf/nan (csrc/comm/unscale.cpp, csrc/cuda/unscale.cu; reference in
+inf/nan (csrc/precision/unscale.cpp, csrc/cuda/unscale.cu; reference in
 shardopt/reference.py). A rank that saw an inf/nan raises a flag that the
 pre-step all-reduce turns into a decision every rank shares: all skip, or none.
 """

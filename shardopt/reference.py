@@ -50,12 +50,17 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
 def unscale_into_reference(src, dst, divisor, found):
     """``dst = src / divisor`` cast to dst's dtype; ``found`` set to 1 if src holds an inf/nan.
 
-    The reference of ``shardopt::unscale_into`` (the bucket engine's gradient
-    copy: Note [Unscaling inside the reduction] in shardopt/precision.py). The
-    division is in fp32, rounded once into dst's dtype.
+    The reference of ``shardopt::unscale_into`` on every device (the bucket
+    engine's gradient copy: Note [Unscaling inside the reduction] in
+    shardopt/precision.py; CPU and CUDA kernels share their arithmetic, Note
+    [Unscale rounding] in csrc/precision/unscale_element.h). The division is in
+    fp32, or fp64 when src or dst is fp64, with the divisor rounded to that
+    dtype once, and the quotient is rounded once into dst's dtype. ``found`` is
+    only ever raised, never cleared, and only by non-finite *src* values.
     """
-    v = src.float()
+    acc = torch.float64 if torch.float64 in (src.dtype, dst.dtype) else torch.float32
+    v = src.to(acc)
     if not torch.isfinite(v).all():
         found.fill_(1.0)
-    dst.copy_(v / torch.tensor(divisor, dtype=torch.float32))
+    dst.copy_(v / torch.tensor(divisor, dtype=acc))
     return dst

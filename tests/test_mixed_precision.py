@@ -20,15 +20,17 @@ LOW = (torch.bfloat16, torch.float16)
 
 # ------------------------------------------------------------ the unscale op
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_unscale_into_matches_reference(src_dtype, dst_dtype):
     import shardopt  # noqa: F401  (loads the op)
     from shardopt.reference import unscale_into_reference
 
-    # 0 and odd sizes; 100_003 spans several threads' ranges.
+    # 0 and odd sizes; 100_003 spans several threads' ranges. Values drawn in
+    # fp64 so that an fp64 src has bits fp32 would round away (the kernel must
+    # divide in fp64 then); 3.0 and 0.1 do not divide exactly.
     for n in (0, 1, 17, 100_003):
-        src = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 50).to(src_dtype)
-        for divisor in (1.0, 3.0, 2.0 * 65536):
+        src = (torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 50).to(src_dtype)
+        for divisor in (1.0, 3.0, 0.1, 2.0 * 65536):
             got, want = torch.empty(n, dtype=dst_dtype), torch.empty(n, dtype=dst_dtype)
             found, found_ref = torch.zeros(1), torch.zeros(1)
             torch.ops.shardopt.unscale_into(src, got, divisor, found)

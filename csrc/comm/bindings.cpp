@@ -3,12 +3,30 @@
 
 #include "../module.h"
 #include "bucket_engine.h"
+#include "copy_device.h"
+#include "fake_copy_device.h"
+#include "host_copier.h"
 
 namespace py = pybind11;
 
 namespace shardopt {
 
 void init_comm_bindings(pybind11::module& m) {
+  // Note [Device copies behind an interface] in copy_device.h.
+  py::class_<CopyDevice, std::shared_ptr<CopyDevice>>(m, "CopyDevice");
+  py::class_<FakeCopyDevice, CopyDevice, std::shared_ptr<FakeCopyDevice>>(m, "FakeCopyDevice")
+      .def(py::init<bool>(), py::arg("pinned"))
+      .def("log", &FakeCopyDevice::log, "Every call, in order.")
+      .def_property_readonly("queued", &FakeCopyDevice::queued);
+  // The copier on its own, for tests of its decisions (the engine owns one).
+  py::class_<HostCopier>(m, "HostCopier")
+      .def(py::init<std::shared_ptr<CopyDevice>>(), py::arg("device"))
+      .def("start_copy", &HostCopier::start_copy, py::arg("dst"), py::arg("src"), py::arg("slot"))
+      .def("before_reuse", &HostCopier::before_reuse, py::arg("slot"))
+      .def("finish_all", &HostCopier::finish_all);
+  m.def("default_copy_device", &default_copy_device,
+        "This build's CopyDevice for the bucket engine's host copies (None without CUDA).");
+
   py::class_<BucketPlan>(m, "BucketPlan")
       .def(py::init<>())
       .def_readwrite("bucket_start", &BucketPlan::bucket_start)
@@ -29,7 +47,8 @@ void init_comm_bindings(pybind11::module& m) {
       .def_readwrite("impl", &EngineOptions::impl)
       .def_readwrite("grad_dtype", &EngineOptions::grad_dtype)
       .def_readwrite("reduce_dtype", &EngineOptions::reduce_dtype)
-      .def_readwrite("device", &EngineOptions::device);
+      .def_readwrite("device", &EngineOptions::device)
+      .def_readwrite("copy_device", &EngineOptions::copy_device);
 
   using gil_release = py::call_guard<py::gil_scoped_release>;
   py::class_<BucketEngine>(m, "BucketEngine")

@@ -17,7 +17,8 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
       flat_grad_(std::move(flat_grad)),
       shard_grad_(std::move(shard_grad)),
       overlap_(options.overlap),
-      impl_(comm::parse_impl(options.impl)) {
+      impl_(comm::parse_impl(options.impl)),
+      host_copier_(options.copy_device ? options.copy_device : default_copy_device()) {
   TORCH_CHECK(pg_, "BucketEngine needs a process group");
   TORCH_CHECK(stage_ == 1 || stage_ == 2, "stage must be 1 or 2, got ", stage_);
   TORCH_CHECK(options.num_staging >= 1, "num_staging must be >= 1");

@@ -41,6 +41,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "copy_device.h"
 #include "host_copier.h"
 #include "ring.h"
 
@@ -66,6 +67,9 @@ struct EngineOptions {
   at::ScalarType grad_dtype = at::kFloat;    // the model's gradients
   at::ScalarType reduce_dtype = at::kFloat;  // what the collectives carry
   at::Device device = at::kCPU;              // the model's device (staging lives there)
+  // Carries out the host copier's device calls; nullptr: this build's default
+  // (CUDA streams, or none). Tests pass a FakeCopyDevice (copy_device.h).
+  std::shared_ptr<CopyDevice> copy_device;
 };
 
 class BucketEngine {

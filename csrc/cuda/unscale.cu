@@ -2,10 +2,10 @@
 // found = 1 if src holds an inf/nan, in one pass over the gradient (Note
 // [Unscaling inside the reduction] in shardopt/precision.py). Same contract as
 // the CPU kernel (csrc/precision/unscale.cpp); reference:
-// shardopt.reference.unscale_into_reference. Built only when torch has CUDA;
-// .ci/check-cuda-build compiles it against a CUDA build of torch.
-#include <type_traits>
-
+// shardopt.reference.unscale_into_reference (tests/test_cuda_sources.py checks
+// the CPU kernel against it; this one shares its arithmetic, unscale_element.h).
+// Built only when torch has CUDA; .ci/check-cuda-build compiles it against a
+// CUDA build of torch and checks the kernel is in the binary. Never run here.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -13,19 +13,23 @@
 #include <torch/library.h>
 
 #include "../precision/unscale.h"
+#include "../precision/unscale_element.h"
 
 namespace shardopt {
 namespace {
 
-template <typename src_t, typename dst_t, typename acc_t>
-__global__ void unscale_kernel(const src_t* __restrict__ in, dst_t* __restrict__ out, int64_t n, acc_t divisor,
-                               float* found) {
+// One element per thread per grid stride; the arithmetic is unscale_value's,
+// the same as the CPU kernel's (Note [Unscale rounding] in unscale_element.h).
+template <typename src_t, typename dst_t>
+__global__ void unscale_kernel(const src_t* __restrict__ in, dst_t* __restrict__ out, int64_t n,
+                               unscale_acc_t<src_t, dst_t> divisor, float* found) {
+  using acc_t = unscale_acc_t<src_t, dst_t>;
   bool bad = false;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const acc_t v = static_cast<acc_t>(in[i]);
-    bad |= !isfinite(v);
-    out[i] = static_cast<dst_t>(v / divisor);
+    const src_t x = in[i];
+    bad |= !isfinite(static_cast<acc_t>(x));
+    out[i] = unscale_value<src_t, dst_t>(x, divisor);
   }
   // Any thread that saw one writes 1; the races all write the same value.
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1.0f;
@@ -43,10 +47,8 @@ void unscale_into_cuda(const at::Tensor& src, const at::Tensor& dst, double divi
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "unscale_into_src", [&] {
     using src_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "unscale_into_dst", [&] {
-      // fp32 math, or fp64 when either side is fp64 (an fp64 model).
-      using acc_t = std::conditional_t<std::is_same_v<src_t, double> || std::is_same_v<scalar_t, double>,
-                                       double, float>;
-      unscale_kernel<src_t, scalar_t, acc_t><<<blocks, threads, 0, stream>>>(
+      using acc_t = unscale_acc_t<src_t, scalar_t>;
+      unscale_kernel<src_t, scalar_t><<<blocks, threads, 0, stream>>>(
           src.data_ptr<src_t>(), dst.data_ptr<scalar_t>(), n, static_cast<acc_t>(divisor),
           found.data_ptr<float>());
     });

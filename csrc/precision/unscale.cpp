@@ -6,7 +6,6 @@
 // the CUDA kernel is csrc/cuda/unscale.cu, the reference
 // shardopt.reference.unscale_into_reference.
 #include <atomic>
-#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -14,6 +13,7 @@
 #include <torch/library.h>
 
 #include "unscale.h"
+#include "unscale_element.h"
 
 namespace shardopt {
 
@@ -45,9 +45,7 @@ void unscale_into_cpu(const at::Tensor& src, const at::Tensor& dst, double divis
     const src_t* in = src.data_ptr<src_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "unscale_into_dst", [&] {
       scalar_t* out = dst.data_ptr<scalar_t>();
-      // fp32 math, or fp64 when either side is fp64 (an fp64 model).
-      using acc_t = std::conditional_t<std::is_same_v<src_t, double> || std::is_same_v<scalar_t, double>,
-                                       double, float>;
+      using acc_t = unscale_acc_t<src_t, scalar_t>;  // Note [Unscale rounding]
       const acc_t d = static_cast<acc_t>(divisor);
       at::parallel_for(0, n, 1 << 15, [&](int64_t lo, int64_t hi) {
         // v * 0 is 0 for every finite v and nan for inf/nan, so one sum tells
@@ -56,7 +54,7 @@ void unscale_into_cpu(const at::Tensor& src, const at::Tensor& dst, double divis
         for (int64_t i = lo; i < hi; ++i) {
           const acc_t v = static_cast<acc_t>(in[i]);
           probe += v * acc_t(0);
-          out[i] = static_cast<scalar_t>(v / d);
+          out[i] = unscale_value<src_t, scalar_t>(in[i], d);
         }
         if (probe != probe) bad.store(true, std::memory_order_relaxed);
       });

@@ -1,0 +1,76 @@
+"""The few device operations shardopt uses only with a GPU, behind one small interface.
+
+Note [Device operations behind an interface]
+--------------------------------------------
+Offload with a CUDA model is the only place shardopt touches a GPU runtime
+directly: pinned host buffers (offload.zeros), the bucket engine's side-stream
+copies of reduced gradients to the host (csrc/comm/host_copier.h, through a
+CopyDevice), and the non-blocking copy of updated master chunks back into the
+model after a step, whose completion must be waited for before the next step
+writes the master chunks again (ShardedOptimizer._publish_params / wait_params).
+None of that can run on a machine without a GPU, so it would first run on a
+user's GPU. Instead every such call goes through a DeviceOps; the decisions
+(pin or not, which copy is non-blocking, when the host waits) are plain code in
+offload.py and optimizer.py. CPU tests swap in a fake (tests/fake_device.py)
+that answers as a GPU would and records every call, so those decisions run in
+every test run (tests/test_device_decisions.py). What they cannot show is that
+CUDA itself behaves as the interface assumes.
+
+An optimizer takes the DeviceOps current at its construction (`current()`);
+tests change it with `use(fake)`.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class DeviceOps:
+    """The real operations: torch.cuda (each degrades to "no device" when CUDA is absent)."""
+
+    def can_pin(self) -> bool:
+        """Whether host memory can be pinned (needs a CUDA runtime)."""
+        return torch.cuda.is_available()
+
+    def pinned_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, pin_memory=True)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and self.can_pin() and t.is_pinned()
+
+    def is_device_memory(self, t: torch.Tensor) -> bool:
+        """Whether t lives on an accelerator (not host memory)."""
+        return t.device.type == "cuda"
+
+    def copy_device(self):
+        """The bucket engine's CopyDevice (csrc/comm/copy_device.h); None: this build's default."""
+        return None
+
+    def mark(self, device: torch.device):
+        """A mark after the work queued so far on `device`'s current stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def host_wait(self, mark) -> None:
+        """Blocks the host until the device has passed `mark`."""
+        mark.synchronize()
+
+
+_current = DeviceOps()
+
+
+def current() -> DeviceOps:
+    return _current
+
+
+@contextlib.contextmanager
+def use(ops: DeviceOps):
+    """Optimizers built inside the block use `ops` (tests: a fake device)."""
+    global _current
+    previous, _current = _current, ops
+    try:
+        yield ops
+    finally:
+        _current = previous
