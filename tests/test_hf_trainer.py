@@ -111,13 +111,16 @@ def _parity(rank, world_size, tmp):
     # fp16: on CPU accelerate autocasts without a GradScaler; GradScaler over sharded gradients is
     # test_idioms.py's grad_scaler.
     for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5), ("fp16", dict(fp16=True), 1e-5),
-                          ("checkpointing", dict(gradient_checkpointing=True), 1e-5),
+                          # ... and DDP's bucket cap becomes the reduce bucket size (0.01 MB = 2621 floats).
+                          ("checkpointing", dict(gradient_checkpointing=True, ddp_bucket_cap_mb=0.01), 1e-5),
                           # aot_eager: dynamo and AOTAutograd as with inductor, without its compile time.
                           ("torch_compile", dict(torch_compile=True, torch_compile_backend="aot_eager"), 1e-5)):
         ref = _fit(False, _args(f"{tmp}/ddp-{what}", **kw))
         ours = _fit(True, _args(f"{tmp}/so-{what}", **kw))
         failures += _compare(ref, ours, tol, what)
         failures += _is_sharded(ours[2], what)
+        if "ddp_bucket_cap_mb" in kw and ours[2]._sharded()[1].config.reduce_bucket_size != 2621:
+            failures.append(f"{what}: reduce_bucket_size {ours[2]._sharded()[1].config.reduce_bucket_size}")
         clipped = [e["grad_norm"] for e in ref[0] if e["grad_norm"] > 0.5]
         if not clipped:
             failures.append(f"{what}: clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")

@@ -115,7 +115,9 @@ class ShardedTrainer(Trainer):
             # As DeepSpeed builds it from its config: one group, the config's hyper-parameters.
             opt_cfg, _ = split_config(self._resolved)
             params = [p for p in model.parameters() if p.requires_grad]
-            self.optimizer = ShardedOptimizer.from_config(params, opt_cfg, **self._shardopt_kwargs)
+            zero = opt_cfg.get("zero_optimization", {})
+            bucket = {} if "reduce_bucket_size" in zero else self._ddp_bucket([{"params": params}])
+            self.optimizer = ShardedOptimizer.from_config(params, opt_cfg, **(bucket | self._shardopt_kwargs))
             return self.optimizer
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -125,9 +127,17 @@ class ShardedTrainer(Trainer):
         cls, kwargs = self._optimizer_cls_and_kwargs()
         # Stage, buckets, offload, reduce dtype from the config; the optimizer is the Trainer's.
         shard_kw = dict(translate(split_config(self._resolved)[0]).kwargs) if self._resolved is not None else {}
-        shard_kw.update(self._shardopt_kwargs)
+        shard_kw = self._ddp_bucket(groups) | shard_kw | self._shardopt_kwargs
         self.optimizer = ShardedOptimizer(groups, optim=cls, **kwargs, **shard_kw)
         return self.optimizer
+
+    def _ddp_bucket(self, groups) -> dict:
+        """ddp_bucket_cap_mb (megabytes, as DDP counts them) as a reduce bucket size in elements."""
+        mb = self.args.ddp_bucket_cap_mb
+        if mb is None:
+            return {}
+        p = groups[0]["params"][0]
+        return {"reduce_bucket_size": max(1, int(mb * 1024 * 1024 // p.element_size()))}
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         sched = None
@@ -151,7 +161,10 @@ class ShardedTrainer(Trainer):
             self.create_optimizer(model)
         opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         _autocast_forward(model, self.accelerator)
-        wrapped = ShardedDDP(model, opt)
+        # ddp_broadcast_buffers as with DDP (default True); ddp_find_unused_parameters and
+        # ddp_static_graph need nothing: ShardedDDP handles unused parameters by itself.
+        broadcast = self.args.ddp_broadcast_buffers
+        wrapped = ShardedDDP(model, opt, broadcast_buffers=True if broadcast is None else bool(broadcast))
         if self.args.torch_compile:
             wrapped = torch.compile(wrapped, backend=self.args.torch_compile_backend or "inductor",
                                     mode=self.args.torch_compile_mode)
