@@ -160,6 +160,15 @@ def _agree(opt, error: BaseException | None) -> None:
         raise CheckpointError(f"rank {r} failed, so every rank stops (nothing was changed here): {m}")
 
 
+def _agree_or_undo(opt, error: BaseException | None, swap) -> None:
+    """_agree, restoring the optimizer's swapped-out state first when any rank failed."""
+    try:
+        _agree(opt, error)
+    except BaseException:
+        swap.undo()
+        raise
+
+
 def _on_rank0(opt, fn):
     """Runs fn on rank 0 and hands its result (or its error) to every rank."""
     out = [None]
@@ -542,11 +551,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
             src.close()
     except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
         error = e
-    try:
-        _agree(opt, error)
-    except BaseException:
-        swap.undo()
-        raise
+    _agree_or_undo(opt, error, swap)
     with torch.no_grad():
         for g, h in zip(opt.param_groups, staged.hyper):
             g.update(h)

@@ -60,7 +60,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardopt.checkpoint import PARAM, _agree, _check_pair, _unwrap, describe_model
+from shardopt.checkpoint import PARAM, _agree_or_undo, _check_pair, _unwrap, describe_model
 from shardopt.ckpt_io import CheckpointError
 from shardopt.ckpt_state import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
 from shardopt.optim_state import forget_consolidated
@@ -317,11 +317,7 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
             hyper = _install_optim(opt, info, optim_state_dict, swap)
     except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
         error = e
-    try:
-        _agree(opt, error)
-    except BaseException:
-        swap.undo()
-        raise
+    _agree_or_undo(opt, error, swap)
     with torch.no_grad():
         if hyper is not None:
             for g, h in zip(opt.param_groups, hyper):

@@ -46,3 +46,20 @@ def uses_branch(step: int, rank: int) -> bool:
     # With 2+ ranks: some steps some ranks use it, some steps no rank does
     # (then DDP + torch.optim leaves it untouched: no decay, no momentum).
     return (step + rank) % 3 == 0 and step % 4 != 1
+
+
+class TinyNet(nn.Module):
+    """Rows of 7 and 13 elements that no chunk or partition size divides (7x13, 13x5): pieces cut rows,
+    so DeepSpeed partitions, shardopt chunks and DCP boxes all split parameters (test_interop_*)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(7, 13)
+        self.norm = nn.LayerNorm(13)
+        self.l2 = nn.Linear(13, 5)
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("shift", torch.zeros(5))
+
+    def forward(self, x):
+        return self.frozen(self.l2(self.norm(torch.relu(self.l1(x))))) + self.shift

@@ -16,27 +16,12 @@ import pytest
 import torch
 from torch import nn
 
+from models import TinyNet
 from dist_harness import run_ranks
 
 K = 3
 GLOBAL_BATCH = 6
 LR, WD = 1e-2, 0.1
-
-
-class TinyNet(nn.Module):
-    """Rows of 7 and 13 elements that no chunk size divides: pieces cut rows, so boxes are needed."""
-
-    def __init__(self):
-        super().__init__()
-        self.l1 = nn.Linear(7, 13)
-        self.norm = nn.LayerNorm(13)
-        self.l2 = nn.Linear(13, 5)
-        self.frozen = nn.Linear(5, 5)
-        self.frozen.requires_grad_(False)
-        self.register_buffer("shift", torch.zeros(5))
-
-    def forward(self, x):
-        return self.frozen(self.l2(self.norm(torch.relu(self.l1(x))))) + self.shift
 
 
 def _model(seed):

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import TinyNet
 from dist_harness import run_ranks
 
 deepspeed = pytest.importorskip("deepspeed", reason="pip install -e '.[interop]'")
@@ -29,22 +30,6 @@ deepspeed = pytest.importorskip("deepspeed", reason="pip install -e '.[interop]'
 K = 3
 GLOBAL_BATCH = 6
 LR, WD = 1e-2, 0.1
-
-
-class TinyNet(nn.Module):
-    """Sizes nothing divides (7x13, 13x5): DeepSpeed partitions and shardopt chunks cut parameters."""
-
-    def __init__(self):
-        super().__init__()
-        self.l1 = nn.Linear(7, 13)
-        self.norm = nn.LayerNorm(13)
-        self.l2 = nn.Linear(13, 5)
-        self.frozen = nn.Linear(5, 5)
-        self.frozen.requires_grad_(False)
-        self.register_buffer("shift", torch.zeros(5))
-
-    def forward(self, x):
-        return self.frozen(self.l2(self.norm(torch.relu(self.l1(x))))) + self.shift
 
 
 def _model(seed, dtype):
