@@ -288,12 +288,12 @@ class GradShard:
 
     def unscale(self, indices, inv_scale: float) -> bool:
         """Multiplies the parameters' pieces by inv_scale; True if any rank saw inf/nan (all-reduce)."""
-        found = torch.zeros(1)
-        for i in indices:
-            for g, _ in self._pieces[i]:
-                g.mul_(inv_scale)
-                if not torch.isfinite(g).all():
-                    found.fill_(1.0)
+        pieces = [g for i in indices for g, _ in self._pieces[i]]
+        if pieces:
+            torch._foreach_mul_(pieces, inv_scale)
+        # One flag from all pieces, no host sync per piece.
+        found = torch.stack([~torch.isfinite(g).all() for g in pieces]).any().float().reshape(1) if pieces \
+            else torch.zeros(1)
         if self.world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         if found.item():
