@@ -147,9 +147,10 @@ def _class_name(cls) -> str:
 def _agree(opt, error: BaseException | None) -> None:
     """Raises on every rank if `error` is set on any rank (so no rank goes on into a collective alone)."""
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    if opt.world_size > 1:
-        everyone: list = [None] * opt.world_size
-        dist.all_gather_object(everyone, mine, group=opt.process_group)
+    world = dist.get_world_size(opt.world_group)  # every replica too (Note [Hybrid sharding])
+    if world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=opt.world_group)
     else:
         everyone = [mine]
     if error is not None:
@@ -247,6 +248,7 @@ def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> di
     return {
         "created": time.time(), "torch": torch.__version__,
         "world_size": opt.world_size, "stage": opt.config.stage,
+        "mesh": [opt.sharding.shape.replicas, opt.sharding.shape.shards],
         "config": {f.name: repr(getattr(opt.config, f.name)) for f in dataclasses.fields(opt.config)},
         "optimizer": _class_name(opt.optim_class),
         "dtypes": {"model": dtype_name(opt._params[0].dtype), "master": master},
@@ -286,8 +288,30 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     """
     opt = _check_pair(model, optimizer)
     opt.wait_params()  # parameters may still be gathered (Note [Gathering in the next forward])
-    info = describe_model(_unwrap(model), opt)
     path = os.fspath(path)
+    sharding = opt.sharding
+    if not sharding.shape.hybrid:
+        return _save(path, model, opt, extra, tag)
+    # Hybrid sharding: the replicas hold equal shards, so the first replica's
+    # ranks write the checkpoint and the others learn how it went.
+    out = [None]
+    if sharding.replica == 0:
+        try:
+            out = [("ok", _save(path, model, opt, extra, tag))]
+        except Exception as e:  # noqa: BLE001 - the other replicas must learn of it
+            out = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(out, group=sharding.replicate, group_src=0)
+    status, value = out[0]
+    if status == "error":
+        if sharding.replica == 0:
+            raise CheckpointError(value)
+        raise CheckpointError(f"the first replica failed to save: {value}")
+    return value
+
+
+def _save(path: str, model, opt, extra, tag: str | None) -> str:
+    """save_checkpoint over one shard group (all of the ranks without hybrid sharding)."""
+    info = describe_model(_unwrap(model), opt)
     partial, final, tag = _on_rank0(opt, lambda: _prepare_dir(path, tag))
     try:
         name, entry, steps = _write_rank_file(partial, opt, info)

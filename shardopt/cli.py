@@ -126,12 +126,16 @@ def _estimate(args) -> int:
     dtype = est.DTYPES[args.dtype]
     rows = []
     for ws in args.world_size:
+        if args.ranks_per_node and ws % args.ranks_per_node:
+            raise SystemExit(f"shardopt estimate: world size {ws} is not a whole number of nodes of "
+                             f"--ranks-per-node={args.ranks_per_node}")
         for stage in args.stage:
             for offload in args.offload:
                 cfg = est.EstimateConfig(world_size=ws, stage=stage, offload=offload, param_dtype=dtype,
                                          optimizer=args.optimizer, reduce_bucket_size=args.reduce_bucket_size,
                                          allgather_bucket_size=args.allgather_bucket_size,
-                                         num_staging_buffers=args.num_staging_buffers, device=args.device)
+                                         num_staging_buffers=args.num_staging_buffers, device=args.device,
+                                         shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype)
                 rows.append((cfg, est.estimate(shapes, cfg)))
     print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
     return 0
@@ -173,6 +177,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--allgather-bucket-size", type=parse_count, default=None)
     e.add_argument("--num-staging-buffers", type=int, default=2)
     e.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the model's device type")
+    e.add_argument("--ranks-per-node", type=int, default=None,
+                   help="hybrid sharding (shard_group='node'): shard over this many ranks, replicate across nodes; "
+                        "the rows then read NODESxRANKS")
+    e.add_argument("--inter-node-dtype", default=None, choices=("bfloat16", "int8"),
+                   help="with --ranks-per-node: the hop's format (int8 keeps an error-feedback residual)")
 
     t = sub.add_parser("tune", help="time the model over a grid of bucket sizes and recommend one")
     t.add_argument("factory", help="module:factory that builds the model (no arguments)")

@@ -36,6 +36,7 @@ STAGES = (1, 2)
 OFFLOADS = ("none", "cpu")
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_IMPLS = ("auto", "native", "ring")
+INTER_NODE_DTYPES = (None, torch.bfloat16, "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,11 @@ class ShardConfig:
     comm_impl: str = "auto"
     """Collectives: "native" (the process group's), "ring" (shardopt's point-to-point
     ring), "auto" (ring on gloo, native elsewhere)."""
+    inter_node_dtype: object = None
+    """Hybrid sharding only: what the inter-node hop carries. None: the reduction
+    dtype (exact); torch.bfloat16: half the bytes; "int8": about a quarter, with
+    per-block scales and error feedback (Note [Compressed inter-node hop] in
+    csrc/comm/replica_hop.h)."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -124,6 +130,14 @@ class ShardConfig:
             raise ValueError(f"num_staging_buffers must be >= 1, got {self.num_staging_buffers!r}")
         if self.comm_impl not in COMM_IMPLS:
             raise ValueError(f"comm_impl must be one of {COMM_IMPLS}, got {self.comm_impl!r}")
+        if not any(self.inter_node_dtype is v or (isinstance(self.inter_node_dtype, str) and self.inter_node_dtype == v)
+                   for v in INTER_NODE_DTYPES):
+            raise ValueError(f"inter_node_dtype must be None (exact), torch.bfloat16 or 'int8', got "
+                             f"{self.inter_node_dtype!r}")
+
+    def hop_format(self) -> str:
+        """The inter-node hop's format for the bucket engine."""
+        return {None: "exact", torch.bfloat16: "bfloat16", "int8": "int8"}[self.inter_node_dtype]
 
     def signature(self) -> list[str]:
         return [f"config {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)]

@@ -126,6 +126,15 @@ def _sharded_tensor(shape, dtype, device, boxes, local, group):
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=group)
 
 
+def _refuse_hybrid(opt) -> None:
+    if opt.sharding.shape.hybrid:
+        raise NotImplementedError(
+            f"DCP state dicts of a hybrid-sharded optimizer (mesh {opt.sharding.shape}) are not supported yet: "
+            "its replicas hold the same shards and DCP would see each piece R times. Save with "
+            "shardopt.save_checkpoint (it loads into any mesh or flat world), or build the optimizer flat "
+            "(process_group=...) for the DCP export.")
+
+
 def _is_sharded(v) -> bool:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
@@ -191,6 +200,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     rank's pieces (fp32 masters for a low-precision model); see the module docstring.
     """
     opt = _check_pair(model, optimizer)
+    _refuse_hybrid(opt)
     opt.wait_params()
     module = _unwrap(model)
     info = describe_model(module, opt)
@@ -290,6 +300,7 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
     but what DCP already wrote, dicts of another model or optimizer.
     """
     opt = _check_pair(model, optimizer)
+    _refuse_hybrid(opt)
     opt.wait_params()
     module = _unwrap(model)
     swap = InnerStateSwap(opt)

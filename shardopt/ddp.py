@@ -35,7 +35,7 @@ class ShardedDDP(nn.Module):
         self._sync = True
         self._callback_queued = False
         self._buffers_need_sync = True
-        group = optimizer.process_group
+        group = optimizer.world_group  # every rank of the mesh (Note [Hybrid sharding] in mesh_plan.py)
 
         named = list(module.named_parameters())
         positions = [None] * len(optimizer._params)

@@ -59,7 +59,13 @@ class EstimateConfig:
     """The ShardedOptimizer settings an estimate is for."""
 
     world_size: int = 2
-    """Ranks the state is sharded over."""
+    """Ranks of the run."""
+    shards: int | None = None
+    """Hybrid sharding: ranks one copy of the model is sharded over (the ranks of
+    a node); the world holds world_size / shards replicas. None: world_size (flat)."""
+    inter_node_dtype: str | None = None
+    """Hybrid sharding: "int8" keeps an error-feedback residual (1 + 1/replicas
+    fp32 values per shard element); None and "bfloat16" keep nothing."""
     stage: int = 2
     """1: full gradients on every rank; 2: gradient chunks only."""
     offload: str = "none"
@@ -84,6 +90,8 @@ class EstimateConfig:
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.shards is not None and (self.shards < 1 or self.world_size % self.shards):
+            raise ValueError(f"shards must divide world_size ({self.world_size}), got {self.shards}")
         if self.stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {self.stage}")
         if self.offload not in ("none", "cpu"):
@@ -108,16 +116,18 @@ class MemoryEstimate:
     """fp32 master chunks separate from the parameters (0 for fp32 without offload)."""
     host: int
     """How many of the bytes above live on the host because of offload="cpu"."""
+    hop_residual: int = 0
+    """The int8 inter-node hop's error feedback (hybrid sharding)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.staging + self.master
+        return self.params + self.grads + self.optimizer_state + self.staging + self.master + self.hop_residual
 
     def as_stats(self) -> dict:
         """The memory_stats() keys."""
         return {"params": self.params, "master": self.master, "grads": self.grads,
-                "optimizer_state": self.optimizer_state, "staging": self.staging, "offloaded": self.host,
-                "on_device": self.total - self.host}
+                "optimizer_state": self.optimizer_state, "staging": self.staging, "hop_residual": self.hop_residual,
+                "offloaded": self.host, "on_device": self.total - self.host}
 
 
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
@@ -129,7 +139,10 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     if total == 0:
         raise ValueError("the model has no trainable parameters")
     rbs = cfg.reduce_bucket_size or auto_bucket_size(total)
-    layout = plan_layout([list(shapes)], cfg.world_size, rbs, cfg.allgather_bucket_size or rbs)
+    # With hybrid sharding a copy is sharded over `shards` ranks: state per rank is 1/shards.
+    shards = cfg.shards or cfg.world_size
+    replicas = cfg.world_size // shards
+    layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas)
     pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
     shard = layout.shard_numel()
     # Rank 0 has the most state: later ranks' chunks hold the padding at the end of the region.
@@ -143,12 +156,13 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     biggest = max(b.numel for b in layout.buckets)
     staged = cfg.stage == 2 or reduce_dtype != cfg.param_dtype
     direct = reduce_dtype == master_dtype and (cfg.offload != "cpu" or cfg.device == "cpu")
-    staging = slots * ((biggest if staged else 0) + (0 if direct else biggest // cfg.world_size)) * rbytes
+    staging = slots * ((biggest if staged else 0) + (0 if direct else biggest // shards)) * rbytes
     separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu"
     master = shard * 4 if separate_master else 0
     host = master + shard * 4 + state if cfg.offload == "cpu" else 0
+    residual = shard * 4 + shard // replicas * 4 if replicas > 1 and cfg.inter_node_dtype == "int8" else 0
     return MemoryEstimate(params=layout.total_numel * pbytes, grads=grads, optimizer_state=state,
-                          staging=staging, master=master, host=host)
+                          staging=staging, master=master, host=host, hop_residual=residual)
 
 
 def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> MemoryEstimate:
@@ -221,7 +235,8 @@ def format_table(num_params: int, rows: Sequence[tuple[EstimateConfig, MemoryEst
                      + (f"  {label}" if label else ""))
 
     for cfg, m in rows:
-        line("", (cfg.world_size, cfg.stage, cfg.offload, names[cfg.param_dtype]), m)
+        ws = cfg.world_size if cfg.shards in (None, cfg.world_size) else f"{cfg.world_size // cfg.shards}x{cfg.shards}"
+        line("", (ws, cfg.stage, cfg.offload, names[cfg.param_dtype]), m)
     if ddp is not None:
         line("<- DDP + the same optimizer, any world size", ("any", "DDP", "none", ""), ddp)
     return "\n".join(lines)

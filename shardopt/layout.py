@@ -136,7 +136,7 @@ class Layout:
     world_size: int
     """Ranks the buckets are split over."""
     align: int
-    """Every bucket's size is a multiple of this (lcm(world_size, 128))."""
+    """Every bucket's size is a multiple of this (lcm(world_size * replicas, 128))."""
     bucket_numel: int
     """Size of a full bucket (reduce_bucket_size rounded up to `align`)."""
     params: tuple[ParamSlot, ...]
@@ -190,18 +190,21 @@ def _round_up(n: int, m: int) -> int:
 
 
 def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int,
-                reduce_bucket_size: int, allgather_bucket_size: int) -> Layout:
+                reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1) -> Layout:
     """Plans the flat buffer for trainable parameters given per param group as (name, shape).
 
     Parameters keep the given order in `Layout.params`; the buffer holds each
-    group's parameters in reverse order (see Note [Flat layout]).
+    group's parameters in reverse order (see Note [Flat layout]). With hybrid
+    sharding, `world_size` is the shard group's size and `replicas` the number
+    of replicas: buckets are padded so that each chunk also splits into
+    `replicas` equal parts (the inter-node hop; Note [Hybrid sharding]).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size < 1 or replicas < 1:
+        raise ValueError(f"world_size and replicas must be >= 1, got {world_size} and {replicas}")
     for what, v in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{what} must be a positive number of elements, got {v!r}")
-    align = math.lcm(world_size, CHUNK_ALIGN)
+    align = math.lcm(world_size * replicas, CHUNK_ALIGN)
     bucket_numel = _round_up(reduce_bucket_size, align)
 
     params: list[ParamSlot] = []

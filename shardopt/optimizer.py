@@ -37,6 +37,7 @@ from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
 from shardopt.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
+from shardopt.mesh import resolve_groups
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard, ShardedGrad
 
@@ -77,11 +78,10 @@ def _check_elementwise(cls) -> None:
             f"shardopt.register_elementwise_optimizer({cls.__name__}) first.")
 
 
-def _default_group(process_group):
+def _require_dist():
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shardopt needs torch.distributed: call torch.distributed.init_process_group(...) "
                            "first (launch with torchrun; a single process can use world_size=1)")
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -99,19 +99,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  overlap_gather: bool = False, offload: str = "none", pin_memory: bool = True,
                  reduce_dtype: torch.dtype | None = None, loss_scale="auto", nonfinite: str = "auto",
                  max_grad_norm: float | None = None,
-                 process_group=None, num_staging_buffers: int = 2, comm_impl: str = "auto", **optim_kwargs):
+                 process_group=None, mesh=None, shard_group: str | None = None, inter_node_dtype=None,
+                 num_staging_buffers: int = 2, comm_impl: str = "auto", **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
                                   overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
                                   reduce_dtype=reduce_dtype, loss_scale=loss_scale, nonfinite=nonfinite,
                                   max_grad_norm=max_grad_norm,
-                                  num_staging_buffers=num_staging_buffers, comm_impl=comm_impl)
+                                  num_staging_buffers=num_staging_buffers, comm_impl=comm_impl,
+                                  inter_node_dtype=inter_node_dtype)
         self._gather_pending = False  # parameters are being gathered (Note [Gathering in the next forward])
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         _check_elementwise(optim)
-        self.process_group = _default_group(process_group)
-        self.rank = dist.get_rank(self.process_group)
-        self.world_size = dist.get_world_size(self.process_group)
+        _require_dist()
         # The inner optimizer's own defaults, validated by constructing it once on a dummy tensor.
         probe = optim([torch.zeros(1, requires_grad=True)], **optim_kwargs)
         super().__init__(params, dict(probe.defaults))
@@ -123,12 +123,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer got no parameter that requires grad")
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._check_params()
+        # Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
+        # process_group / rank / world_size are the shard group's: the layout is split over it.
+        self.sharding = resolve_groups(process_group, mesh, shard_group, self._params[0].device.type)
+        self.process_group = self.sharding.shard
+        self.world_group = self.sharding.world
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid:
+            if mesh is None and shard_group is None:
+                raise ValueError("inter_node_dtype compresses the inter-node hop of hybrid sharding: pass "
+                                 "shard_group='node' or mesh=DeviceMesh((replicate, shard)) too, or drop it")
+            warnings.warn(f"inter_node_dtype={self.config.inter_node_dtype!r} has no effect: the mesh "
+                          f"{self.sharding.shape} has one replica, so no gradient crosses between nodes",
+                          UserWarning, stacklevel=2)
         names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
                  for g, group in enumerate(trainable)]
         total = sum(p.numel() for p in self._params)
         rbs = reduce_bucket_size if reduce_bucket_size is not None else auto_bucket_size(total)
         agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
-        self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs)
+        self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs, replicas=self.sharding.shape.replicas)
         self.dtype, self.device = self._params[0].dtype, self._params[0].device
         # fp32 master values for a low-precision model; otherwise the model's own dtype.
         self.master_dtype = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
@@ -137,11 +151,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = LossScaler(scale_config) if scale_config is not None else None
         self._nonfinite = resolve_nonfinite(self.config.nonfinite, self.loss_scaler is not None)
         check_same_across_ranks(
-            self.config.signature() + [f"optimizer {optim.__module__}.{optim.__qualname__}",
-                                       f"dtype {self.dtype}"] + self.layout.signature()
+            self.sharding.signature() + self.config.signature()
+            + [f"optimizer {optim.__module__}.{optim.__qualname__}", f"dtype {self.dtype}"] + self.layout.signature()
             + [f"group {g} " + repr({k: v for k, v in grp.items() if k != "params"})
                for g, grp in enumerate(self.param_groups)],
-            "parameters and optimizer configuration", self.process_group)
+            "parameters and optimizer configuration", self.world_group)
 
         # Flat parameter buffer; model parameters become views into it.
         self.flat_param = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
@@ -283,6 +297,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         opts.copy_device = self._ops.copy_device()
         flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
         self.engine = _ext._C.BucketEngine(self.process_group, plan, opts, flat_grad, self.shard_grad)
+        if self.sharding.replicate is not None:
+            self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
         self.engine.set_loss_scale(self.loss_scale)
         self._attached = True
 
@@ -333,11 +349,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The gradients now live in the shard (Note [Sharded p.grad]). As with DDP, a parameter
         # has one if some rank's backward reached it (or it had one before); the others keep None.
         # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.
+        # Over every rank: replicas hold equal shards, so their squared norms count R times.
         n = len(self._params)
         stats = torch.cat([self._had_grad().double(), self._grad_shard.local_square_norms()])
-        if self.world_size > 1:
-            dist.all_reduce(stats, group=self.process_group)
-        self._grad_shard.set_norms(2.0, stats[n:].sqrt())
+        if dist.get_world_size(self.world_group) > 1:
+            dist.all_reduce(stats, group=self.world_group)
+        self._grad_shard.set_norms(2.0, (stats[n:] / self.sharding.shape.replicas).sqrt())
         has = (stats[:n] > 0).tolist()
         for i, (p, handle, h) in enumerate(zip(self._params, self._grad_shard.handles, has)):
             if h:
@@ -411,8 +428,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             used = engine.used().bool() | self._grad_shard.kept
             flags = torch.cat([used.to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32),
                                engine.found_nonfinite().cpu().to(torch.int32)])
-            if self.world_size > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+            if dist.get_world_size(self.world_group) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.world_group)
             backwards, found = flags[-2:].tolist()
             if backwards == 0:
                 raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
@@ -519,7 +536,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._step_inner(used)
             self._phase["step"] += time.perf_counter() - t0
             self._publish_params(copy_master=not self._kernel_writes_model, defer=self.config.overlap_gather)
-        elif self.loss_scaler is None:
+        if skip and self.engine is not None:
+            self.engine.reset_hop_residual()  # it holds the inf/nan too (Note [Compressed inter-node hop])
+        if skip and self.loss_scaler is None:
             warnings.warn("ShardedOptimizer skipped a step: gradients held inf/nan on some rank "
                           "(nonfinite='skip')", RuntimeWarning, stacklevel=2)
         self.skipped_steps += int(skip)
@@ -681,11 +700,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "grads": nbytes([self.shard_grad] + ([self.flat_grad] if self.flat_grad is not None else [])),
             "optimizer_state": nbytes(state),
             "staging": self.engine.staging_bytes if self.engine is not None else 0,
+            # int8 inter-node hop: error feedback (Note [Compressed inter-node hop]).
+            "hop_residual": self.engine.hop_residual_bytes if self.engine is not None else 0,
         }
         # Where they live: with offload, master, gradient shard and state are host memory.
         host = stats["master"] + nbytes([self.shard_grad]) + stats["optimizer_state"] \
             if self.config.offload == "cpu" else 0
         stats["offloaded"] = host
-        stats["on_device"] = sum(stats[k] for k in ("params", "master", "grads", "optimizer_state", "staging")) \
-            - host
+        stats["on_device"] = sum(stats[k] for k in ("params", "master", "grads", "optimizer_state", "staging",
+                                                    "hop_residual")) - host
         return stats

@@ -64,3 +64,28 @@ def unscale_into_reference(src, dst, divisor, found):
         found.fill_(1.0)
     dst.copy_(v / torch.tensor(divisor, dtype=acc))
     return dst
+
+
+def int8_block_encode_reference(x, block=256):
+    """The int8 inter-node hop's encoding of fp32 ``x`` (Note [Compressed inter-node hop] in
+    csrc/comm/replica_hop.h): per block of ``block`` elements (the last one zero-padded),
+    scale = max|x| / 127 in fp32, q = round-half-to-even(x * (1 / scale)) clamped to [-127, 127]
+    (0 where scale is 0). Returns (scales fp32, q int8)."""
+    m = x.numel()
+    nb = -(-m // block)
+    padded = torch.zeros(nb * block, dtype=torch.float32)
+    padded[:m] = x
+    rows = padded.view(nb, block)
+    scale = rows.abs().amax(1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(rows * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    return scale, q.view(-1)[:m]
+
+
+def int8_block_decode_reference(scale, q, block=256):
+    """Inverse of int8_block_encode_reference: q * scale of its block, in fp32."""
+    m = q.numel()
+    nb = scale.numel()
+    padded = torch.zeros(nb * block, dtype=torch.float32)
+    padded[:m] = q.float()
+    return (padded.view(nb, block) * scale[:, None]).view(-1)[:m]

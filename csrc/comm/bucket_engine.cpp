@@ -88,7 +88,45 @@ void BucketEngine::set_loss_scale(double scale) {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(scale > 0.0, "loss scale must be > 0, got ", scale);
   TORCH_CHECK(!in_backward_, "the loss scale cannot change during a backward pass");
-  divisor_ = static_cast<double>(world_size_) * scale;
+  loss_scale_ = scale;
+  divisor_ = static_cast<double>(world_size_ * replicas_) * scale;
+}
+
+void BucketEngine::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> replicate,
+                                       const std::string& format) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(replicate, "set_replicate_group: process group is None");
+  TORCH_CHECK(!replicate_pg_, "the replicate group is already set");
+  TORCH_CHECK(!in_backward_ && !has_grad_locked(), "set_replicate_group must be called before the first backward");
+  TORCH_CHECK_VALUE(reduce_options_.device().is_cpu(), "the inter-node hop runs on CPU tensors (gloo); "
+                    "this model's gradients are reduced on ", reduce_options_.device());
+  const auto parsed = comm::parse_hop_format(format);
+  const int64_t r = replicate->getSize();
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (size_t b = 0; b < plan_.bucket_numel.size(); ++b) {
+    const int64_t chunk = plan_.bucket_numel[b] / world_size_;
+    TORCH_CHECK_VALUE(chunk % r == 0, "bucket ", b, "'s chunk of ", chunk, " elements does not split over ", r,
+                      " replicas (plan the layout with replicas=", r, ")");
+    offsets.push_back(total);
+    total += chunk + chunk / r;
+  }
+  replicate_pg_ = std::move(replicate);
+  hop_format_ = parsed;
+  replicas_ = r;
+  residual_offset_ = std::move(offsets);
+  if (hop_format_ == comm::HopFormat::kInt8) hop_residual_ = at::zeros({total}, at::kFloat);
+  divisor_ = static_cast<double>(world_size_ * replicas_) * loss_scale_;
+}
+
+void BucketEngine::reset_hop_residual() {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(inflight_.empty(), "reset_hop_residual() called while gradients are being reduced");
+  if (hop_residual_.defined()) hop_residual_.zero_();
+}
+
+int64_t BucketEngine::hop_residual_bytes() const {
+  return hop_residual_.defined() ? hop_residual_.numel() * hop_residual_.element_size() : 0;
 }
 
 void BucketEngine::reset_backward() {
@@ -211,6 +249,16 @@ void BucketEngine::launch(int64_t b) {
   } else {
     work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
   }
+  if (replicate_pg_) {
+    // The inter-node hop, chained after the reduce-scatter on the replicate
+    // group's worker: bucket b crosses the link while b+1 is reduced in the node.
+    at::Tensor residual;
+    if (hop_residual_.defined()) {
+      const int64_t chunk = numel / world_size_;
+      residual = hop_residual_.narrow(0, residual_offset_[b], chunk + chunk / replicas_);
+    }
+    work = comm::start_replica_all_reduce(replicate_pg_, std::move(work), out, hop_format_, residual);
+  }
   inflight_.push_back(InFlight{b, std::move(work), slot, std::move(out), direct, accumulate});
   if (!overlap_) finish_oldest();
 }
@@ -286,6 +334,10 @@ void BucketEngine::zero_grad() {
 
 bool BucketEngine::has_grad() const {
   std::lock_guard<std::mutex> g(mu_);
+  return has_grad_locked();
+}
+
+bool BucketEngine::has_grad_locked() const {
   for (auto h : has_data_) {
     if (h) return true;
   }

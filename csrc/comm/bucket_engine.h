@@ -43,6 +43,7 @@
 
 #include "copy_device.h"
 #include "host_copier.h"
+#include "replica_hop.h"
 #include "ring.h"
 
 namespace shardopt {
@@ -96,8 +97,17 @@ class BucketEngine {
   at::Tensor used() const { return used_; }
   // Whether any reduction wrote into the shard since zero_grad.
   bool has_grad() const;
-  // Gradients are divided by world_size * scale while being staged.
+  // Gradients are divided by world_size * replicas * scale while being staged.
   void set_loss_scale(double scale);
+  // Hybrid sharding (Note [Hybrid sharding] in shardopt/mesh_plan.py): after its
+  // reduce-scatter, each bucket's chunk is all-reduced over `replicate`, in
+  // `format` ("exact", "bfloat16", "int8"; Note [Compressed inter-node hop]).
+  // Call once, before the first backward.
+  void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> replicate, const std::string& format);
+  // Forgets the int8 hop's error feedback (after a step skipped for inf/nan).
+  void reset_hop_residual();
+  // Bytes of the int8 hop's error-feedback residual (0 without one).
+  int64_t hop_residual_bytes() const;
   // One float32 element: 1 if a gradient staged since zero_grad held an inf/nan.
   at::Tensor found_nonfinite() const { return found_; }
 
@@ -158,6 +168,7 @@ class BucketEngine {
   void finish_oldest();
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
+  bool has_grad_locked() const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   BucketPlan plan_;
@@ -171,7 +182,14 @@ class BucketEngine {
   bool staged_;        // gradients are copied into a staging buffer to be reduced
   bool direct_ok_;     // a reduce-scatter may write into the shard chunk itself
   int64_t max_bucket_ = 0, max_chunk_ = 0;
-  double divisor_;     // world_size * loss scale
+  double divisor_;     // world_size * replicas * loss scale
+  double loss_scale_ = 1.0;
+  // Hybrid sharding: the inter-node hop (null without one).
+  c10::intrusive_ptr<c10d::ProcessGroup> replicate_pg_;
+  comm::HopFormat hop_format_ = comm::HopFormat::kExact;
+  int64_t replicas_ = 1;
+  at::Tensor hop_residual_;                 // int8: error feedback, per bucket chunk + chunk / replicas
+  std::vector<int64_t> residual_offset_;
   at::Tensor found_;
   int64_t rank_, world_size_;
   std::vector<std::vector<int64_t>> param_buckets_;  // buckets each param overlaps

@@ -124,14 +124,6 @@ void check_all_gather(const GroupPtr& pg, const at::Tensor& input, const at::Ten
   check_aliasing(output, input, pg->getRank(), op, "output", "input");
 }
 
-std::chrono::milliseconds group_timeout(const GroupPtr& pg) {
-  try {
-    return pg->getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
-  } catch (const std::exception&) {
-    return kBackendDefaultTimeout;  // a backend without options: c10d's default
-  }
-}
-
 // One op's view of the ring: its neighbours, tag and deadline per receive.
 class Ring {
  public:
@@ -303,6 +295,14 @@ void ring_all_gather(const Ring& ring, const at::Tensor& input, const at::Tensor
 }
 
 }  // namespace
+
+std::chrono::milliseconds group_timeout(const GroupPtr& pg) {
+  try {
+    return pg->getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    return kBackendDefaultTimeout;  // a backend without options: c10d's default
+  }
+}
 
 WorkPtr start_reduce_scatter(const GroupPtr& pg, at::Tensor input, at::Tensor output) {
   constexpr const char* op = "ring reduce_scatter";

@@ -27,6 +27,7 @@
 //    (world_size - 1) roundings.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -79,6 +80,10 @@ WorkPtr start_all_gather_auto(const GroupPtr& pg, at::Tensor input, at::Tensor o
 // rank: the pieces are the messages, and gloo checks their sizes.
 // Depth: how many reduce-scatter receives are posted ahead, each into its own
 // piece-sized scratch slot. May differ between ranks.
+// The group's timeout (c10d's default when its backend has no options): every
+// receive of shardopt's own collectives is bounded by it.
+std::chrono::milliseconds group_timeout(const GroupPtr& pg);
+
 int64_t ring_piece_bytes();
 void set_ring_piece_bytes(int64_t bytes);
 int64_t ring_depth();

@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "../module.h"
+#include "replica_hop.h"
 #include "ring.h"
 
 namespace py = pybind11;
@@ -33,6 +34,24 @@ void init_ring_bindings(py::module& m) {
         "a Work. `input` may be output's chunk `rank` (in place). See csrc/comm/ring.h.");
   m.def("ring_is_default", &comm::ring_is_default, py::arg("group"), nogil,
         "Whether impl=\"auto\" picks the ring for CPU tensors of this group.");
+  m.def("replica_all_reduce",
+        [](const GroupPtr& group, at::Tensor chunk, const std::string& format, std::optional<at::Tensor> residual) {
+          return comm::start_replica_all_reduce(group, nullptr, chunk, comm::parse_hop_format(format),
+                                                residual.value_or(at::Tensor()));
+        },
+        py::arg("group"), py::arg("chunk"), py::arg("format") = "exact", py::arg("residual") = py::none(), nogil,
+        "Starts the in-place sum all-reduce of 1-D `chunk` over `group` (hybrid sharding's inter-node\n"
+        "hop; format \"exact\", \"bfloat16\" or \"int8\"); returns a Work. See csrc/comm/replica_hop.h.");
+  m.def("hop_encode",
+        [](const at::Tensor& x, const std::string& format) {
+          return comm::hop_encode(x, comm::parse_hop_format(format), at::kFloat);
+        },
+        py::arg("x"), py::arg("format"), "One message of the inter-node hop (for tests).");
+  m.def("hop_decode",
+        [](const at::Tensor& payload, const std::string& format, int64_t numel) {
+          return comm::hop_decode(payload, comm::parse_hop_format(format), numel);
+        },
+        py::arg("payload"), py::arg("format"), py::arg("numel"), "Decodes hop_encode's message (for tests).");
   m.def("ring_piece_bytes", &comm::ring_piece_bytes);
   m.def("set_ring_piece_bytes", &comm::set_ring_piece_bytes, py::arg("bytes"),
         "Ring message size; must be equal on all ranks. For benchmarks.");

@@ -1,0 +1,235 @@
+#include "replica_hop.h"
+
+#include <utility>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "ring_worker.h"
+
+namespace shardopt::comm {
+
+HopFormat parse_hop_format(const std::string& name) {
+  if (name == "exact") return HopFormat::kExact;
+  if (name == "bfloat16") return HopFormat::kBFloat16;
+  if (name == "int8") return HopFormat::kInt8;
+  TORCH_CHECK_VALUE(false, "hop format must be \"exact\", \"bfloat16\" or \"int8\", got \"", name, "\"");
+}
+
+namespace {
+
+int64_t num_blocks(int64_t m) {
+  return (m + kInt8Block - 1) / kInt8Block;
+}
+
+// x padded with zeros to whole blocks, as [blocks, kInt8Block].
+at::Tensor as_blocks(const at::Tensor& x) {
+  const int64_t m = x.numel(), nb = num_blocks(m);
+  if (nb * kInt8Block == m) return x.view({nb, kInt8Block});
+  auto padded = at::zeros({nb * kInt8Block}, x.options());
+  padded.narrow(0, 0, m).copy_(x);
+  return padded.view({nb, kInt8Block});
+}
+
+}  // namespace
+
+at::Tensor hop_encode(const at::Tensor& x, HopFormat format, at::ScalarType exact_dtype) {
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "hop_encode: x must be a contiguous 1-D float32 tensor");
+  if (format == HopFormat::kExact) return x.to(exact_dtype);
+  if (format == HopFormat::kBFloat16) return x.to(at::kBFloat16);
+  const int64_t m = x.numel(), nb = num_blocks(m);
+  auto payload = at::empty({nb * 4 + m}, x.options().dtype(at::kByte));
+  if (m == 0) return payload;
+  auto rows = as_blocks(x);
+  auto scale = rows.abs().amax(1).div_(127.0);
+  // A block of zeros has scale 0 and encodes as zeros.
+  auto inv = at::where(scale > 0, scale.reciprocal(), at::zeros_like(scale));
+  auto q = rows.mul(inv.unsqueeze(1)).round_().clamp_(-127, 127).to(at::kChar);
+  payload.narrow(0, 0, nb * 4).view(at::kFloat).copy_(scale);
+  payload.narrow(0, nb * 4, m).view(at::kChar).copy_(q.view({-1}).narrow(0, 0, m));
+  return payload;
+}
+
+at::Tensor hop_decode(const at::Tensor& payload, HopFormat format, int64_t m) {
+  if (format != HopFormat::kInt8) return payload.to(at::kFloat);
+  const int64_t nb = num_blocks(m);
+  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.numel() == nb * 4 + m,
+              "hop_decode: an int8 message of ", m, " elements has ", nb * 4 + m, " bytes, got ",
+              payload.numel());
+  if (m == 0) return at::empty({0}, payload.options().dtype(at::kFloat));
+  auto scale = payload.narrow(0, 0, nb * 4).view(at::kFloat);
+  auto q = as_blocks(payload.narrow(0, nb * 4, m).view(at::kChar).to(at::kFloat));
+  return q.mul_(scale.unsqueeze(1)).view({-1}).narrow(0, 0, m);
+}
+
+namespace {
+
+// Point-to-point with the other replicas, every wait bounded by the group's
+// timeout and every failure naming the peer (cf. the Ring in ring.cpp).
+class Peers {
+ public:
+  Peers(const GroupPtr& pg, int tag)
+      : pg_(pg), rank_(pg->getRank()), world_(pg->getSize()), tag_(tag), timeout_(group_timeout(pg)) {}
+
+  WorkPtr send(const at::Tensor& t, int64_t peer) const {
+    return guarded("sending to", peer, [&] {
+      std::vector<at::Tensor> ts{t};
+      return pg_->send(ts, static_cast<int>(peer), tag_);
+    });
+  }
+  WorkPtr recv(const at::Tensor& t, int64_t peer) const {
+    return guarded("receiving from", peer, [&] {
+      std::vector<at::Tensor> ts{t};
+      return pg_->recv(ts, static_cast<int>(peer), tag_);
+    });
+  }
+  void wait(const WorkPtr& w, const char* what, int64_t peer) const {
+    guarded(what, peer, [&] { return w->wait(timeout_); });
+  }
+
+ private:
+  template <typename F>
+  auto guarded(const char* what, int64_t peer, F&& f) const -> decltype(f()) {
+    try {
+      return f();
+    } catch (const std::exception& e) {
+      const auto* ce = dynamic_cast<const c10::Error*>(&e);
+      TORCH_CHECK_WITH(DistBackendError, false, "shardopt inter-node hop on replica rank ", rank_, " of ",
+                       world_, ": failed ", what, " replica rank ", peer, " (process group timeout ",
+                       timeout_.count(), " ms). The node may be down or its link cut. Cause: ",
+                       ce ? ce->what_without_backtrace() : e.what());
+    }
+  }
+
+  GroupPtr pg_;
+  int64_t rank_, world_;
+  int tag_;
+  std::chrono::milliseconds timeout_;
+};
+
+// An empty message of the size peers will send (gloo checks sizes).
+at::Tensor message_like(HopFormat format, int64_t m, const at::Tensor& chunk) {
+  if (format == HopFormat::kInt8) return at::empty({num_blocks(m) * 4 + m}, chunk.options().dtype(at::kByte));
+  if (format == HopFormat::kBFloat16) return at::empty({m}, chunk.options().dtype(at::kBFloat16));
+  return at::empty({m}, chunk.options());
+}
+
+// See Note [Compressed inter-node hop].
+void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tensor& chunk, HopFormat format,
+                        const at::Tensor& residual) {
+  const int64_t n = chunk.numel(), m = n / w;
+  const auto dtype = chunk.scalar_type();
+  auto part = [&](int64_t j) { return chunk.narrow(0, j * m, m); };
+  const bool feedback = residual.defined();
+  auto sent_residual = [&](int64_t j) { return residual.narrow(0, j * m, m); };  // phase 1, part j
+  auto owned_residual = [&]() { return residual.narrow(0, n, m); };             // phase 2
+
+  // Phase 1: part j to rank j; rank r receives everyone's part r.
+  std::vector<at::Tensor> inbox(w);
+  std::vector<WorkPtr> recvs(w);
+  std::vector<std::pair<int64_t, WorkPtr>> sends;  // (peer, work)
+  auto wait_sends = [&] {
+    for (const auto& [peer, work] : sends) peers.wait(work, "sending to", peer);
+    sends.clear();
+  };
+  for (int64_t j = 0; j < w; ++j) {
+    if (j == r) continue;
+    inbox[j] = message_like(format, m, chunk);
+    recvs[j] = peers.recv(inbox[j], j);
+  }
+  std::vector<at::Tensor> outbox(w);
+  for (int64_t j = 0; j < w; ++j) {
+    if (j == r) continue;
+    if (format == HopFormat::kExact) {
+      outbox[j] = part(j);  // sent as is; not written before this phase's sends finish
+    } else {
+      auto x = part(j).to(at::kFloat);
+      if (feedback) x = x.add(sent_residual(j));
+      outbox[j] = hop_encode(x.contiguous(), format, dtype);
+      if (feedback) {
+        auto res = sent_residual(j);
+        at::sub_out(res, x, hop_decode(outbox[j], format, m));
+      }
+    }
+    sends.emplace_back(j, peers.send(outbox[j], j));
+  }
+  // The sum, in rank order; our own addend never left this rank and is exact.
+  at::Tensor sum;
+  for (int64_t j = 0; j < w; ++j) {
+    at::Tensor addend;
+    if (j == r) {
+      addend = part(r).to(at::kFloat);
+    } else {
+      peers.wait(recvs[j], "receiving from", j);
+      addend = hop_decode(inbox[j], format, m);
+    }
+    sum = sum.defined() ? sum.add_(addend) : addend.clone();
+  }
+  wait_sends();
+
+  // Phase 2: our sum to everyone; everyone's sum into its part.
+  at::Tensor mine;
+  if (format == HopFormat::kExact) {
+    part(r).copy_(sum);
+    mine = part(r);
+  } else {
+    if (feedback) sum.add_(owned_residual());
+    mine = hop_encode(sum, format, dtype);
+    auto decoded = hop_decode(mine, format, m);
+    if (feedback) {
+      auto res = owned_residual();
+      at::sub_out(res, sum, decoded);
+    }
+    part(r).copy_(decoded);
+  }
+  for (int64_t j = 0; j < w; ++j) {
+    if (j == r) continue;
+    inbox[j] = format == HopFormat::kExact ? part(j) : message_like(format, m, chunk);
+    recvs[j] = peers.recv(inbox[j], j);
+  }
+  for (int64_t j = 0; j < w; ++j) {
+    if (j != r) sends.emplace_back(j, peers.send(mine, j));
+  }
+  for (int64_t j = 0; j < w; ++j) {
+    if (j == r) continue;
+    peers.wait(recvs[j], "receiving from", j);
+    if (format != HopFormat::kExact) part(j).copy_(hop_decode(inbox[j], format, m));
+  }
+  wait_sends();
+}
+
+}  // namespace
+
+WorkPtr start_replica_all_reduce(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
+                                 at::Tensor residual) {
+  constexpr const char* op = "inter-node hop";
+  TORCH_CHECK(pg, op, ": process group is None");
+  TORCH_CHECK_VALUE(chunk.defined() && chunk.dim() == 1 && chunk.is_contiguous(), op,
+                    ": the chunk must be a contiguous 1-D tensor");
+  TORCH_CHECK_VALUE(chunk.device().is_cpu(), op, ": runs on CPU tensors (gloo), got ", chunk.device());
+  const auto dtype = chunk.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+                    ": dtype must be float32, bfloat16 or float16, got ", dtype);
+  const int64_t w = pg->getSize(), n = chunk.numel();
+  TORCH_CHECK_VALUE(n % w == 0, op, ": chunk of ", n, " elements does not split over ", w, " replicas");
+  if (format == HopFormat::kInt8 && residual.defined()) {
+    TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                          residual.numel() == n + n / w && residual.device() == chunk.device(),
+                      op, ": the int8 residual must be contiguous float32 with ", n + n / w, " elements");
+  } else {
+    TORCH_CHECK_VALUE(!residual.defined(), op, ": a residual is only kept for the int8 format");
+  }
+  return enqueue(pg, c10d::OpType::ALLREDUCE, {chunk},
+                 [pg, after = std::move(after), chunk, format, residual](int tag) {
+                   // The chunk exists once the intra-node reduce-scatter is done;
+                   // its failure is this op's failure.
+                   if (after) after->wait();
+                   const Peers peers(pg, tag);
+                   if (pg->getSize() > 1) replica_all_reduce(peers, pg->getRank(), pg->getSize(), chunk, format,
+                                                             residual);
+                 });
+}
+
+}  // namespace shardopt::comm

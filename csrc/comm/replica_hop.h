@@ -1,0 +1,69 @@
+// The inter-node hop of hybrid sharding: an all-reduce of this rank's gradient
+// chunk with the ranks holding the same chunk in the other replicas
+// (Note [Hybrid sharding] in shardopt/mesh_plan.py), optionally compressed.
+//
+// Note [Compressed inter-node hop]
+// --------------------------------
+// The chunk (n elements, n % R == 0) is cut into R parts of m = n/R; replica
+// rank j owns part j. Two phases, each a direct exchange with every other
+// replica (point-to-point on the replicate group):
+//   1. every rank sends part j, encoded, to rank j; rank j decodes what it
+//      receives and forms the sum in fp32, in rank order, its own part taken
+//      exactly (it never left the rank);
+//   2. rank j encodes that sum and sends it to every other rank; every rank,
+//      the owner too, decodes it into part j of its chunk.
+// Every rank sends (R-1)/R of its chunk per phase, 2 (R-1)/R in all, the same
+// as a ring all-reduce, in the hop's format. Every replica ends with bit-equal
+// chunks (everyone decodes the owner's one encoding), so replicas never drift.
+// Formats:
+//   exact    the reduction dtype itself (fp32 by default): no rounding but the
+//            fp32 additions;
+//   bfloat16 half the bytes; a value is rounded when it leaves its rank and the
+//            sum when it leaves its owner;
+//   int8     a quarter of the bytes plus one fp32 scale per INT8_BLOCK (256)
+//            elements: symmetric, scale = max|x| / 127 per block, round to
+//            nearest. With error feedback: what a rank's rounding lost (in
+//            phase 1 for the parts it sends, in phase 2 for the part it owns)
+//            is kept in a residual and added to the same elements at the next
+//            hop, so rounding errors do not accumulate over steps (as in 1-bit
+//            Adam / ZeRO++'s qgZ; ZeRO++ only does this for stage 3). The
+//            residual is n + m fp32 elements per chunk; a skipped step (inf/nan)
+//            resets it.
+// The pure-PyTorch reference of the int8 codec is shardopt/reference.py
+// (int8_block_encode/decode), tested against this one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "ring.h"
+
+namespace shardopt::comm {
+
+enum class HopFormat { kExact, kBFloat16, kInt8 };
+
+// "exact" | "bfloat16" | "int8"
+HopFormat parse_hop_format(const std::string& name);
+
+constexpr int64_t kInt8Block = 256;  // keep equal to shardopt/mesh_plan.py INT8_BLOCK
+
+// Encodes float32 `x` (1-D, contiguous) into one message: int8 = [fp32 scale per
+// block][int8 values] as bytes; bfloat16 = x in bf16; exact = x in `exact_dtype`.
+at::Tensor hop_encode(const at::Tensor& x, HopFormat format, at::ScalarType exact_dtype);
+// Decodes a message of m elements into float32.
+at::Tensor hop_decode(const at::Tensor& payload, HopFormat format, int64_t m);
+
+// Starts the in-place sum all-reduce of `chunk` over `pg` (the replicate group)
+// on pg's worker (ring_worker.h), after `after` (the reduce-scatter that
+// produces the chunk; may be null) has finished. chunk: 1-D, contiguous, CPU,
+// float32/bfloat16/float16, numel % group size == 0. residual: for int8, a
+// float32 tensor of numel + numel / group size elements, zero at first, kept
+// by the caller across hops (error feedback); undefined otherwise. Same
+// contract as the ring ops (ring.h): start in the same order on every rank,
+// do not touch chunk until wait() returns, errors are rethrown by wait().
+WorkPtr start_replica_all_reduce(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
+                                 at::Tensor residual);
+
+}  // namespace shardopt::comm

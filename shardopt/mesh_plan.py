@@ -1,0 +1,136 @@
+"""Hybrid sharding, the pure part: who shards with whom, who replicates with whom, and what crosses the link.
+
+No process group here (those are built in mesh.py); tests need only numbers.
+
+Note [Hybrid sharding]
+----------------------
+W ranks form a (replicate R) x (shard K) mesh, W = R * K, rank = replica * K +
+shard: the K ranks of one replica are contiguous, which is how torchrun numbers
+the ranks of one node, so "a replica is a node". Each replica holds the whole
+model sharded K ways exactly as flat ZeRO does over K ranks (the layout is
+planned for K); the R replicas hold identical shards. One step:
+
+  backward: each bucket is reduce-scattered inside the replica (fast links),
+            then this rank's chunk is all-reduced with the ranks that hold the
+            same chunk in the other replicas (the *inter-node hop*, over the slow
+            link). All K ranks of a node do their hop at once, each with 1/K of
+            the bucket, so the node's link carries the bucket's gradient once:
+            2 (R-1)/R * S bytes per node per step for S bytes of gradients, not
+            the 2 (W-1)/W * S of a flat ring (which also crosses the link with
+            the parameter all-gather after the step);
+  step:     each rank steps its chunk, as flat ZeRO;
+  gather:   the updated chunks are all-gathered inside the replica only: no
+            parameter byte crosses the link.
+
+Gradients are pre-divided by W (not K) while staged, so the intra-node sum and
+the inter-node sum together give the average over every rank. Optimizer state,
+master weights and gradient shards cost 1/K per rank instead of 1/W: hybrid
+trades memory for link bytes. R = 1 is flat sharding over K ranks; K = 1 is
+plain data parallelism with a replicated optimizer.
+
+The hop may be compressed (Note [Compressed inter-node hop] in
+csrc/comm/replica_hop.h): each rank's chunk leaves in bf16 or int8 (per-block
+scales, error feedback), the sum is formed in fp32 by the rank that owns that
+part, and goes back out in the same format. Exact inside the node, rounded on
+the way across.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# What the inter-node hop carries: None (the reduction dtype, exact), or a compressed format.
+HOP_DTYPES = ("bfloat16", "int8")
+# int8 hop: one fp32 scale per this many elements (Note [Compressed inter-node hop]).
+INT8_BLOCK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """A (replicate, shard) mesh over ranks 0..W-1, rank = replica * shards + shard."""
+
+    replicas: int
+    """R: copies of the sharded model (nodes, with shard_group="node")."""
+    shards: int
+    """K: ranks one copy is sharded over (the ranks of a node)."""
+
+    def __post_init__(self):
+        for field in ("replicas", "shards"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"mesh {field} must be a whole number >= 1, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shards
+
+    @property
+    def hybrid(self) -> bool:
+        """Gradients take an inter-node hop (more than one replica)."""
+        return self.replicas > 1
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(replica, shard) of a rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a {self} mesh of {self.world_size} ranks")
+        return divmod(rank, self.shards)
+
+    def shard_ranks(self, replica: int) -> list[int]:
+        """The ranks that shard one copy of the model together (one node)."""
+        return [replica * self.shards + s for s in range(self.shards)]
+
+    def replicate_ranks(self, shard: int) -> list[int]:
+        """The ranks that hold the same chunks (one per replica): the inter-node hop's group."""
+        return [r * self.shards + shard for r in range(self.replicas)]
+
+    def layout_align(self) -> int:
+        """Buckets are padded to a multiple of this many ranks, so a rank's chunk splits over the replicas."""
+        return self.world_size
+
+    def __str__(self) -> str:
+        return f"{self.replicas} (replicate) x {self.shards} (shard)"
+
+
+def node_mesh(world_size: int, local_world_size: int | None) -> MeshShape:
+    """shard_group="node": shard over the ranks of one node, replicate across nodes."""
+    if local_world_size is None:
+        raise ValueError('shard_group="node" needs LOCAL_WORLD_SIZE (set by torchrun) to know how many ranks a '
+                         'node has: launch with torchrun, set LOCAL_WORLD_SIZE, or pass mesh=init_device_mesh('
+                         '"cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))')
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ValueError(f'shard_group="node": {world_size} ranks do not split into nodes of LOCAL_WORLD_SIZE='
+                         f'{local_world_size} ranks; every node must run the same number of ranks')
+    return MeshShape(replicas=world_size // local_world_size, shards=local_world_size)
+
+
+def hop_link_bytes(shape: MeshShape, grad_bytes: int, hop_dtype: str | None = None,
+                   reduce_bytes_per_element: int = 4) -> float:
+    """Bytes one node sends over its link per reducing backward (the arithmetic, headers excluded).
+
+    Every rank sends (R-1)/R of its chunk in each of the hop's two phases (Note
+    [Compressed inter-node hop]); a node's K ranks together send 2 (R-1)/R of
+    the gradient, in the hop's format.
+    """
+    if not shape.hybrid:
+        return 0.0
+    elements = grad_bytes / 4
+    if hop_dtype is None:
+        per_element = float(reduce_bytes_per_element)
+    elif hop_dtype == "bfloat16":
+        per_element = 2.0
+    elif hop_dtype == "int8":
+        per_element = 1.0 + 4.0 / INT8_BLOCK  # one fp32 scale per block
+    else:
+        raise ValueError(f"hop dtype must be None or one of {HOP_DTYPES}, got {hop_dtype!r}")
+    return 2 * (shape.replicas - 1) / shape.replicas * elements * per_element
+
+
+def ring_link_bytes(world_size: int, ranks_per_node: int, grad_bytes: int) -> float:
+    """Bytes one node sends over its link for a flat ring all-reduce (DDP) of grad_bytes.
+
+    A ring over W ranks numbered node by node crosses each node's link once per
+    direction; the edge carries 2 (W-1)/W of the buffer.
+    """
+    if world_size == ranks_per_node:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * grad_bytes
+

@@ -1,0 +1,460 @@
+"""Hybrid sharding (a replicate x shard mesh) and the compressed inter-node hop.
+
+References are plain PyTorch: every rank also trains a single-process copy of
+the model on all ranks' batches (the gradient of the mean loss, which is what
+data parallelism computes), the int8 codec against shardopt.reference, and the
+hop against sums computed locally. Meshes run on localhost gloo: which link a
+byte takes does not change a number (the emulated cluster's tests and
+benchmarks/bench_step.py --cluster measure the link).
+"""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_harness import run_ranks
+from models import AwkwardNet, batch, uses_branch
+
+VOCAB = 37
+
+
+# ------------------------------------------------------------------ pure planning
+def test_mesh_shape_numbers_ranks_node_by_node():
+    from shardopt.mesh_plan import MeshShape
+
+    m = MeshShape(replicas=3, shards=2)
+    assert m.world_size == 6 and m.hybrid
+    assert [m.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert m.shard_ranks(1) == [2, 3]
+    assert m.replicate_ranks(1) == [1, 3, 5]
+    assert not MeshShape(1, 4).hybrid
+    with pytest.raises(ValueError, match="outside"):
+        m.coords(6)
+    with pytest.raises(ValueError, match="replicas"):
+        MeshShape(0, 2)
+
+
+def test_node_mesh_needs_a_whole_number_of_nodes():
+    from shardopt.mesh_plan import node_mesh
+
+    assert node_mesh(8, 4) == node_mesh(8, 4) and (node_mesh(8, 4).replicas, node_mesh(8, 4).shards) == (2, 4)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        node_mesh(8, None)
+    with pytest.raises(ValueError, match="same number of ranks"):
+        node_mesh(6, 4)
+
+
+def test_link_bytes_arithmetic():
+    from shardopt.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
+
+    s = 4_000_000  # one million fp32 gradients
+    assert hop_link_bytes(MeshShape(2, 2), s) == s                     # 2 (R-1)/R S
+    assert hop_link_bytes(MeshShape(2, 2), s, "bfloat16") == s / 2
+    assert hop_link_bytes(MeshShape(2, 2), s, "int8") == pytest.approx(s / 4 * (1 + 4 / 256))
+    assert hop_link_bytes(MeshShape(4, 2), s) == 1.5 * s
+    assert hop_link_bytes(MeshShape(1, 4), s) == 0
+    assert ring_link_bytes(4, 2, s) == 1.5 * s and ring_link_bytes(4, 4, s) == 0
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 1), (2, 3), (4, 2)])
+def test_layout_chunks_split_over_replicas(replicas, shards):
+    from shardopt.layout import plan_layout
+
+    shapes = [[("a", (37, 24)), ("b", (53,)), ("c", (7, 13))], [("d", (5,))]]
+    for rbs in (100, 1000, 10**6):
+        lay = plan_layout(shapes, shards, rbs, rbs, replicas=replicas)
+        for b in lay.buckets:
+            assert b.numel % shards == 0 and b.chunk_numel % replicas == 0, (rbs, b)
+
+
+# ------------------------------------------------------------------ the int8 codec
+def test_int8_codec_matches_reference_and_its_error_bound():
+    import shardopt  # noqa: F401 - loads the extension
+    from shardopt import _ext
+    from shardopt.reference import int8_block_decode_reference, int8_block_encode_reference
+
+    g = torch.Generator().manual_seed(0)
+    for m in (0, 1, 255, 256, 257, 1000, 4096 + 3):
+        # Blocks of very different magnitudes, and an all-zero block.
+        x = torch.randn(m, generator=g) * torch.logspace(-6, 3, m if m else 1)[:m]
+        if m > 600:
+            x[256:512] = 0
+        payload = _ext._C.hop_encode(x, "int8")
+        nb = -(-m // 256)
+        assert payload.dtype == torch.uint8 and payload.numel() == 4 * nb + m
+        scale, q = int8_block_encode_reference(x)
+        assert torch.equal(payload[:4 * nb].view(torch.float32), scale)
+        assert torch.equal(payload[4 * nb:].view(torch.int8), q)
+        got = _ext._C.hop_decode(payload, "int8", m)
+        assert torch.equal(got, int8_block_decode_reference(scale, q))
+        if m:
+            # Round to nearest: within half a step of the block's scale.
+            per_elem = torch.repeat_interleave(scale, 256)[:m]
+            assert ((got - x).abs() <= per_elem * 0.5 * (1 + 1e-6) + 1e-30).all()
+        if m > 600:
+            assert (got[256:512] == 0).all()
+    bf = _ext._C.hop_encode(torch.tensor([1.0, 1 / 3]), "bfloat16")
+    assert bf.dtype == torch.bfloat16 and torch.equal(_ext._C.hop_decode(bf, "bfloat16", 2), bf.float())
+
+
+# ------------------------------------------------------------------ the hop on its own
+def _hop_runs(rank, world_size):
+    """The replicate group here is the whole world (3 ranks)."""
+    from shardopt import _ext
+
+    out = []
+    group = dist.group.WORLD
+    n = 3 * 700  # parts of 700: two whole int8 blocks and a partial one
+    g = torch.Generator().manual_seed(rank)
+    # Exact: integer-valued fp32 sums are exact whatever the order.
+    x = torch.randint(-1000, 1000, (n,), generator=g).float()
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    y = x.clone()
+    _ext._C.replica_all_reduce(group, y, "exact").wait()
+    if not torch.equal(y, want):
+        out.append("exact hop differs from all_reduce")
+    # Compressed: every rank must end with bit-equal chunks, near the true sum.
+    x = torch.randn(n, generator=g)
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    for fmt, rtol in (("bfloat16", 3 * 2 ** -8), ("int8", 3 / 127)):
+        y = x.clone()
+        _ext._C.replica_all_reduce(group, y, fmt).wait()
+        mine = [torch.empty_like(y) for _ in range(world_size)]
+        dist.all_gather(mine, y, group=group)
+        if not all(torch.equal(mine[0], t) for t in mine):
+            out.append(f"{fmt}: ranks hold different results")
+        err = (y - want).abs().max() / want.abs().max()
+        if err > rtol:
+            out.append(f"{fmt}: error {err:.3g} > {rtol:.3g}")
+    # Error feedback: hop the same input T times. Without feedback every hop
+    # makes the same rounding error, so the mean of the results keeps it; with
+    # feedback the residual is added back and the mean converges to the sum.
+    steps = 40
+    residual = torch.zeros(n + n // world_size)
+    acc = torch.zeros(n)
+    for _ in range(steps):
+        y = x.clone()
+        _ext._C.replica_all_reduce(group, y, "int8", residual).wait()
+        acc += y
+    one = x.clone()
+    _ext._C.replica_all_reduce(group, one, "int8").wait()
+    err_one = (one - want).abs().max().item()
+    err_mean = (acc / steps - want).abs().max().item()
+    if not err_mean < err_one / 8:
+        out.append(f"error feedback: mean of {steps} hops off by {err_mean:.3g}, one hop by {err_one:.3g}")
+    # Refused before anything is sent.
+    for bad, match in (((torch.zeros(10), "exact"), "does not split"),
+                       ((torch.zeros(9, dtype=torch.float64), "exact"), "dtype"),
+                       ((torch.zeros(9), "fp8"), "format")):
+        try:
+            _ext._C.replica_all_reduce(group, *bad)
+            out.append(f"{bad[1]} {bad[0].shape} was not refused")
+        except (ValueError, RuntimeError) as e:
+            if match not in str(e):
+                out.append(f"unclear error: {e}")
+    return out
+
+
+def test_replica_all_reduce_exact_compressed_and_error_feedback():
+    for rank, failures in enumerate(run_ranks(_hop_runs, 3, timeout=120)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)
+
+
+# ------------------------------------------------------------------ training parity
+def _mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _loss(fn, step, rank):
+    x, y = batch(step, rank)
+    return nn.functional.cross_entropy(fn(x, uses_branch(step, rank)).float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _param_groups(model):
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _optim(name):
+    return {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+            "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01))}[name]
+
+
+class _Reference:
+    """Single-process training on every rank's batch: the average of the per-rank gradients,
+    fp32 master weights (a copy of the model's when it is bf16), clipped like clip_grad_norm_."""
+
+    def __init__(self, model, optim_name, world_size):
+        self.model = copy.deepcopy(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        cls, kw = _optim(optim_name)
+        groups = _param_groups(self.model)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.opt = cls([dict(g, params=[self.master[index[id(p)]] for p in g["params"]]) for g in groups], **kw)
+        self.world_size = world_size
+
+    def step(self, step, clip, micro=1):
+        grads = [None] * len(self.params)
+        losses = []
+        for r in range(self.world_size):
+            for m in range(micro):
+                self.model.zero_grad(set_to_none=True)
+                loss = _loss(lambda x, u: self.model(x, u), step * 10 + m, r) / micro
+                loss.backward()
+                losses.append(loss.item())
+                for i, p in enumerate(self.params):
+                    if p.grad is not None:
+                        g = p.grad.float() / self.world_size
+                        grads[i] = g if grads[i] is None else grads[i] + g
+        for m, g in zip(self.master, grads):
+            m.grad = g
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.master, clip)
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)
+        return losses
+
+
+def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8):
+    import shardopt
+
+    torch.manual_seed(0)
+    base = AwkwardNet().to(dtype)
+    ref = _Reference(base, optim_name, world_size)
+    model = copy.deepcopy(base)
+    cls, kw = _optim(optim_name)
+    mesh = _mesh(shape)
+    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
+                                    overlap_gather=gather, mesh=mesh, inter_node_dtype=hop, **kw)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    micro = 2 if accum else 1
+    failures, losses = [], []
+    what = f"mesh {shape} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
+    for step in range(steps):
+        total = 0.0
+        for m in range(micro):
+            ctx = wrapper.no_sync() if (accum and m < micro - 1) else _null()
+            with ctx:
+                loss = _loss(wrapper, step * 10 + m, rank) / micro
+                loss.backward()
+            total += loss.item()
+        if clip:
+            opt.clip_grad_norm(clip)
+        opt.step()
+        opt.zero_grad()
+        ref_losses = ref.step(step, clip, micro)
+        want = sum(ref_losses[rank * micro:(rank + 1) * micro])
+        losses.append(total)
+        tol = 1e-5 if dtype == torch.float32 and hop is None else 2e-2
+        if abs(total - want) > tol * max(1.0, abs(want)):
+            failures.append(f"{what} step {step}: loss {total!r} vs reference {want!r}")
+    opt.wait_params()
+    # A compressed hop is held to the loss only: Adam normalizes every element's update, so
+    # the rounding of tiny gradients moves single weights further than it moves the loss.
+    tol = 1e-5 if dtype == torch.float32 and hop is None else 2e-2 if hop is None else float("inf")
+    for (name, p), q in zip(((n, p) for n, p in ref.model.named_parameters()), model.parameters()):
+        err = ((p.float() - q.float()).abs().max() / p.float().abs().max().clamp_min(1e-12)).item()
+        if err > tol:
+            failures.append(f"{what}: final {name} relative error {err:.2e}")
+    # Replicas must hold bit-equal parameters (their shards took the same hop results).
+    if opt.sharding.replicate is not None:
+        copies = [torch.empty_like(opt.flat_param) for _ in range(shape[0])]
+        dist.all_gather(copies, opt.flat_param, group=opt.sharding.replicate)
+        if not all(torch.equal(copies[0], c) for c in copies):
+            failures.append(f"{what}: replicas hold different parameters")
+    # Memory is that of flat sharding over the shard group.
+    if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
+        failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
+    return failures
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# (optimizer, stage, bucket, dtype, clip, accumulate with no_sync, overlap_gather).
+# 300: smaller than the big parameters (they straddle buckets and chunks); 10**6: one bucket.
+_CONFIGS = [("adamw", 2, 300, torch.float32, 0.5, True, False),
+            ("sgd", 1, 1000, torch.float32, None, False, True),
+            ("sgd", 2, 10**6, torch.float32, 0.3, False, False),
+            ("adamw", 2, 1000, torch.bfloat16, None, False, False)]
+
+
+def _parity(rank, world_size, shapes):
+    out = []
+    for shape in shapes:
+        for cfg in _CONFIGS:
+            out += _train(rank, world_size, shape, *cfg)
+    return out
+
+
+@pytest.mark.parametrize("world_size,shapes", [(4, [(2, 2), (1, 4)]), (2, [(2, 1)])])
+def test_hybrid_matches_single_process(world_size, shapes):
+    for rank, failures in enumerate(run_ranks(_parity, world_size, shapes, timeout=600)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+
+
+# ------------------------------------------------------------------ compressed hops in training
+def _compressed(rank, world_size):
+    """bf16 and int8 hops on a 2 x 2 mesh: close to the exact run, replicas bit-equal (checked in
+    _train), and a step skipped for inf/nan forgets the int8 residual."""
+    import shardopt
+
+    out = []
+    for hop in (torch.bfloat16, "int8"):
+        out += _train(rank, world_size, (2, 2), "adamw", 2, 1000, torch.float32, 0.5, False, False, hop=hop)
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-2, reduce_bucket_size=1000, mesh=_mesh((2, 2)),
+                                    inter_node_dtype="int8", nonfinite="skip")
+    wrapper = shardopt.ShardedDDP(model, opt)
+    stats = opt.memory_stats()
+    want = (opt.shard_grad.numel() + opt.shard_grad.numel() // 2) * 4
+    if stats["hop_residual"] != want:
+        out.append(f"memory_stats hop_residual {stats['hop_residual']} != {want}")
+    import warnings
+    for step in range(3):
+        loss = _loss(wrapper, step, rank)
+        if step == 1 and rank == 3:
+            loss = loss * float("inf")
+        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        opt.zero_grad()
+        skipped = opt.last_step_skipped
+        if skipped != (step == 1):
+            out.append(f"step {step}: skipped={skipped}")
+    return out
+
+
+def test_compressed_hops_train_close_to_exact():
+    for rank, failures in enumerate(run_ranks(_compressed, 4, timeout=300)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+
+
+# ------------------------------------------------------------------ checkpoints across meshes
+def _ckpt_save(rank, world_size, path, shape):
+    import shardopt
+
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                    reduce_bucket_size=300, **({"mesh": _mesh(shape)} if shape else {}))
+    wrapper = shardopt.ShardedDDP(model, opt)
+    for step in range(3):
+        _loss(wrapper, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    shardopt.save_checkpoint(path, wrapper, opt, tag=f"from-{shape}")
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()},
+                   os.path.join(path, f"want-{shape}.pt"))
+    dist.barrier()
+    return sorted(os.listdir(os.path.join(path, f"from-{shape}")))
+
+
+def _ckpt_load(rank, world_size, path, saved_shape, shape):
+    import shardopt
+
+    torch.manual_seed(1)  # other weights: the load must replace them
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                    reduce_bucket_size=1000, **({"mesh": _mesh(shape)} if shape else {}))
+    wrapper = shardopt.ShardedDDP(model, opt)
+    shardopt.load_checkpoint(path, wrapper, opt, tag=f"from-{saved_shape}")
+    opt.consolidate_state_dict(to=0)
+    out = []
+    if rank == 0:
+        want = torch.load(os.path.join(path, f"want-{saved_shape}.pt"))
+        for k, v in model.state_dict().items():
+            if not torch.equal(v, want["model"][k]):
+                out.append(f"{saved_shape} -> {shape}: {k} differs")
+        got = opt.state_dict()
+        for i, s in want["optim"]["state"].items():
+            for k, v in s.items():
+                if not torch.equal(torch.as_tensor(v), torch.as_tensor(got["state"][i][k])):
+                    out.append(f"{saved_shape} -> {shape}: state {i} {k} differs")
+    # Training goes on (a step over the loaded state, every replica alike).
+    _loss(wrapper, 5, rank).backward()
+    opt.step()
+    return out
+
+
+def test_checkpoints_move_between_meshes_and_flat(tmp_path):
+    path = str(tmp_path)
+    files = run_ranks(_ckpt_save, 4, path, (2, 2), timeout=120)[0]
+    # Only the first replica writes: one rank file per shard, not per rank.
+    assert [f for f in files if f.startswith("rank-")] == ["rank-00000.bin", "rank-00001.bin"], files
+    run_ranks(_ckpt_save, 4, path, None, timeout=120)
+    for saved, shape in (((2, 2), None), (None, (2, 2)), ((2, 2), (1, 4))):
+        for rank, failures in enumerate(run_ranks(_ckpt_load, 4, path, saved, shape, timeout=120)):
+            assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+    for rank, failures in enumerate(run_ranks(_ckpt_load, 2, path, (2, 2), (2, 1), timeout=120)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+
+
+# ------------------------------------------------------------------ refusals
+def _refusals(rank, world_size):
+    import shardopt
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+
+    def refused(match, **kw):
+        try:
+            shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, **kw)
+            out.append(f"{kw} was accepted")
+        except (ValueError, TypeError, RuntimeError) as e:
+            if match not in str(e):
+                out.append(f"{kw}: unclear error {e}")
+
+    mesh = _mesh((2, 2))
+    refused("mesh_dim_names", mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    refused("at most one", mesh=mesh, process_group=dist.group.WORLD)
+    refused("shard_group must be", shard_group="socket")
+    refused("inter_node_dtype", inter_node_dtype=torch.float16, mesh=mesh)
+    refused("shard_group='node' or mesh", inter_node_dtype="int8")
+    refused("DeviceMesh", mesh=[[0, 1], [2, 3]])
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    refused("LOCAL_WORLD_SIZE", shard_group="node")
+    # Ranks that disagree on the mesh: every rank is told, before any group is built.
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank == 0 else "4"
+    os.environ["LOCAL_RANK"] = str(rank % int(os.environ["LOCAL_WORLD_SIZE"]))
+    refused("ranks disagree on the mesh", shard_group="node")
+    # Agreeing ranks: shard_group="node" builds the (nodes, ranks per node) mesh.
+    os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "2", str(rank % 2)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-3, shard_group="node")
+    if (opt.sharding.shape.replicas, opt.sharding.shape.shards, opt.world_size) != (2, 2, 2):
+        out.append(f"node mesh is {opt.sharding.shape}")
+    # DCP export of replicated shards is refused, naming the way out.
+    from shardopt import dcp
+    try:
+        dcp.get_state_dict(shardopt.ShardedDDP(model, opt), opt)
+        out.append("dcp export of a hybrid optimizer was accepted")
+    except NotImplementedError as e:
+        if "save_checkpoint" not in str(e):
+            out.append(f"dcp: unclear error {e}")
+    return out
+
+
+def test_bad_meshes_are_refused_with_the_fix():
+    for rank, failures in enumerate(run_ranks(_refusals, 4, timeout=120)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)
