@@ -458,3 +458,50 @@ def _refusals(rank, world_size):
 def test_bad_meshes_are_refused_with_the_fix():
     for rank, failures in enumerate(run_ranks(_refusals, 4, timeout=120)):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
+
+
+# ------------------------------------------------------------------ the rest of the card, on a mesh
+def _same_as_flat(rank, world_size):
+    """fp16 with loss scaling + CPU offload, and a DeepSpeed config, on a 2 x 2 mesh against the same
+    run sharded flat over the 4 ranks (itself tested against references elsewhere): the same losses,
+    the same skipped steps and loss scales."""
+    import shardopt
+
+    def run(mesh, kind):
+        torch.manual_seed(0)
+        if kind == "fp16-offload":
+            model = AwkwardNet().to(torch.float16)
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.CPUAdam, lr=1e-2, adamw=True,
+                                            offload="cpu", reduce_bucket_size=1000, mesh=mesh)
+        else:
+            model = AwkwardNet()
+            config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.5,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+                      "zero_optimization": {"stage": 1, "reduce_bucket_size": 300}}
+            opt = shardopt.ShardedOptimizer.from_config(model.parameters(), config, mesh=mesh)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        trace = []
+        for step in range(6):
+            loss = _loss(wrapper, step, rank)
+            if kind == "fp16-offload" and step == 2:
+                loss = loss * 1e6  # overflows fp16 on every rank: the step is skipped, the scale backs off
+            opt.scale_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+            trace.append((round(loss.item() / (1e6 if kind == "fp16-offload" and step == 2 else 1), 3),
+                          opt.last_step_skipped, opt.loss_scale))
+        return trace
+
+    out = []
+    for kind in ("fp16-offload", "ds-config"):
+        flat, hybrid = run(None, kind), run(_mesh((2, 2)), kind)
+        if flat != hybrid:
+            out.append(f"{kind}: flat {flat} vs hybrid {hybrid}")
+        if kind == "fp16-offload" and not any(skipped for _, skipped, _ in hybrid):
+            out.append(f"{kind}: no step was skipped: {hybrid}")
+    return out
+
+
+def test_loss_scaling_offload_and_ds_config_work_on_a_mesh():
+    for rank, failures in enumerate(run_ranks(_same_as_flat, 4, timeout=300)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)

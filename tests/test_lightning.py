@@ -128,46 +128,72 @@ def _fit(world_size, strategy, optim, sched, clip, accum):
 
 
 def _parity(rank, world_size):
-    from shardopt import ShardedOptimizer
-    from shardopt.lightning import ShardedStrategy
-
     _external_ranks(rank)
     failures = []
     for optim, sched, clip, accum, options in PARITY:
-        what = f"{optim}/{sched}/clip={clip}/accum={accum}/{options}"
-        ref, ref_trainer = _fit(world_size, DDPStrategy(find_unused_parameters=True), optim, sched, clip, accum)
-        strategy = options if isinstance(options, str) else ShardedStrategy(**options)
-        model, trainer = _fit(world_size, strategy, optim, sched, clip, accum)
-        if not isinstance(trainer.strategy, ShardedStrategy):
-            failures.append(f"{what}: strategy is {type(trainer.strategy).__name__}")
-        opt = trainer.optimizers[0]
-        if not isinstance(opt, ShardedOptimizer):
-            failures.append(f"{what}: optimizer is {type(opt).__name__}")
-        if trainer.lr_scheduler_configs[0].scheduler.optimizer is not opt:
-            failures.append(f"{what}: the LR scheduler still holds the original optimizer")
-        if len(model.losses) != len(ref.losses) or len(model.losses) != SAMPLES // world_size // BATCH:
-            failures.append(f"{what}: {len(model.losses)} micro-batches vs DDP's {len(ref.losses)}")
-        for step, err in enumerate(_rel_errors(ref.losses, model.losses)):
-            if err > 1e-5:
-                failures.append(f"{what}: micro-batch {step}: loss {ref.losses[step]!r} (ddp) vs "
-                                f"{model.losses[step]!r} (shardopt)")
-        ref_state, state = ref.state_dict(), model.state_dict()
-        for name, p in ref_state.items():
-            if not p.is_floating_point():
-                continue
-            err = ((p - state[name]).abs().max() / p.abs().max().clamp_min(1e-12)).item()
-            if err > 1e-5:
-                failures.append(f"{what}: final {name}: relative error {err:.2e}")
-        ref_lrs = [g["lr"] for g in ref_trainer.optimizers[0].param_groups]
-        lrs = [g["lr"] for g in opt.param_groups]
-        if ref_lrs != lrs or trainer.global_step != ref_trainer.global_step:
-            failures.append(f"{what}: lr {lrs} at step {trainer.global_step} vs DDP's {ref_lrs} at "
-                            f"{ref_trainer.global_step}")
-        # Accumulation goes through no_sync: one reduction per optimizer step.
-        if opt.engine.num_reduce_scatters != len(opt.layout.buckets) * trainer.global_step:
-            failures.append(f"{what}: {opt.engine.num_reduce_scatters} reduce-scatters for "
-                            f"{trainer.global_step} steps of {len(opt.layout.buckets)} buckets")
+        model, more = _check_parity(world_size, optim, sched, clip, accum, options)
+        failures += more
     return failures + _setup_errors(world_size, model)
+
+
+def _check_parity(world_size, optim, sched, clip, accum, options):
+    """One fit under DDP and one under ShardedStrategy(**options); returns (the sharded model, failures)."""
+    from shardopt import ShardedOptimizer
+    from shardopt.lightning import ShardedStrategy
+
+    failures = []
+    what = f"{optim}/{sched}/clip={clip}/accum={accum}/{options}"
+    ref, ref_trainer = _fit(world_size, DDPStrategy(find_unused_parameters=True), optim, sched, clip, accum)
+    strategy = options if isinstance(options, str) else ShardedStrategy(**options)
+    model, trainer = _fit(world_size, strategy, optim, sched, clip, accum)
+    if not isinstance(trainer.strategy, ShardedStrategy):
+        failures.append(f"{what}: strategy is {type(trainer.strategy).__name__}")
+    opt = trainer.optimizers[0]
+    if not isinstance(opt, ShardedOptimizer):
+        failures.append(f"{what}: optimizer is {type(opt).__name__}")
+    if trainer.lr_scheduler_configs[0].scheduler.optimizer is not opt:
+        failures.append(f"{what}: the LR scheduler still holds the original optimizer")
+    if len(model.losses) != len(ref.losses) or len(model.losses) != -(-SAMPLES // world_size // BATCH):
+        failures.append(f"{what}: {len(model.losses)} micro-batches vs DDP's {len(ref.losses)}")
+    for step, err in enumerate(_rel_errors(ref.losses, model.losses)):
+        if err > 1e-5:
+            failures.append(f"{what}: micro-batch {step}: loss {ref.losses[step]!r} (ddp) vs "
+                            f"{model.losses[step]!r} (shardopt)")
+    ref_state, state = ref.state_dict(), model.state_dict()
+    for name, p in ref_state.items():
+        if not p.is_floating_point():
+            continue
+        err = ((p - state[name]).abs().max() / p.abs().max().clamp_min(1e-12)).item()
+        if err > 1e-5:
+            failures.append(f"{what}: final {name}: relative error {err:.2e}")
+    ref_lrs = [g["lr"] for g in ref_trainer.optimizers[0].param_groups]
+    lrs = [g["lr"] for g in opt.param_groups]
+    if ref_lrs != lrs or trainer.global_step != ref_trainer.global_step:
+        failures.append(f"{what}: lr {lrs} at step {trainer.global_step} vs DDP's {ref_lrs} at "
+                        f"{ref_trainer.global_step}")
+    # Accumulation goes through no_sync: one reduction per optimizer step.
+    if opt.engine.num_reduce_scatters != len(opt.layout.buckets) * trainer.global_step:
+        failures.append(f"{what}: {opt.engine.num_reduce_scatters} reduce-scatters for "
+                        f"{trainer.global_step} steps of {len(opt.layout.buckets)} buckets")
+    return model, failures
+
+
+def _parity_mesh(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _external_ranks(rank)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    _, failures = _check_parity(world_size, "sgd", "warmup", 0.05, 2,
+                                {"stage": 2, "reduce_bucket_size": 1000, "mesh": mesh})
+    return failures
+
+
+def test_hybrid_mesh_matches_lightning_ddp():
+    """ShardedStrategy(mesh=...) (2 replicas x 2 shards) against Lightning's DDP, 4 ranks."""
+    from dist_harness import run_ranks
+
+    for rank, failures in enumerate(run_ranks(_parity_mesh, 4, timeout=300)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
 
 
 def _setup_errors(world_size, trained):
