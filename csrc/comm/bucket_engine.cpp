@@ -144,7 +144,7 @@ at::Tensor BucketEngine::chunk_view(int64_t b) const {
 }
 
 int64_t BucketEngine::acquire_slot() {
-  while (free_slots_.empty() && !inflight_.empty()) finish_oldest();
+  while (free_slots_.empty() && !inflight_.empty()) free_a_slot();
   if (free_slots_.empty()) {
     // Every buffer belongs to a bucket that waits for an earlier one in the
     // launch order: grow rather than deadlock (see Note [Bucket engine]).
@@ -243,7 +243,7 @@ void BucketEngine::launch(int64_t b) {
   at::Tensor out = direct ? chunk_view(b) : slot_out(slot).narrow(0, 0, numel / world_size_);
   has_data_[b] = 1;
   ++n_reduce_scatters_;
-  c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10d::Work> work, hop;
   if (world_size_ == 1) {
     out.copy_(input);
   } else {
@@ -257,9 +257,9 @@ void BucketEngine::launch(int64_t b) {
       const int64_t chunk = numel / world_size_;
       residual = hop_residual_.narrow(0, residual_offset_[b], chunk + chunk / replicas_);
     }
-    work = comm::start_replica_all_reduce(replicate_pg_, std::move(work), out, hop_format_, residual);
+    hop = comm::start_replica_all_reduce(replicate_pg_, work, out, hop_format_, residual);
   }
-  inflight_.push_back(InFlight{b, std::move(work), slot, std::move(out), direct, accumulate});
+  inflight_.push_back(InFlight{b, std::move(work), std::move(hop), slot, std::move(out), direct, accumulate});
   if (!overlap_) finish_oldest();
 }
 
@@ -275,10 +275,30 @@ void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
   }
 }
 
+// A staging buffer is needed: the oldest bucket still holding one gives it
+// back. With an inter-node hop into the shard itself (direct), that is as
+// soon as its reduce-scatter inside the node is done: backward goes on filling
+// buckets while earlier ones are still crossing the slow link.
+void BucketEngine::free_a_slot() {
+  for (auto& f : inflight_) {
+    if (f.slot < 0) continue;
+    if (f.hop && f.direct) {
+      wait(f.work, "reduce-scatter", f.bucket);
+      f.work.reset();
+      free_slots_.push_back(f.slot);
+      f.slot = -1;
+      return;
+    }
+    break;
+  }
+  finish_oldest();
+}
+
 void BucketEngine::finish_oldest() {
   InFlight f = std::move(inflight_.front());
   inflight_.pop_front();
   wait(f.work, "reduce-scatter", f.bucket);
+  wait(f.hop, "inter-node hop", f.bucket);
   if (!f.direct) {
     // Into the shard's dtype and device (the host, with offload), per bucket.
     const auto t0 = std::chrono::steady_clock::now();
@@ -294,7 +314,7 @@ void BucketEngine::finish_oldest() {
     // The next backward accumulates into .grad views of this buffer again.
     flat_grad_.narrow(0, plan_.bucket_start[f.bucket], plan_.bucket_numel[f.bucket]).zero_();
   }
-  free_slots_.push_back(f.slot);
+  if (f.slot >= 0) free_slots_.push_back(f.slot);
 }
 
 std::vector<int64_t> BucketEngine::unready_params() const {

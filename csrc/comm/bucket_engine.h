@@ -144,7 +144,8 @@ class BucketEngine {
   struct InFlight {
     int64_t bucket;
     c10::intrusive_ptr<c10d::Work> work;  // null when done synchronously (world size 1)
-    int64_t slot;
+    c10::intrusive_ptr<c10d::Work> hop;   // the inter-node hop after it (hybrid sharding), else null
+    int64_t slot;                          // -1 once given back early (see free_a_slot)
     at::Tensor out;                        // reduce-scatter output
     bool direct;                           // out is the shard chunk itself
     bool accumulate;                       // out must be added into the shard chunk
@@ -166,6 +167,7 @@ class BucketEngine {
   void launch(int64_t bucket);
   void launch_ready_buckets();
   void finish_oldest();
+  void free_a_slot();
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
   bool has_grad_locked() const;
