@@ -147,9 +147,12 @@ def chart(path: str, results: dict, steps: int) -> None:
     for name, r in results.items():
         s = smooth(r["losses"])
         ax.plot(range(1, steps + 1), s, label=name, linewidth=1.3)
-        dx.plot(range(1, steps + 1), [a - b for a, b in zip(s, ref)], label=name, linewidth=1.3)
+        dx.plot(range(1, steps + 1), [100 * (a / b - 1) for a, b in zip(s, ref)], label=name, linewidth=1.3)
+    for bound in (-100 * TOLERANCE, 100 * TOLERANCE):
+        dx.axhline(bound, color="gray", linestyle="--", linewidth=1)
     ax.set(title=f"training loss (trailing mean of {TAIL} steps)", xlabel="step", ylabel="cross-entropy (nats/byte)")
-    dx.set(title="minus the fp32 hop's (same smoothing)", xlabel="step", ylabel="loss difference")
+    dx.set(title=f"relative to the fp32 hop's (same smoothing; dashed: ±{TOLERANCE:.0%})", xlabel="step",
+           ylabel="loss difference (%)")
     for a in (ax, dx):
         a.grid(alpha=0.3)
         a.legend()
