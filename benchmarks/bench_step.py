@@ -14,7 +14,8 @@ the next forward; for torch ZeRO: step + broadcast).
 fairscale; DS_ACCELERATOR=cpu is set here): the variants of benchmarks/peers.py.
 Holding all ten models at once would take ~20 GB at 4 ranks, so they run in
 rounds of four or five, each round with DDP and shardopt ZeRO-2 as anchors;
-ratios are to the DDP of the same round. Before the rounds, each variant is
+ratios are to the DDP of the same round (`--variants` instead runs one round of the variants it names,
+DDP the only anchor). Before the rounds, each variant is
 built alone and trained for 2 steps to measure its peak memory: the growth of
 the process's peak resident set (VmHWM) over its RSS before the model is
 built (Note [Peak RSS per variant]). A variant that fails to build or step is
@@ -27,12 +28,18 @@ reported with its error.
     python benchmarks/bench_step.py --peers --rounds-of "FairScale, zero_grad(set_to_none=False)" --repeat 3
         # a closer look at one peer: K rounds of just it and the anchors
     python benchmarks/bench_step.py --cluster 2x2 --rate 1gbit [--peers]   # root: emulated nodes
+    python benchmarks/bench_step.py --peers --model small --world-sizes 4 \
+        --variants "DDP,FSDP2 HSDP,shardopt-2-gather,shardopt-hybrid-fp32-gather,shardopt-hybrid-bf16-gather,shardopt-hybrid-int8-gather"
 
 --cluster NODESxRANKS runs the ranks on an emulated cluster (shardopt/cluster.py: every node a
 network namespace whose link is shaped to --rate; ranks started by torchrun, one per node) instead
 of on 127.0.0.1, and adds the bytes each node sent over its link per step (its veth's counter, read
 around each variant's turn; the busiest node's) to the tables. With --peers the rounds
-are CLUSTER_ROUNDS: DDP, torch ZeRO, FSDP2 flat and HSDP, DeepSpeed ZeRO-2, shardopt ZeRO-1/2.
+are CLUSTER_ROUNDS: DDP, torch ZeRO, FSDP2 flat and HSDP, DeepSpeed ZeRO-2, shardopt ZeRO-1/2, and
+flat ZeRO-2 against the three hybrids (exact, bf16 and int8 inter-node hop). Next to the bytes measured,
+the --peers table gives the bytes expected by arithmetic where it is known and their ratio (Note [Link
+bytes by arithmetic] in peers.py). On 127.0.0.1, --nodes groups the ranks into nodes for the hybrid and
+HSDP variants (LOCAL_WORLD_SIZE; default 2 nodes at 4 ranks): their hop runs over loopback.
 """
 from __future__ import annotations
 
@@ -65,6 +72,8 @@ PEER_ROUNDS = [
 CLUSTER_ROUNDS = [
     ["shardopt ZeRO-1", "torch ZeroRedundancyOptimizer", "FSDP2 (fully_shard)"],
     ["FSDP2 HSDP (replicate across nodes, shard within)", "DeepSpeed ZeRO-2"],
+    ["shardopt ZeRO-2 + overlap_gather", "shardopt hybrid (fp32 hop) + overlap_gather",
+     "shardopt hybrid + bf16 hop + overlap_gather", "shardopt hybrid + int8 hop + overlap_gather"],
 ]
 # How ranks are started: run_ranks (127.0.0.1) or, with --cluster, run_ranks_on_cluster (main()).
 RUNNER = run_ranks
@@ -292,7 +301,7 @@ def _peer_memory(rank, name, cfg, shape, bucket):
         gc.collect()
 
 
-def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds):
+def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds, anchors):
     import torch.distributed as dist
 
     import peers
@@ -302,12 +311,12 @@ def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds
     cfg = PRESETS[model_name]
     # DeepSpeed gets the bucket size shardopt picks by default, so both cut the model alike.
     bucket = auto_bucket_size(num_params(GPT(cfg)))
-    names_used = [n for n in peers.VARIANTS if n in ANCHORS or any(n in r for r in peer_rounds)]
+    names_used = [n for n in peers.VARIANTS if n in anchors or any(n in r for r in peer_rounds)]
     memory = {name: _peer_memory(rank, name, cfg, shape, bucket) for name in names_used}
     rounds = []
     for names in peer_rounds:
         trainers, errors = {}, {}
-        for name in ANCHORS + names:
+        for name in anchors + names:
             if isinstance(memory[name], str):  # it failed alone: it would fail here too
                 errors[name] = memory[name]
                 continue
@@ -323,11 +332,11 @@ def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds
     return dict(memory=memory, rounds=rounds, bucket=bucket)
 
 
-def _peer_rows(results, peer_rounds):
+def _peer_rows(results, peer_rounds, anchors):
     """One row per (round, variant): slowest rank's medians, max peak over ranks, rank 0's losses."""
     rows = []
     for ri, names in enumerate(peer_rounds):
-        ddp = ANCHORS[0]
+        ddp = anchors[0]
         per_rank = [r["rounds"][ri] for r in results]
         errors = {}
         for r in per_rank:
@@ -335,7 +344,7 @@ def _peer_rows(results, peer_rounds):
                 errors.setdefault(n, e)
         ref = per_rank[0]["losses"].get(ddp)
         base = max(r["med"][ddp]["total"] for r in per_rank) if ddp not in errors else None
-        for n in ANCHORS + names:
+        for n in anchors + names:
             mem = [r["memory"][n] for r in results]
             peak = None if any(isinstance(m, str) for m in mem) else max(mem)
             row = dict(round=ri + 1, name=n, error=errors.get(n), peak=peak)
@@ -352,24 +361,65 @@ def _peer_rows(results, peer_rounds):
     return rows
 
 
-def _peer_table(rows, ws, steps, warmup, shape, turn):
+def _peer_table(rows, ws, steps, warmup, shape, turn, expected):
+    """`expected`: variant name -> the bytes per node per step by arithmetic, or None (Note [Link bytes by
+    arithmetic] in peers.py)."""
     lines = [f"### {ws} ranks, batch {shape[0]}x{shape[1]} tokens per rank, {warmup} warm-up + {steps} timed "
              f"rounds of {turn} steps per variant", "",
              "| round | variant | fwd ms | bwd ms | step ms | total ms | x DDP (same round) | MB sent per node per "
-             "step | peak RSS growth "
+             "step | expected MB (arithmetic) | measured / expected | peak RSS growth "
              f"MiB | loss at step {(warmup + steps) * turn} | minus DDP's | max abs diff to DDP (first step > 1e-4) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak = f"{r['peak'] / 2**20:.0f}" if r["peak"] is not None else "-"
+        want = expected.get(r["name"])
+        want_mb = f"{want / 1e6:.1f}" if want is not None else "-"
         if r["error"]:
-            lines.append(f"| {r['round']} | {r['name']} | error: `{r['error']}` | | | | | | {peak} | | | |")
+            lines.append(f"| {r['round']} | {r['name']} | error: `{r['error']}` | | | | | | {want_mb} | | {peak} "
+                         "| | | |")
             continue
         first = f" (step {r['first_off'] + 1})" if r["first_off"] is not None else ""
         sent = f"{r['sent'] / 1e6:.1f}" if "sent" in r else "-"
+        ratio = f"{r['sent'] / want:.2f}" if "sent" in r and want else "-"
         lines.append(f"| {r['round']} | {r['name']} | {r['fwd'] * 1e3:.0f} | {r['bwd'] * 1e3:.0f} | "
-                     f"{r['step'] * 1e3:.0f} | {r['total'] * 1e3:.0f} | {r['ratio']:.2f} | {sent} | {peak} | "
-                     f"{r['loss']:.5f} | {r['diff']:+.1e} | {r['maxdiff']:.1e}{first} |")
+                     f"{r['step'] * 1e3:.0f} | {r['total'] * 1e3:.0f} | {r['ratio']:.2f} | {sent} | {want_mb} | "
+                     f"{ratio} | {peak} | {r['loss']:.5f} | {r['diff']:+.1e} | {r['maxdiff']:.1e}{first} |")
     return lines
+
+
+def _select_peers(spec: str) -> list[str]:
+    """--variants with --peers: comma-separated variant names, their kinds (peers.VARIANTS' values, e.g.
+    fsdp2-hsdp) or unique name prefixes (e.g. "FSDP2 HSDP"), in table order. Full names are found first,
+    so the ones with commas in them work as written."""
+    import peers
+
+    found, rest = set(), spec
+    for name in sorted(peers.VARIANTS, key=len, reverse=True):  # "X + overlap_gather" before "X"
+        if name in rest:
+            found.add(name)
+            rest = rest.replace(name, "")
+    for word in (w.strip() for w in rest.split(",")):
+        if not word:
+            continue
+        match = ([n for n, k in peers.VARIANTS.items() if k == word]
+                 or [n for n in peers.VARIANTS if n.lower().startswith(word.lower())])
+        if len(match) != 1:
+            raise SystemExit(f"--variants: {word!r} names {'no' if not match else 'more than one'} variant "
+                             f"({match or ''}); known (name: kind): "
+                             + "; ".join(f"{n}: {k}" for n, k in peers.VARIANTS.items()))
+        found.update(match)
+    if ANCHORS[0] not in found:
+        raise SystemExit(f"--variants: include {ANCHORS[0]!r} (or ddp): every ratio is to it")
+    return [n for n in peers.VARIANTS if n in found]
+
+
+def _link_arithmetic(names, cfg, ws, per_node):
+    """Note [Link bytes by arithmetic] (peers.py) for each variant, with S = 4 x trainable parameters."""
+    import peers
+    from shardopt.gpt import GPT
+
+    grad_bytes = 4 * sum(p.numel() for p in GPT(cfg).parameters() if p.requires_grad)
+    return {n: peers.expected_link_bytes(peers.VARIANTS[n], grad_bytes, ws, per_node) for n in names}, grad_bytes
 
 
 def _peer_chart(path, per_ws):
@@ -395,7 +445,22 @@ def _peer_chart(path, per_ws):
     ], reference={0: 1.0})
 
 
+def _ranks_per_node(args, ws):
+    """Ranks per node at world size ws. On the emulated cluster torchrun sets LOCAL_WORLD_SIZE; on 127.0.0.1
+    it is set here for the ranks (spawned, they inherit the environment), which groups them into --nodes
+    "nodes" for shard_group="node" and FSDP2 HSDP: their hop then runs over loopback."""
+    if args.cluster:
+        return int(args.cluster.lower().split("x")[1])
+    nodes = args.nodes if args.nodes is not None else (2 if ws >= 4 and ws % 2 == 0 else 1)
+    if ws % nodes:
+        raise SystemExit(f"--nodes {nodes} does not divide {ws} ranks")
+    os.environ["LOCAL_WORLD_SIZE"] = str(ws // nodes)
+    return ws // nodes
+
+
 def run_peers(args):
+    from shardopt.gpt import PRESETS
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     steps, warmup = args.steps, 1
     lines = [f"# Peers: step time, memory and loss — {datetime.date.today().isoformat()}", "",
@@ -411,6 +476,12 @@ def run_peers(args):
     versions = _versions()
     lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
     peer_rounds = CLUSTER_ROUNDS if args.cluster else PEER_ROUNDS
+    anchors = ANCHORS
+    if args.variants:
+        # One round of just these: fewer models per process (Note [Turns]); DDP is the only anchor.
+        chosen = _select_peers(args.variants)
+        anchors, peer_rounds = chosen[:1], [chosen[1:]]
+        lines += [f"`--variants`: one round of {', '.join(chosen)}.", ""]
     if args.rounds_of:
         import peers
         if args.rounds_of not in peers.VARIANTS or args.rounds_of in ANCHORS:
@@ -422,12 +493,19 @@ def run_peers(args):
     per_ws = []
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         t0 = time.time()
+        per_node = _ranks_per_node(args, ws)
+        expected, grad_bytes = _link_arithmetic(anchors + [n for r in peer_rounds for n in r],
+                                                PRESETS[args.model], ws, per_node)
         res = RUNNER(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup, args.turn,
-                        peer_rounds, timeout=3600, collective_timeout=900)
-        rows = _peer_rows(res, peer_rounds)
+                        peer_rounds, anchors, timeout=3600, collective_timeout=900)
+        rows = _peer_rows(res, peer_rounds, anchors)
         per_ws.append((ws, rows))
-        lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32), args.turn)
+        lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32), args.turn,
+                             expected)
         lines += ["", f"Bucket size for shardopt (its default) and DeepSpeed: {res[0]['bucket']:,} elements. "
+                  f"Expected MB: {ws // per_node} node(s) of {per_node} ranks, S = {grad_bytes / 1e6:.1f} MB "
+                  "of fp32 gradients (Note [Link bytes by arithmetic] in peers.py); measured / expected "
+                  "above 1 is headers, padding and small collectives. "
                   f"Run time {time.time() - t0:.0f} s.", ""]
         print("\n".join(lines[-len(rows) - 6:]), flush=True)
     report = "\n".join(lines)
@@ -464,14 +542,21 @@ def main():
     ap.add_argument("--turn", type=int, default=4, help="consecutive steps per variant in a round (Note [Turns])")
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset of the default variants (must include DDP), "
-                         "e.g. 'DDP,shardopt ZeRO-2'")
+                         "e.g. 'DDP,shardopt ZeRO-2'; with --peers: names, kinds or unique name prefixes of "
+                         "benchmarks/peers.py's variants, run as one round, e.g. 'DDP,FSDP2 HSDP,"
+                         "shardopt-2-gather,shardopt-hybrid-fp32-gather'")
     ap.add_argument("--cluster", default=None, metavar="NODESxRANKS",
                     help="run on an emulated cluster of NODES nodes x RANKS ranks (root; see above)")
     ap.add_argument("--rate", default="1gbit", help="with --cluster: each node's link rate (tc tbf)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="with --peers on 127.0.0.1: group the ranks into this many 'nodes' (LOCAL_WORLD_SIZE) for "
+                         "the hybrid and HSDP variants; default 2 at an even world size >= 4, else 1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.rounds_of and not args.peers:
         ap.error("--rounds-of picks rounds of the peer benchmark: add --peers")
+    if args.rounds_of and args.variants:
+        ap.error("--rounds-of and --variants both pick the rounds: use one")
     if args.steps is None:
         args.steps = 4
     if args.quick:

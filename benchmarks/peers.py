@@ -9,6 +9,12 @@ torch's optimizer; the offload variants use their library's own CPU Adam.
 Nothing clips gradients (DeepSpeed clips at 1.0 unless told
 `gradient_clipping: 0`).
 
+The shardopt hybrid variants (shard_group="node": sharded inside a node,
+replicated across nodes, the gradient's inter-node hop exact, bf16 or int8)
+read the node size from LOCAL_WORLD_SIZE, as FSDP2 HSDP does. What each
+variant should send over a node's link is `expected_link_bytes` (Note [Link
+bytes by arithmetic]).
+
 Peers that are not installed, or fail to build, raise; the caller reports
 the error in the table.
 """
@@ -37,7 +43,13 @@ VARIANTS = {
     "shardopt ZeRO-2": "shardopt-2",
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
     "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
+    # Hybrid sharding (shard_group="node"): sharded inside a node, replicated across nodes.
+    "shardopt hybrid (fp32 hop) + overlap_gather": "shardopt-hybrid-fp32-gather",
+    "shardopt hybrid + bf16 hop + overlap_gather": "shardopt-hybrid-bf16-gather",
+    "shardopt hybrid + int8 hop + overlap_gather": "shardopt-hybrid-int8-gather",
 }
+# inter_node_dtype of the hybrid kinds.
+HOP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
 
 
 @dataclasses.dataclass
@@ -68,10 +80,13 @@ def _torch_style(wrapper, opt, set_to_none=True) -> Trainer:
 
 
 def _deepspeed(model, bucket: int, batch: int, offload: bool) -> Trainer:
-    # DeepSpeed asks for launcher variables even when the process group exists.
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    import deepspeed
     import torch.distributed as dist
+
+    # DeepSpeed asks for launcher variables even when the process group exists. LOCAL_RANK as torchrun
+    # numbers it: hybrid sharding (shard_group="node") refuses one that disagrees with LOCAL_WORLD_SIZE.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % local))
+    import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     config = {
@@ -131,15 +146,60 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
     if kind.startswith("shardopt-"):
         import shardopt
 
-        stage = int(kind.split("-")[1])
-        if kind.endswith("gather"):  # the all-gather finishes during the next forward
-            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
-                                            fused=True, stage=stage, overlap_gather=True)
-        elif kind.endswith("offload"):
-            opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.CPUAdam, lr=LR, weight_decay=WD,
-                                            adamw=True, stage=stage, offload="cpu")
-        else:
-            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
-                                            fused=True, stage=stage)
+        opt = shardopt.ShardedOptimizer(model.parameters(), **_shardopt_kwargs(kind))
         return _torch_style(shardopt.ShardedDDP(model, opt), opt)
     raise ValueError(f"unknown variant kind {kind!r}")
+
+
+def _shardopt_kwargs(kind: str) -> dict:
+    """ShardedOptimizer's arguments for a kind: shardopt-{1,2}[-gather|-offload] or
+    shardopt-hybrid-{fp32,bf16,int8}[-gather] (ZeRO-2 sharded inside a node, the gradient's
+    inter-node hop in that format)."""
+    import shardopt
+
+    parts = kind.split("-")[1:]
+    kw = dict(optim=torch.optim.AdamW, lr=LR, weight_decay=WD, fused=True, stage=2)
+    if parts[0] == "hybrid":
+        kw.update(shard_group="node", inter_node_dtype=HOP_DTYPES[parts[1]])
+        options = parts[2:]
+    else:
+        kw["stage"] = int(parts[0])
+        options = parts[1:]
+    for option in options:
+        if option == "gather":  # the all-gather finishes during the next forward
+            kw["overlap_gather"] = True
+        elif option == "offload":  # the library's own fused CPU Adam over host master chunks
+            del kw["fused"]
+            kw.update(optim=shardopt.CPUAdam, adamw=True, offload="cpu")
+        else:
+            raise ValueError(f"unknown variant kind {kind!r}")
+    return kw
+
+
+# Note [Link bytes by arithmetic]
+# What one node should send over its link per step, for S bytes of fp32
+# gradients, W ranks numbered node by node, K per node, R = W / K nodes
+# (shardopt/mesh_plan.py has the functions and the derivations):
+# - DDP's ring all-reduce and flat ZeRO-1/2 (a ring reduce-scatter, then a ring
+#   all-gather of the parameters): the ring crosses each node's link once per
+#   direction, carrying 2 (W-1)/W S. It does not depend on K, and the DDP rows
+#   of 2026-11-23-multinode.md measured it (25.5 MB for 17.0 MB at 2x2).
+# - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
+#   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
+#   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
+#   256 elements.
+# - Others (torch ZeRO's broadcasts, FSDP2 flat and DeepSpeed over gloo, whose
+#   reduce-scatter is an all-reduce): not derived here; the column stays empty.
+def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -> float | None:
+    """Note [Link bytes by arithmetic]: bytes one node sends per step, or None where not derived."""
+    from shardopt.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
+
+    if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
+        return ring_link_bytes(world, per_node, grad_bytes)
+    shape = MeshShape(world // per_node, per_node)
+    if kind == "fsdp2-hsdp":
+        return hop_link_bytes(shape, grad_bytes)
+    if kind.startswith("shardopt-hybrid-"):
+        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[HOP_DTYPES[kind.split("-")[2]]]
+        return hop_link_bytes(shape, grad_bytes, fmt)
+    return None
