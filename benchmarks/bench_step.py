@@ -491,16 +491,17 @@ def run_peers(args):
         lines += [f"`--rounds-of {args.rounds_of!r} --repeat {args.repeat}`: {args.repeat} rounds of the anchors "
                   "and that variant only.", ""]
     per_ws = []
+    shape = args.shape or (PEER_SHAPE if not args.quick else (2, 32))
     for ws in [int(w) for w in args.world_sizes.split(",")]:
         t0 = time.time()
         per_node = _ranks_per_node(args, ws)
         expected, grad_bytes = _link_arithmetic(anchors + [n for r in peer_rounds for n in r],
                                                 PRESETS[args.model], ws, per_node)
-        res = RUNNER(_peers, ws, args.model, PEER_SHAPE if not args.quick else (2, 32), steps, warmup, args.turn,
+        res = RUNNER(_peers, ws, args.model, shape, steps, warmup, args.turn,
                         peer_rounds, anchors, timeout=3600, collective_timeout=900)
         rows = _peer_rows(res, peer_rounds, anchors)
         per_ws.append((ws, rows))
-        lines += _peer_table(rows, ws, steps, warmup, PEER_SHAPE if not args.quick else (2, 32), args.turn,
+        lines += _peer_table(rows, ws, steps, warmup, shape, args.turn,
                              expected)
         lines += ["", f"Bucket size for shardopt (its default) and DeepSpeed: {res[0]['bucket']:,} elements. "
                   f"Expected MB: {ws // per_node} node(s) of {per_node} ranks, S = {grad_bytes / 1e6:.1f} MB "
@@ -551,6 +552,8 @@ def main():
     ap.add_argument("--nodes", type=int, default=None,
                     help="with --peers on 127.0.0.1: group the ranks into this many 'nodes' (LOCAL_WORLD_SIZE) for "
                          "the hybrid and HSDP variants; default 2 at an even world size >= 4, else 1")
+    ap.add_argument("--shape", default=None, type=lambda v: tuple(int(x) for x in v.lower().split("x")),
+                    metavar="BATCHxSEQ", help=f"with --peers: sequences x tokens per rank (default {PEER_SHAPE})")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.rounds_of and not args.peers:

@@ -47,6 +47,12 @@ VARIANTS = {
     "shardopt hybrid (fp32 hop) + overlap_gather": "shardopt-hybrid-fp32-gather",
     "shardopt hybrid + bf16 hop + overlap_gather": "shardopt-hybrid-bf16-gather",
     "shardopt hybrid + int8 hop + overlap_gather": "shardopt-hybrid-int8-gather",
+    # Smaller buckets start the slow link sooner in backward and leave a shorter tail after it
+    # (benchmarks/results/2026-11-23-hybrid.md); -b500 = reduce_bucket_size 500k elements.
+    "shardopt ZeRO-2 + overlap_gather, 500k buckets": "shardopt-2-gather-b500",
+    "shardopt hybrid (fp32 hop) + overlap_gather, 500k buckets": "shardopt-hybrid-fp32-gather-b500",
+    "shardopt hybrid + bf16 hop + overlap_gather, 500k buckets": "shardopt-hybrid-bf16-gather-b500",
+    "shardopt hybrid + int8 hop + overlap_gather, 500k buckets": "shardopt-hybrid-int8-gather-b500",
 }
 # inter_node_dtype of the hybrid kinds.
 HOP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
@@ -171,6 +177,8 @@ def _shardopt_kwargs(kind: str) -> dict:
         elif option == "offload":  # the library's own fused CPU Adam over host master chunks
             del kw["fused"]
             kw.update(optim=shardopt.CPUAdam, adamw=True, offload="cpu")
+        elif option.startswith("b") and option[1:].isdigit():  # -b500: reduce buckets of 500k elements
+            kw["reduce_bucket_size"] = int(option[1:]) * 1000
         else:
             raise ValueError(f"unknown variant kind {kind!r}")
     return kw

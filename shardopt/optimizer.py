@@ -130,6 +130,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_group = self.sharding.world
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
+        if self.sharding.shape.hybrid and self._params[0].device.type != "cpu":
+            raise NotImplementedError(
+                f"hybrid sharding's inter-node hop runs on CPU tensors (gloo) in this release; the model is on "
+                f"{self._params[0].device}. Shard flat (process_group=...) for now.")
         if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid:
             if mesh is None and shard_group is None:
                 raise ValueError("inter_node_dtype compresses the inter-node hop of hybrid sharding: pass "

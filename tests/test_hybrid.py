@@ -505,3 +505,20 @@ def _same_as_flat(rank, world_size):
 def test_loss_scaling_offload_and_ds_config_work_on_a_mesh():
     for rank, failures in enumerate(run_ranks(_same_as_flat, 4, timeout=300)):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
+
+
+def test_estimate_counts_state_per_shard_group():
+    """Hybrid sharding over K ranks per node costs what flat sharding over K ranks costs, per rank."""
+    from shardopt.estimate import EstimateConfig, estimate
+
+    shapes = [("w", (1000, 1000)), ("b", (1000,))]
+    flat2 = estimate(shapes, EstimateConfig(world_size=2))
+    hybrid = estimate(shapes, EstimateConfig(world_size=8, shards=2))
+    flat8 = estimate(shapes, EstimateConfig(world_size=8))
+    assert hybrid.optimizer_state == flat2.optimizer_state == pytest.approx(8 * 1_001_000 / 2, rel=1e-3)
+    assert flat8.optimizer_state < hybrid.optimizer_state / 3
+    int8 = estimate(shapes, EstimateConfig(world_size=8, shards=2, inter_node_dtype="int8"))
+    assert int8.hop_residual == pytest.approx(4 * 1_001_000 / 2 * (1 + 1 / 4), rel=1e-3)
+    assert int8.total == hybrid.total + int8.hop_residual
+    with pytest.raises(ValueError, match="shards must divide"):
+        EstimateConfig(world_size=6, shards=4)
