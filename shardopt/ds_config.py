@@ -73,6 +73,13 @@ _ZERO_NO_EFFECT = {
 _ZERO_ONLY_VALUE = {"reduce_scatter": True, "allgather_partitions": True, "zero_hpz_partition_size": 1,
                     "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
                     "zero_quantized_gradients": False}
+# ZeRO++ keys (stage 3 in DeepSpeed): what shardopt offers for ZeRO-1/2 instead.
+_ZERO_PLUS_PLUS = {
+    "zero_hpz_partition_size": "; to shard inside a node and replicate across nodes, pass "
+                               "shard_group='node' (or mesh=...) to from_config",
+    "zero_quantized_gradients": "; to quantize the gradients that cross between nodes, pass "
+                                "shard_group='node', inter_node_dtype='int8' to from_config",
+}
 _HINTS = {
     "scheduler": "use a torch.optim.lr_scheduler on the ShardedOptimizer (its param_groups work as torch's)",
     "activation_checkpointing": "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model",
@@ -212,7 +219,7 @@ def _zero(r: _Reader, z: dict, out: dict) -> str:
         elif key in _ZERO_ONLY_VALUE:
             if value != _ZERO_ONLY_VALUE[key] or type(value) is not type(_ZERO_ONLY_VALUE[key]):
                 r.refuse(path, value, f"not supported; only {json.dumps(_ZERO_ONLY_VALUE[key])} "
-                         "(what shardopt always does)")
+                         "(what shardopt always does)" + _ZERO_PLUS_PLUS.get(key, ""))
         else:
             r.refuse(path, value, "not supported by shardopt; remove it")
     if offload == "cpu":

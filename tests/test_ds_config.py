@@ -102,7 +102,7 @@ def test_every_unsupported_key_and_auto_value_in_one_error():
     for needle in ("zero_optimization.reduce_scatter", "zero_optimization.zero_quantized_gradients",
                    "offload_optimizer.device", "NVMe", "optimizer.type", "Lamb", "flops_profiler",
                    "fp16.consecutive_hysteresis", "zero_optimization.reduce_bucket_size, optimizer.params.lr, "
-                   "gradient_clipping = \"auto\"", "Hugging Face"):
+                   "gradient_clipping = \"auto\"", "Hugging Face", "inter_node_dtype='int8'"):
         assert needle in msg, needle
     assert "stage3_prefetch_bucket_size" not in msg
     assert msg.count("\n  ") == 7  # one line per problem, the "auto" values together
