@@ -130,8 +130,7 @@ class ShardConfig:
             raise ValueError(f"num_staging_buffers must be >= 1, got {self.num_staging_buffers!r}")
         if self.comm_impl not in COMM_IMPLS:
             raise ValueError(f"comm_impl must be one of {COMM_IMPLS}, got {self.comm_impl!r}")
-        if not any(self.inter_node_dtype is v or (isinstance(self.inter_node_dtype, str) and self.inter_node_dtype == v)
-                   for v in INTER_NODE_DTYPES):
+        if self.inter_node_dtype not in INTER_NODE_DTYPES:
             raise ValueError(f"inter_node_dtype must be None (exact), torch.bfloat16 or 'int8', got "
                              f"{self.inter_node_dtype!r}")
 

@@ -38,6 +38,12 @@ class ShardingGroups:
         return [f"mesh {self.shape}"]
 
 
+def require_dist() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shardopt needs torch.distributed: call torch.distributed.init_process_group(...) "
+                           "first (launch with torchrun; a single process can use world_size=1)")
+
+
 def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type: str = "cpu") -> ShardingGroups:
     """The groups for ShardedOptimizer's process_group= / mesh= / shard_group= (at most one of them)."""
     given = [n for n, v in (("process_group", process_group), ("mesh", mesh), ("shard_group", shard_group))
@@ -46,9 +52,7 @@ def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type:
         raise ValueError(f"pass at most one of process_group=, mesh= and shard_group= (got {' and '.join(given)}): "
                          "process_group shards flat over one group, mesh/shard_group shard inside a node and "
                          "replicate across nodes")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("shardopt needs torch.distributed: call torch.distributed.init_process_group(...) "
-                           "first (launch with torchrun; a single process can use world_size=1)")
+    require_dist()
     if mesh is not None:
         return _from_device_mesh(mesh)
     if shard_group is not None:

@@ -82,10 +82,6 @@ class MeshShape:
         """The ranks that hold the same chunks (one per replica): the inter-node hop's group."""
         return [r * self.shards + shard for r in range(self.replicas)]
 
-    def layout_align(self) -> int:
-        """Buckets are padded to a multiple of this many ranks, so a rank's chunk splits over the replicas."""
-        return self.world_size
-
     def __str__(self) -> str:
         return f"{self.replicas} (replicate) x {self.shards} (shard)"
 

@@ -37,7 +37,7 @@ from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
 from shardopt.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
-from shardopt.mesh import resolve_groups
+from shardopt.mesh import require_dist, resolve_groups
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard, ShardedGrad
 
@@ -78,12 +78,6 @@ def _check_elementwise(cls) -> None:
             f"shardopt.register_elementwise_optimizer({cls.__name__}) first.")
 
 
-def _require_dist():
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("shardopt needs torch.distributed: call torch.distributed.init_process_group(...) "
-                           "first (launch with torchrun; a single process can use world_size=1)")
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     """Drop-in replacement for a torch.optim optimizer that shards its state over ranks.
 
@@ -111,7 +105,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather_pending = False  # parameters are being gathered (Note [Gathering in the next forward])
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         _check_elementwise(optim)
-        _require_dist()
+        require_dist()  # before any work: the groups are resolved once the parameters are known
         # The inner optimizer's own defaults, validated by constructing it once on a dummy tensor.
         probe = optim([torch.zeros(1, requires_grad=True)], **optim_kwargs)
         super().__init__(params, dict(probe.defaults))

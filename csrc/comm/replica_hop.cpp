@@ -165,7 +165,11 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
       peers.wait(recvs[j], "receiving from", j);
       addend = hop_decode(inbox[j], format, m);
     }
-    sum = sum.defined() ? sum.add_(addend) : addend.clone();
+    if (sum.defined()) {
+      sum.add_(addend);
+    } else {
+      sum = j == r ? addend.clone() : addend;  // our own part may be the chunk itself: do not sum into it
+    }
   }
   wait_sends();
 
