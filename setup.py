@@ -139,7 +139,7 @@ setup(
     # pull a multi-GB CUDA build. Install the torch you want first, then build
     # this package against it with --no-build-isolation.
     install_requires=["numpy"],
-    # Lightning is optional (shardopt.lightning); the tests cover it, so CI installs it.
+    # Lightning is optional (shardopt.integrations.lightning); the tests cover it, so CI installs it.
     # Developed and tested against lightning 2.6 (the strategy uses some of its internals).
     # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
     # interop: DeepSpeed, whose ZeRO-1/2 checkpoints load_checkpoint reads (without it too); the
@@ -148,7 +148,7 @@ setup(
                     "transformers": ["transformers>=5", "accelerate>=1"],
                     "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "deepspeed>=0.19,<0.20",
                              "transformers>=5", "accelerate>=1"]},
-    entry_points={"console_scripts": ["shardopt=shardopt.cli:main"]},
+    entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

@@ -6,9 +6,9 @@
 
 For each bucket size (bytes of the full fp32 bucket) and world size it times,
 interleaved round-robin so that load from other processes hits all alike:
-  ours RS      shardopt.comm.start_reduce_scatter (ring)      bucket -> chunk
+  ours RS      shardopt.parallel.comm.start_reduce_scatter (ring)      bucket -> chunk
   torch RS     dist.reduce_scatter_tensor                     bucket -> chunk
-  ours AG      shardopt.comm.start_all_gather (ring)          chunk  -> bucket
+  ours AG      shardopt.parallel.comm.start_all_gather (ring)          chunk  -> bucket
   torch AG     dist.all_gather_into_tensor                    chunk  -> bucket
   ours RS+AG   the two above back to back (what a ZeRO step needs)
   torch AR     dist.all_reduce of the bucket (the limit: a ring all-reduce is RS+AG)
@@ -76,7 +76,7 @@ def _p2p_exchange(chunk, out_bucket, rank, world_size):
 
 
 def _bench_rank(rank, world_size, sizes, trials):
-    from shardopt import comm
+    from shardopt.parallel import comm
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor deprecation notes
     results = {}
@@ -119,7 +119,8 @@ def _bench_rank(rank, world_size, sizes, trials):
 
 
 def _sweep_rank(rank, world_size, sizes, trials, pieces, depths):
-    from shardopt import _C, comm
+    from shardopt import _C
+    from shardopt.parallel import comm
 
     results = {}
     for size in sizes:

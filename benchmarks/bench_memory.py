@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardopt.testing import run_ranks  # noqa: E402
+from shardopt.cluster.ranks import run_ranks  # noqa: E402
 
 
 def _rss() -> int:
@@ -54,7 +54,7 @@ def _measure(rank, world_size, variant, model_name):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import shardopt
-    from shardopt.gpt import GPT, PRESETS, num_params, synthetic_batch
+    from shardopt.tools.gpt import GPT, PRESETS, num_params, synthetic_batch
 
     cfg = PRESETS[model_name]
     gc.collect()

@@ -31,7 +31,7 @@ reported with its error.
     python benchmarks/bench_step.py --peers --model small --world-sizes 4 \
         --variants "DDP,FSDP2 HSDP,shardopt-2-gather,shardopt-hybrid-fp32-gather,shardopt-hybrid-bf16-gather,shardopt-hybrid-int8-gather"
 
---cluster NODESxRANKS runs the ranks on an emulated cluster (shardopt/cluster.py: every node a
+--cluster NODESxRANKS runs the ranks on an emulated cluster (shardopt/cluster/emulated.py: every node a
 network namespace whose link is shaped to --rate; ranks started by torchrun, one per node) instead
 of on 127.0.0.1, and adds the bytes each node sent over its link per step (its veth's counter, read
 around each variant's turn; the busiest node's) to the tables. With --peers the rounds
@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shardopt.testing import run_ranks  # noqa: E402
+from shardopt.cluster.ranks import run_ranks  # noqa: E402
 
 SHAPES = {"compute-bound 8x128": (8, 128), "comm-bound 1x16": (1, 16)}
 PEER_SHAPE = (2, 64)
@@ -138,7 +138,7 @@ def _interleave(rank, trainers, cfg, shape, rounds, warmup, turn=1):
     See Note [Turns]."""
     import torch.distributed as dist
 
-    from shardopt.gpt import synthetic_batch
+    from shardopt.tools.gpt import synthetic_batch
 
     bsz, seq = shape
     times = {n: {"fwd": [], "bwd": [], "step": [], "total": []} for n in trainers}
@@ -215,7 +215,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _bench(rank, world_size, variants, model_name, shape, steps, turn):
-    from shardopt.gpt import PRESETS
+    from shardopt.tools.gpt import PRESETS
 
     cfg = PRESETS[model_name]
     trainers = {name: _make(kind, cfg, rbs) for name, kind, rbs in variants}
@@ -306,7 +306,7 @@ def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds
 
     import peers
     from shardopt.config import auto_bucket_size
-    from shardopt.gpt import PRESETS, GPT, num_params
+    from shardopt.tools.gpt import PRESETS, GPT, num_params
 
     cfg = PRESETS[model_name]
     # DeepSpeed gets the bucket size shardopt picks by default, so both cut the model alike.
@@ -416,14 +416,14 @@ def _select_peers(spec: str) -> list[str]:
 def _link_arithmetic(names, cfg, ws, per_node):
     """Note [Link bytes by arithmetic] (peers.py) for each variant, with S = 4 x trainable parameters."""
     import peers
-    from shardopt.gpt import GPT
+    from shardopt.tools.gpt import GPT
 
     grad_bytes = 4 * sum(p.numel() for p in GPT(cfg).parameters() if p.requires_grad)
     return {n: peers.expected_link_bytes(peers.VARIANTS[n], grad_bytes, ws, per_node) for n in names}, grad_bytes
 
 
 def _peer_chart(path, per_ws):
-    from shardopt.plotting import bar_panels
+    from shardopt.tools.plotting import bar_panels
 
     import peers
 
@@ -459,7 +459,7 @@ def _ranks_per_node(args, ws):
 
 
 def run_peers(args):
-    from shardopt.gpt import PRESETS
+    from shardopt.tools.gpt import PRESETS
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     steps, warmup = args.steps, 1
@@ -611,8 +611,8 @@ def _run(args, ap):
 def _on_cluster(nodes, nproc, rate, run):
     """Calls run() with every rank started by torchrun on an emulated cluster (RUNNER, TRANSPORT)."""
     global RUNNER, TRANSPORT
-    from shardopt.cluster import EmulatedCluster
-    from shardopt.cluster_ranks import run_ranks_on_cluster
+    from shardopt.cluster.emulated import EmulatedCluster
+    from shardopt.cluster.node_ranks import run_ranks_on_cluster
 
     with EmulatedCluster(nodes, rate) as cluster:
         def runner(fn, ws, *a, timeout, collective_timeout):
@@ -620,7 +620,7 @@ def _on_cluster(nodes, nproc, rate, run):
                                         collective_timeout=collective_timeout)
         RUNNER = runner
         TRANSPORT = (f"gloo over an emulated cluster of {nodes} nodes x {nproc} ranks (network namespaces, "
-                     f"{rate} link per node in each direction, tc tbf, no added delay; shardopt/cluster.py)")
+                     f"{rate} link per node in each direction, tc tbf, no added delay; shardopt/cluster/emulated.py)")
         return run()
 
 

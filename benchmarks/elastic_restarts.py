@@ -23,8 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardopt.cluster import EmulatedCluster  # noqa: E402
-from shardopt.cluster_runs import run_training  # noqa: E402
+from shardopt.cluster.emulated import EmulatedCluster  # noqa: E402
+from shardopt.cluster.elastic_runs import run_training  # noqa: E402
 
 # Short rendezvous timings so a restart takes seconds, not the default ~45 s (same as the test).
 RDZV_CONF = {"last_call_timeout": 2, "keep_alive_interval": 1, "keep_alive_max_attempt": 3, "join_timeout": 60}

@@ -5,7 +5,7 @@ A small byte-level GPT (vocab 256) trains on this repository's own source
 (shardopt/**/*.py, csrc/**, tests/**/*.py, README.md, read at run time) on 4
 ranks over gloo on 127.0.0.1, as a (2 replicate) x (2 shard) mesh: ranks 0-1
 are "node 0", ranks 2-3 "node 1", and the gradient of every step takes the
-inter-node hop between them (Note [Hybrid sharding] in shardopt/mesh_plan.py).
+inter-node hop between them (Note [Hybrid sharding] in shardopt/parallel/mesh_plan.py).
 The runs differ only in `inter_node_dtype`: same weights, same data, same
 order (Note [Same data for every run]). AdamW, gradients clipped at 1.0.
 
@@ -32,8 +32,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from shardopt.gpt import GPT, GPTConfig, num_params  # noqa: E402
-from shardopt.testing import run_ranks  # noqa: E402
+from shardopt.tools.gpt import GPT, GPTConfig, num_params  # noqa: E402
+from shardopt.cluster.ranks import run_ranks  # noqa: E402
 
 # Byte-level: every byte is a token. 0.84M parameters; a step of 8 x 128 tokens per rank
 # takes ~0.3 s at 4 ranks on 2 cores (a run of 300 steps: ~90 s of training, ~100 s in all).
@@ -139,7 +139,7 @@ def smooth(values: list[float], window: int = TAIL) -> list[float]:
 
 
 def chart(path: str, results: dict, steps: int) -> None:
-    from shardopt.plotting import require_matplotlib
+    from shardopt.tools.plotting import require_matplotlib
 
     plt = require_matplotlib()
     fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -171,7 +171,7 @@ def _git_head() -> str:
 
 
 def report(results: dict, args, corpus: tuple[int, int, int], params: int) -> list[str]:
-    from shardopt.mesh_plan import MeshShape, hop_link_bytes
+    from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes
 
     names = list(results)
     ref_name = names[0]

@@ -68,7 +68,7 @@ class Trainer:
 
 
 def _model(cfg):
-    from shardopt.gpt import GPT
+    from shardopt.tools.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(cfg)
@@ -187,7 +187,7 @@ def _shardopt_kwargs(kind: str) -> dict:
 # Note [Link bytes by arithmetic]
 # What one node should send over its link per step, for S bytes of fp32
 # gradients, W ranks numbered node by node, K per node, R = W / K nodes
-# (shardopt/mesh_plan.py has the functions and the derivations):
+# (shardopt/parallel/mesh_plan.py has the functions and the derivations):
 # - DDP's ring all-reduce and flat ZeRO-1/2 (a ring reduce-scatter, then a ring
 #   all-gather of the parameters): the ring crosses each node's link once per
 #   direction, carrying 2 (W-1)/W S. It does not depend on K, and the DDP rows
@@ -200,7 +200,7 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   reduce-scatter is an all-reduce): not derived here; the column stays empty.
 def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -> float | None:
     """Note [Link bytes by arithmetic]: bytes one node sends per step, or None where not derived."""
-    from shardopt.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
+    from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
 
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)

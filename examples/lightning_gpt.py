@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning.pytorch as pl
 
-import shardopt.lightning  # noqa: F401  (registers strategy="shardopt" with Lightning)
-from shardopt.gpt import GPT, PRESETS
+import shardopt.integrations.lightning  # noqa: F401  (registers strategy="shardopt" with Lightning)
+from shardopt.tools.gpt import GPT, PRESETS
 
 
 class Sequences(Dataset):

@@ -6,9 +6,9 @@ import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from shardopt._ext import _C
 from shardopt import _ops  # noqa: F401  (fake kernels of the torch.ops.shardopt ops)
-from shardopt.checkpoint import load_checkpoint, save_checkpoint
-from shardopt import dcp  # noqa: F401  (shardopt.dcp.get_state_dict / set_state_dict)
-from shardopt.ckpt_io import CheckpointError
+from shardopt.checkpoint.save_load import load_checkpoint, save_checkpoint
+from shardopt.checkpoint import dcp  # noqa: F401  (shardopt.dcp.get_state_dict / set_state_dict)
+from shardopt.checkpoint.files import CheckpointError
 from shardopt.config import ShardConfig
 from shardopt.cpu_adam import CPUAdam
 from shardopt.ddp import ShardedDDP

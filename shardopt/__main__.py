@@ -1,5 +1,5 @@
 import sys
 
-from shardopt.cli import main
+from shardopt.tools.cli import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from shardopt.consistency import check_same_across_ranks
+from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.optimizer import ShardedOptimizer
 from shardopt.prefetch import plan_forward_waits, plan_gather_order
 

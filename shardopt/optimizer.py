@@ -35,9 +35,9 @@ from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKE
                              auto_bucket_size)
 from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
-from shardopt.consistency import check_same_across_ranks
+from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
-from shardopt.mesh import require_dist, resolve_groups
+from shardopt.parallel.mesh import require_dist, resolve_groups
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard, ShardedGrad
 
@@ -238,9 +238,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Builds the optimizer a DeepSpeed config (dict or JSON path) describes.
 
         Keyword arguments override the config (e.g. process_group=...). What each
-        key means, and which are refused: shardopt/ds_config.py.
+        key means, and which are refused: shardopt/deepspeed_config.py.
         """
-        from shardopt.ds_config import optimizer_arguments
+        from shardopt.deepspeed_config import optimizer_arguments
 
         params, kwargs = optimizer_arguments(params, config, overrides)
         return cls(params, **kwargs)
@@ -664,21 +664,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out["copy"] = self.engine.copy_seconds if self.engine is not None else 0.0
         return out
 
-    # ------------------------------------------ state dicts (optim_state.py, checkpoint.py)
+    # ------------------------------------------ state dicts (optim_state.py, checkpoint/save_load.py)
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on rank `to` for state_dict() (call on every rank)."""
-        from shardopt import optim_state
+        from shardopt.checkpoint import optim_state
         self.wait_params()
         optim_state.consolidate_state_dict(self, to)
 
     def state_dict(self):
         """The whole state in torch.optim's format, on the rank consolidate_state_dict(to=...) named."""
-        from shardopt import optim_state
+        from shardopt.checkpoint import optim_state
         return optim_state.optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict):
         """Loads a whole torch.optim-format state dict (call on every rank; each takes its ranges)."""
-        from shardopt import optim_state
+        from shardopt.checkpoint import optim_state
         self.wait_params()
         optim_state.load_optimizer_state_dict(self, state_dict)
 

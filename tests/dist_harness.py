@@ -1,2 +1,2 @@
-"""The tests' name for shardopt.testing (the multi-rank launcher, shared with benchmarks/)."""
-from shardopt.testing import RankFailure, run_ranks  # noqa: F401
+"""The tests' name for shardopt.cluster.ranks (the multi-rank launcher, shared with benchmarks/)."""
+from shardopt.cluster.ranks import RankFailure, run_ranks  # noqa: F401

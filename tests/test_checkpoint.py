@@ -121,7 +121,7 @@ def _differences(a, b, rtol):
 def _reference(rank, world_size, root, out):
     """8 uninterrupted steps saving after 4; a same-size resume; then rank 1 dies in a second save."""
     import shardopt
-    import shardopt.checkpoint
+    import shardopt.checkpoint.save_load
 
     results = {}
     for name in OPTIMS:
@@ -158,14 +158,14 @@ def _reference(rank, world_size, root, out):
 
     # The crash: rank 1 is SIGKILLed halfway through writing the step-8 checkpoint.
     if rank == 1:
-        class Dying(shardopt.checkpoint.RecordWriter):
+        class Dying(shardopt.checkpoint.save_load.RecordWriter):
             def add(self, t):
                 ref = super().add(t)
                 self._f.flush()
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-file: no cleanup, no goodbye
                 return ref
 
-        shardopt.checkpoint.RecordWriter = Dying
+        shardopt.checkpoint.save_load.RecordWriter = Dying
     shardopt.save_checkpoint(path, wrapper, opt, extra={"sched": sched.state_dict()})
 
 
@@ -323,7 +323,7 @@ def _plain_torch_continues(model_state, optim_state, sched_state, steps):
 
 
 def test_resume_at_world_size_1_and_convert_to_plain_torch(reference, tmp_path):
-    import shardopt.cli
+    import shardopt.tools.cli
 
     ref_root, ref, _ = reference
     root = str(tmp_path)
@@ -335,7 +335,7 @@ def test_resume_at_world_size_1_and_convert_to_plain_torch(reference, tmp_path):
 
     # `python -m shardopt convert`: the same torch.optim state as consolidation.
     out = os.path.join(root, "adamw.pt")
-    assert shardopt.cli.main(["convert", os.path.join(root, "adamw"), out, "--tag", "ckpt-000001"]) == 0
+    assert shardopt.tools.cli.main(["convert", os.path.join(root, "adamw"), out, "--tag", "ckpt-000001"]) == 0
     converted = torch.load(out, weights_only=True)
     assert _differences(ref["adamw"]["snap4"]["optim"], converted["optimizer"], rtol=0) == []
     assert _differences(ref["adamw"]["snap4"]["model"], converted["model"], rtol=0) == []

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from dist_harness import run_ranks
-from shardopt import bench, cli, tune
+from shardopt.tools import bench, cli, tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +50,7 @@ def test_estimate_prints_a_table_and_refuses_bad_counts(capsys):
     assert cli.parse_count("7B") == 7 * 10**9 and cli.parse_count("2e6") == 2_000_000
     assert cli.main(["estimate", "12x"]) == 2
     assert "not a count: '12x'" in capsys.readouterr().err
-    assert cli.main(["estimate", "shardopt.gpt:nope"]) == 2
+    assert cli.main(["estimate", "shardopt.tools.gpt:nope"]) == 2
     assert "has no attribute 'nope'" in capsys.readouterr().err
 
 
@@ -66,7 +66,7 @@ def test_grid_and_recommendation_are_plain_functions():
 def _tune_rank(rank, world_size, out_dir):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = cli.main(["tune", "shardopt.gpt:tiny_model", "--reduce-sizes", "1000,20000,200000",
+        code = cli.main(["tune", "shardopt.tools.gpt:tiny_model", "--reduce-sizes", "1000,20000,200000",
                          "--steps", "2", "--rounds", "1", "--out-dir", out_dir])
     return code, buf.getvalue()
 

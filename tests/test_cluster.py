@@ -1,4 +1,4 @@
-"""Multi-node for real: ranks started by torchrun on an emulated cluster (shardopt/cluster.py).
+"""Multi-node for real: ranks started by torchrun on an emulated cluster (shardopt/cluster/emulated.py).
 
 One cluster of 3 nodes (network namespaces, 1 Gbit/s links) serves the whole
 module. On it: ZeRO-1/2 at 2 nodes x 2 ranks and 3 nodes x 1 rank against a
@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from shardopt import cluster_plan as cp
-from shardopt.cluster import EmulatedCluster, existing_namespaces, unavailable_reason
+from shardopt.cluster import plan as cp
+from shardopt.cluster.emulated import EmulatedCluster, existing_namespaces, unavailable_reason
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -179,7 +179,7 @@ def test_losing_a_node_fails_every_survivor_in_time(cluster, tmp_path, how):
 
 
 def run_training_on(cluster, workdir, **kw):
-    from shardopt.cluster_runs import run_training
+    from shardopt.cluster.elastic_runs import run_training
 
     return run_training(cluster, str(workdir), nodes=2, nproc=2, save_every=5, lose_node=1, lose_at_step=7,
                         rdzv_conf=RDZV_CONF, timeout=240, **kw)
@@ -235,7 +235,7 @@ def _where(rank, world_size, fail_rank):
 def test_run_ranks_on_cluster(cluster):
     """The benchmarks' launcher: run_ranks' contract (results in rank order, failures with tracebacks)."""
     from dist_harness import RankFailure
-    from shardopt.cluster_ranks import run_ranks_on_cluster
+    from shardopt.cluster.node_ranks import run_ranks_on_cluster
 
     got = run_ranks_on_cluster(cluster, 2, 1, _where, None, timeout=120)
     assert [g[:2] for g in got] == [(0, 2), (1, 2)] and sorted(g[2] for g in got) == [0, 1], got
@@ -250,7 +250,7 @@ def test_run_ranks_on_cluster(cluster):
 def test_a_signal_removes_every_namespace_and_link(sig):
     """`python -m shardopt.cluster --hold` builds 2 nodes and waits; a signal must leave nothing behind
     (no namespace of its, no new link in the machine's own namespace), and never touch others' namespaces."""
-    p = subprocess.Popen([sys.executable, "-m", "shardopt.cluster", "--hold", "--nodes", "2"],
+    p = subprocess.Popen([sys.executable, "-m", "shardopt.cluster.emulated", "--hold", "--nodes", "2"],
                          stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         names = p.stdout.readline().split()

@@ -1,7 +1,7 @@
 """DeepSpeed config -> ShardedOptimizer: the translation as tables (no processes), then one 2-rank run
 built from a config against the same run built from keyword arguments.
 
-What each key means is decided in shardopt/ds_config.py (Note [DeepSpeed defaults that change
+What each key means is decided in shardopt/deepspeed_config.py (Note [DeepSpeed defaults that change
 results]); the expectations here were checked against DeepSpeed 0.19.8's source.
 """
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardopt
-from shardopt.ds_config import optimizer_arguments, translate
+from shardopt.deepspeed_config import optimizer_arguments, translate
 from dist_harness import run_ranks
 from models import AwkwardNet, batch, uses_branch
 

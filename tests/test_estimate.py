@@ -7,14 +7,14 @@ import torch
 from dist_harness import run_ranks
 from models import AwkwardNet, batch
 from shardopt.estimate import EstimateConfig, estimate, estimate_ddp, meta_model, trainable_shapes
-from shardopt.gpt import num_params, small_model
+from shardopt.tools.gpt import num_params, small_model
 
 TOLERANCE = 0.10
 
 
 def _measure(rank, world_size):
     import shardopt
-    from shardopt.gpt import example_batch, tiny_model
+    from shardopt.tools.gpt import example_batch, tiny_model
 
     out = []
     cases = [("awkward", AwkwardNet, rbs, torch.float32, "none") for rbs in (None, 1000)] \
@@ -55,7 +55,7 @@ def test_estimate_matches_memory_stats(world_size):
 
 def test_meta_model_and_arithmetic():
     # Built on the meta device: shapes only. Tied embedding/head counted once, as the optimizer does.
-    model = meta_model("shardopt.gpt:small_model")
+    model = meta_model("shardopt.tools.gpt:small_model")
     assert next(model.parameters()).device.type == "meta"
     shapes = trainable_shapes(model)
     n = sum(torch.Size(s).numel() for _, s in shapes)
@@ -74,8 +74,8 @@ def test_meta_model_and_arithmetic():
 
 def test_bad_estimate_input_names_the_fix():
     with pytest.raises(ValueError, match="module:factory"):
-        meta_model("shardopt.gpt")
+        meta_model("shardopt.tools.gpt")
     with pytest.raises(RuntimeError, match="no arguments"):
-        meta_model("shardopt.gpt:GPT")
+        meta_model("shardopt.tools.gpt:GPT")
     with pytest.raises(ValueError, match="stage"):
         EstimateConfig(stage=3)

@@ -24,7 +24,7 @@ VOCAB = 37
 
 # ------------------------------------------------------------------ pure planning
 def test_mesh_shape_numbers_ranks_node_by_node():
-    from shardopt.mesh_plan import MeshShape
+    from shardopt.parallel.mesh_plan import MeshShape
 
     m = MeshShape(replicas=3, shards=2)
     assert m.world_size == 6 and m.hybrid
@@ -39,7 +39,7 @@ def test_mesh_shape_numbers_ranks_node_by_node():
 
 
 def test_node_mesh_needs_a_whole_number_of_nodes():
-    from shardopt.mesh_plan import node_mesh
+    from shardopt.parallel.mesh_plan import node_mesh
 
     assert (node_mesh(8, 4).replicas, node_mesh(8, 4).shards) == (2, 4)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
@@ -49,7 +49,7 @@ def test_node_mesh_needs_a_whole_number_of_nodes():
 
 
 def test_link_bytes_arithmetic():
-    from shardopt.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
+    from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
 
     s = 4_000_000  # one million fp32 gradients
     assert hop_link_bytes(MeshShape(2, 2), s) == s                     # 2 (R-1)/R S
@@ -445,7 +445,7 @@ def _refusals(rank, world_size):
     if (opt.sharding.shape.replicas, opt.sharding.shape.shards, opt.world_size) != (2, 2, 2):
         out.append(f"node mesh is {opt.sharding.shape}")
     # DCP export of replicated shards is refused, naming the way out.
-    from shardopt import dcp
+    from shardopt.checkpoint import dcp
     try:
         dcp.get_state_dict(shardopt.ShardedDDP(model, opt), opt)
         out.append("dcp export of a hybrid optimizer was accepted")

@@ -107,7 +107,7 @@ def _load(path, msd, osd):
 
 
 def _two_ranks(rank, world_size, root):
-    import shardopt.dcp
+    import shardopt.checkpoint.dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out = {}
@@ -128,7 +128,7 @@ def _two_ranks(rank, world_size, root):
 
 
 def _three_ranks(rank, world_size, root):
-    import shardopt.dcp
+    import shardopt.checkpoint.dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     out = {}
@@ -198,7 +198,7 @@ def test_shardopt_checkpoint_resumes_in_fsdp2_at_another_world_size(runs):
     ((4, 5), 7, 7, []),
 ])
 def test_range_to_boxes(shape, start, end, boxes):
-    from shardopt.dcp import range_to_boxes
+    from shardopt.checkpoint.dcp import range_to_boxes
 
     got = range_to_boxes(shape, start, end)
     assert got == boxes
@@ -211,7 +211,7 @@ def test_range_to_boxes(shape, start, end, boxes):
 def _one_rank(rank, world_size, root):
     """bf16 -> fp32 through DCP keeps the fp32 masters; dicts of another optimizer / model are refused."""
     import shardopt
-    import shardopt.dcp
+    import shardopt.checkpoint.dcp
 
     out = {}
     model = _model(0).to(torch.bfloat16)

@@ -152,8 +152,8 @@ def _sharded_masters(model, opt):
     """Every trainable parameter's fp32 master values and Adam state, whole, on every rank."""
     import torch.distributed as dist
 
-    from shardopt.checkpoint import PARAM, describe_model
-    from shardopt.ckpt_state import assemble, local_chunks
+    from shardopt.checkpoint.save_load import PARAM, describe_model
+    from shardopt.checkpoint.pieces import assemble, local_chunks
 
     info = describe_model(model, opt)
     mine = []
@@ -227,11 +227,11 @@ def test_shardopt_resumes_deepspeed(ds_root, world_size, stage):
 
 
 def test_convert_reads_deepspeed(ds_root, tmp_path):
-    import shardopt.cli
+    import shardopt.tools.cli
 
     root, ref = ds_root
     out = str(tmp_path / "ds.pt")
-    assert shardopt.cli.main(["convert", os.path.join(root, "fp32"), out]) == 0
+    assert shardopt.tools.cli.main(["convert", os.path.join(root, "fp32"), out]) == 0
     conv = torch.load(out, weights_only=True)
     names = list(ref["fp32"]["saved"])
     model = _model(2, torch.float32)

@@ -1,6 +1,6 @@
 """Lightning's Trainer with strategy="shardopt" against the same Trainer with Lightning's own "ddp".
 
-Ranks are started by shardopt.testing.run_ranks (one gloo group per test, with
+Ranks are started by shardopt.cluster.ranks.run_ranks (one gloo group per test, with
 timeouts), and LOCAL_RANK tells Lightning the processes exist already (as under
 torchrun), so several Trainers run in one spawn without Lightning relaunching
 anything. One test runs the example script through Lightning's own launcher.
@@ -139,7 +139,7 @@ def _parity(rank, world_size):
 def _check_parity(world_size, optim, sched, clip, accum, options):
     """One fit under DDP and one under ShardedStrategy(**options); returns (the sharded model, failures)."""
     from shardopt import ShardedOptimizer
-    from shardopt.lightning import ShardedStrategy
+    from shardopt.integrations.lightning import ShardedStrategy
 
     failures = []
     what = f"{optim}/{sched}/clip={clip}/accum={accum}/{options}"
@@ -198,7 +198,7 @@ def test_hybrid_mesh_matches_lightning_ddp():
 
 def _setup_errors(world_size, trained):
     """Bad configurations fail in setup, on every rank, with the fix in the message."""
-    from shardopt.lightning import ShardedStrategy
+    from shardopt.integrations.lightning import ShardedStrategy
 
     out = []
     cases = [
@@ -227,7 +227,7 @@ def test_fp32_matches_lightning_ddp():
 # ------------------------------------------------------- construction errors
 def test_registry_precision_and_bad_options():
     """Name registered, Lightning's precision plugins replaced by ours, bad input refused at Trainer(...)."""
-    from shardopt.lightning import ShardedPrecision, ShardedStrategy
+    from shardopt.integrations.lightning import ShardedPrecision, ShardedStrategy
 
     t = pl.Trainer(strategy="shardopt_stage_1", accelerator="cpu", devices=2, logger=False)
     assert isinstance(t.strategy, ShardedStrategy) and t.strategy.optimizer_options["stage"] == 1
@@ -294,7 +294,7 @@ def _rank_mean(per_rank):
 def _ckpt_two_ranks(rank, world_size, root):
     """Uninterrupted run saving after epoch 0; resumes from it at 2 ranks; a DDP file resumed by shardopt."""
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from shardopt.lightning import ShardedStrategy
+    from shardopt.integrations.lightning import ShardedStrategy
 
     _external_ranks(rank)
     fails = []
@@ -337,7 +337,7 @@ def _ckpt_two_ranks(rank, world_size, root):
 
 
 def _ckpt_one_rank(rank, world_size, ckpt, expected):
-    from shardopt.lightning import ShardedStrategy
+    from shardopt.integrations.lightning import ShardedStrategy
 
     _external_ranks(rank)
     resumed, trainer = _ckpt_fit(1, ShardedStrategy(reduce_bucket_size=1000), ckpt_path=ckpt, seed=7)
@@ -365,7 +365,7 @@ def test_checkpoint_resume_other_device_counts_and_from_ddp(tmp_path):
 
 def _mixed(rank, world_size):
     import shardopt
-    from shardopt.lightning import ShardedPrecision, ShardedStrategy
+    from shardopt.integrations.lightning import ShardedPrecision, ShardedStrategy
 
     _external_ranks(rank)
     fails = []

@@ -20,7 +20,7 @@ from dist_harness import run_ranks
 
 
 def _gpt():
-    from shardopt.gpt import GPT, PRESETS
+    from shardopt.tools.gpt import GPT, PRESETS
 
     torch.manual_seed(0)
     return GPT(PRESETS["tiny"])
@@ -84,7 +84,7 @@ def test_plan_for_a_sequential_model_lets_every_layer_wait_for_itself():
 
 def _run(rank, world_size, tmp, dtype, offload):
     import shardopt
-    from shardopt.gpt import PRESETS, synthetic_batch
+    from shardopt.tools.gpt import PRESETS, synthetic_batch
 
     cfg = PRESETS["tiny"]
     out = {}

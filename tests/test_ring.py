@@ -73,7 +73,8 @@ def _reference_ag(x):
 
 
 def _exactness(rank, world_size):
-    from shardopt import _C, comm
+    from shardopt import _C
+    from shardopt.parallel import comm
 
     assert _C.ring_is_default(dist.group.WORLD)  # "auto" means the ring on gloo
     _C.set_ring_piece_bytes(SMALL_PIECE)
@@ -139,7 +140,8 @@ def test_exact_against_torch(world_size):
 def _many_in_flight(rank, world_size):
     """8 reduce-scatters and 8 all-gathers of different sizes and dtypes, all
     started before any is waited for: each must still get its own data."""
-    from shardopt import _C, comm
+    from shardopt import _C
+    from shardopt.parallel import comm
 
     _C.set_ring_piece_bytes(256)
     ops = []
@@ -170,7 +172,8 @@ def test_many_buckets_in_flight():
 
 
 def _bad_inputs(rank, world_size):
-    from shardopt import _C, comm
+    from shardopt import _C
+    from shardopt.parallel import comm
 
     f = torch.zeros
     cases = [
@@ -214,7 +217,7 @@ def _peer_fails(rank, world_size, how):
     """Rank 1 never joins the collective: it exits ("dies") or idles ("hangs").
     Rank 0 must get an error from wait() within the group timeout (plus slack),
     and every later op of the group must fail at once (Note [Failure is sticky])."""
-    from shardopt import comm
+    from shardopt.parallel import comm
 
     if rank == 1:
         if how == "hangs":

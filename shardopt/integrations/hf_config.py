@@ -31,7 +31,7 @@ import copy
 import math
 from typing import Any, Callable
 
-from shardopt.ds_config import load_config
+from shardopt.deepspeed_config import load_config
 
 _AUTO = "auto"
 

@@ -34,9 +34,9 @@ import os
 
 import torch
 
-from shardopt.checkpoint import load_checkpoint, save_checkpoint
+from shardopt.checkpoint.save_load import load_checkpoint, save_checkpoint
 from shardopt.ddp import ShardedDDP
-from shardopt.ds_config import translate
+from shardopt.deepspeed_config import translate
 from shardopt.integrations.hf_config import check_scheduler, deepspeed_lr_lambda, resolve_auto, split_config
 from shardopt.optimizer import ShardedOptimizer, _check_elementwise
 

@@ -1,4 +1,4 @@
-r"""Pure planning for the emulated cluster (shardopt/cluster.py): names, addresses, ip/tc and torchrun command lines.
+r"""Pure planning for the emulated cluster (shardopt/cluster/emulated.py): names, addresses, ip/tc and torchrun command lines.
 
 Nothing here runs a command or touches the system; every function returns
 data (argv lists), so the plan can be read and tested as tables.

@@ -15,7 +15,7 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
-from shardopt.ckpt_io import CheckpointError
+from shardopt.checkpoint.files import CheckpointError
 
 # Per-parameter state that is not elementwise even when it looks like it (torch's
 # optimizers all call the step counter this; a 0-d step of a 0-d parameter would
@@ -140,7 +140,7 @@ def resolve_hyper(opt, saved: list, same_class: bool, where: str, exc=Checkpoint
     out = []
     for g, s in zip(opt.param_groups, saved):
         cur = group_hyper(g)
-        # Another optimizer class (checkpoint._SAME_STATE) keeps its own options; only shared ones load.
+        # Another optimizer class (source.SAME_STATE) keeps its own options; only shared ones load.
         out.append({**cur, **s} if same_class else {k: s.get(k, v) for k, v in cur.items()})
     return out
 

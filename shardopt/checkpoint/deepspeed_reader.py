@@ -90,9 +90,9 @@ import types
 
 import torch
 
-from shardopt.checkpoint import _SAME_STATE, PARAM, Source, _class_name
-from shardopt.ckpt_io import CheckpointError
-from shardopt.ckpt_state import Chunk, resolve_hyper
+from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
+from shardopt.checkpoint.files import CheckpointError
+from shardopt.checkpoint.pieces import Chunk, resolve_hyper
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -149,7 +149,7 @@ class _Unpickler(pickle.Unpickler):
 
 
 _TRUSTED_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=lambda f, **kw: _Unpickler(f, **kw).load(),
-                                        __name__="shardopt.ds_ckpt.pickle")
+                                        __name__="shardopt.checkpoint.deepspeed_reader.pickle")
 
 
 def load_file(path: str, weights_only: bool = True):
@@ -354,8 +354,8 @@ class DeepSpeedSource(Source):
 
     # -------------------------------------------------- checkpoint.Source
     def resolve_hyper(self, opt) -> list:
-        cls = _class_name(opt.optim_class)
-        if cls not in _SAME_STATE[0]:
+        cls = class_name(opt.optim_class)
+        if cls not in SAME_STATE[0]:
             raise CheckpointError(f"{self.directory} holds Adam state; this optimizer is {cls}: build the "
                                   "ShardedOptimizer with torch.optim.AdamW / Adam (or shardopt.CPUAdam)")
         for i, g in enumerate(opt.param_groups):
@@ -415,7 +415,7 @@ def to_torch(directory: str, weights_only: bool = True) -> dict:
     param_shapes order (DeepSpeed's group order; the client's order unless
     round_robin_gradients reordered it), whole-parameter exp_avg / exp_avg_sq / step.
     """
-    from shardopt.ckpt_state import assemble
+    from shardopt.checkpoint.pieces import assemble
 
     src = DeepSpeedSource(directory, weights_only)
     try:

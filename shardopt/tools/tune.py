@@ -110,7 +110,7 @@ def run(factory_spec: str, batch_spec: str | None, reduce_sizes, allgather_sizes
     import torch.distributed as dist
 
     from shardopt.estimate import load_factory
-    from shardopt.plotting import require_matplotlib
+    from shardopt.tools.plotting import require_matplotlib
 
     rank = dist.get_rank()
     if rank == 0:
@@ -161,7 +161,7 @@ def table(points: Sequence[GridPoint], best: GridPoint) -> str:
 
 
 def _write(points, best, factory_spec, stage, world_size, out_dir, log) -> dict:
-    from shardopt.plotting import line_chart
+    from shardopt.tools.plotting import line_chart
 
     os.makedirs(out_dir, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")

@@ -8,7 +8,7 @@
         c.kill_node(1)                                   # every process of node 1, SIGKILL
         c.set_link(1, up=False)                          # or pull node 1's cable
 
-The topology, names and command lines are planned in cluster_plan.py (pure;
+The topology, names and command lines are planned in cluster/plan.py (pure;
 Note [Emulated cluster topology]). This module only runs them and cleans up.
 
 Note [Cleaning up whatever happens]
@@ -35,7 +35,7 @@ import subprocess
 import threading
 import time
 
-from shardopt import cluster_plan as cp
+from shardopt.cluster import plan as cp
 
 
 class ClusterUnavailable(RuntimeError):
@@ -242,7 +242,7 @@ def existing_namespaces() -> set[str]:
     return {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
 
 
-def _hold(nodes: int, rate) -> None:
+def hold(nodes: int, rate) -> None:
     """`python -m shardopt.cluster --hold`: builds a cluster, prints its namespaces, waits for a signal."""
     try:
         with EmulatedCluster(nodes, rate) as c:
@@ -252,14 +252,3 @@ def _hold(nodes: int, rate) -> None:
     except KeyboardInterrupt:
         pass  # the `with` has deleted the namespaces
 
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--rate", default="1gbit")
-    ap.add_argument("--hold", action="store_true", help="build it and wait for Ctrl-C / SIGTERM")
-    a = ap.parse_args()
-    if a.hold:
-        _hold(a.nodes, a.rate)

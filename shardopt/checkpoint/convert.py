@@ -1,6 +1,6 @@
 """`python -m shardopt convert CKPT OUT.pt`: a sharded checkpoint as one plain torch file, offline.
 
-CKPT may also be a DeepSpeed ZeRO-1/2 checkpoint folder (shardopt/ds_ckpt.py): its
+CKPT may also be a DeepSpeed ZeRO-1/2 checkpoint folder (shardopt/checkpoint/deepspeed_reader.py): its
 fp32 masters and Adam state come out in the same format.
 
 The output is {"model": the model's state_dict (every key, tied names included,
@@ -18,19 +18,20 @@ import os
 
 import torch
 
-from shardopt.checkpoint import MODEL_FILE, PARAM, read_chunk, read_extra, resolve_checkpoint_dir
-from shardopt.ckpt_io import MANIFEST, RecordReader, atomic_write_bytes, from_json, parse_dtype, read_manifest
-from shardopt.ckpt_state import assemble
+from shardopt.checkpoint.save_load import MODEL_FILE, read_chunk, read_extra, resolve_checkpoint_dir
+from shardopt.checkpoint.source import PARAM
+from shardopt.checkpoint.files import MANIFEST, RecordReader, atomic_write_bytes, from_json, parse_dtype, read_manifest
+from shardopt.checkpoint.pieces import assemble
 
 
 def checkpoint_to_torch(path, tag: str | None = None, weights_only: bool = True) -> dict:
     """The checkpoint at `path` (see load_checkpoint) as {"model", "optimizer", "extra"} (module docstring)."""
     directory = resolve_checkpoint_dir(path, tag)
     if not os.path.exists(os.path.join(directory, MANIFEST)):
-        from shardopt import ds_ckpt
+        from shardopt.checkpoint import deepspeed_reader
 
-        if ds_ckpt.looks_like_deepspeed(directory):
-            return ds_ckpt.to_torch(directory, weights_only)
+        if deepspeed_reader.looks_like_deepspeed(directory):
+            return deepspeed_reader.to_torch(directory, weights_only)
     body = read_manifest(directory)
     reader = RecordReader(directory, body["files"])
     try:
@@ -95,7 +96,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from shardopt.ckpt_io import CheckpointError
+    from shardopt.checkpoint.files import CheckpointError
 
     try:
         convert(args.checkpoint, args.out, args.tag, weights_only=not args.trust_extra)

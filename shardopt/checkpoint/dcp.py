@@ -60,10 +60,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardopt.checkpoint import PARAM, _agree_or_undo, _check_pair, _unwrap, describe_model
-from shardopt.ckpt_io import CheckpointError
-from shardopt.ckpt_state import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
-from shardopt.optim_state import forget_consolidated
+from shardopt.checkpoint.save_load import _agree_or_undo, _check_pair, _unwrap, describe_model
+from shardopt.checkpoint.source import PARAM
+from shardopt.checkpoint.files import CheckpointError
+from shardopt.checkpoint.pieces import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
+from shardopt.checkpoint.optim_state import forget_consolidated
 
 
 # --------------------------------------------------------------- pure boxes
@@ -153,7 +154,7 @@ class _Plan:
                 self.ranges.setdefault(pc.param, []).append((r, pc.start - off, pc.end - off))
         for j, p in enumerate(opt._params):
             if p.dim() == 0:
-                raise NotImplementedError(f"parameter {names[j]!r} is 0-d: shardopt.dcp cannot describe a 0-d "
+                raise NotImplementedError(f"parameter {names[j]!r} is 0-d: shardopt.checkpoint.dcp cannot describe a 0-d "
                                           "parameter's pieces to DCP (make it shape (1,))")
 
     def boxes(self, j, shape):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardopt.ckpt_state import InnerStateSwap, assemble, group_hyper, local_chunks, resolve_hyper, split_state
+from shardopt.checkpoint.pieces import InnerStateSwap, assemble, group_hyper, local_chunks, resolve_hyper, split_state
 
 
 def _torch_groups(opt) -> tuple[list[dict], dict]:

@@ -15,7 +15,7 @@ import os
 import re
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "elastic_train.py")
 _STOPPED = re.compile(r"\[rank (\d+) of (\d+), attempt (\d+)\] stopped at step (\d+) at t=([0-9.]+): (.*)")
 

@@ -1,7 +1,7 @@
 """Checkpoint files: tensor records with checksums, atomic writes, the manifest's exact JSON encoding.
 
 Pure file code: no process group, no optimizer. The directory layout and the
-crash-safety argument are in Note [Checkpoint layout] (checkpoint.py).
+crash-safety argument are in Note [Checkpoint layout] (checkpoint/save_load.py).
 
 A *record file* is the raw bytes of tensors one after another (native byte
 order, no header); where each tensor is, its dtype, shape and crc32 are kept

@@ -81,7 +81,7 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# Factories for the command line (`shardopt estimate shardopt.gpt:small_model`, `shardopt tune ...`).
+# Factories for the command line (`shardopt estimate shardopt.tools.gpt:small_model`, `shardopt tune ...`).
 def tiny_model() -> GPT:
     return GPT(PRESETS["tiny"])
 

@@ -46,7 +46,7 @@ def _resolve(group):
     if group is not None:
         return group
     if not dist.is_initialized():
-        raise RuntimeError("shardopt.comm: no process group given and torch.distributed is not initialized")
+        raise RuntimeError("shardopt.parallel.comm: no process group given and torch.distributed is not initialized")
     return dist.group.WORLD
 
 

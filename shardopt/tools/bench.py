@@ -31,7 +31,7 @@ DEFAULT = ("step", "memory", "peers")
 
 def benchmarks_dir(explicit: str | None = None) -> str:
     """The benchmarks/ folder of the source checkout shardopt was imported from."""
-    path = explicit or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    path = explicit or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
     if not os.path.isfile(os.path.join(path, "bench_step.py")):
         raise FileNotFoundError(f"no benchmark scripts in '{path}': `shardopt bench` runs the scripts of a source "
                                 "checkout (git clone + pip install -e .); pass --benchmarks-dir if they are "
@@ -71,7 +71,7 @@ def _label(header: list[str], row: list[str]) -> str:
 
 def chart_tables(markdown: str, column: str, path: str, title: str) -> bool:
     """A bar chart of `column`, one series per table that has it; False when none has it."""
-    from shardopt.plotting import bar_panels
+    from shardopt.tools.plotting import bar_panels
 
     found = [(h, hdr, rows) for h, hdr, rows in parse_tables(markdown) if column in hdr]
     if not found:
@@ -90,7 +90,7 @@ def chart_tables(markdown: str, column: str, path: str, title: str) -> bool:
 def run(scenarios, quick: bool, out_dir: str, bench_dir: str | None = None, python: str | None = None,
         log=print) -> str:
     """Runs the scenarios and writes OUT_DIR/DATE-bench.md (+ PNGs). Returns the report's path."""
-    from shardopt.plotting import require_matplotlib
+    from shardopt.tools.plotting import require_matplotlib
 
     require_matplotlib()
     unknown = [s for s in scenarios if s not in SCENARIOS]

@@ -1,6 +1,6 @@
 """PyTorch Lightning strategy: `Trainer(strategy="shardopt")` trains with ShardedOptimizer + ShardedDDP.
 
-    import shardopt.lightning            # registers "shardopt" (and variants) with Lightning
+    import shardopt.integrations.lightning            # registers "shardopt" (and variants) with Lightning
     trainer = lightning.Trainer(strategy="shardopt", devices=2, precision="bf16-mixed")
     trainer = lightning.Trainer(strategy=ShardedStrategy(stage=1, reduce_bucket_size=int(5e7)))
 
@@ -46,7 +46,7 @@ try:
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning_utilities import apply_to_collection
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("shardopt.lightning needs the `lightning` package: pip install 'shardopt[lightning]'") from e
+    raise ImportError("shardopt.integrations.lightning needs the `lightning` package: pip install 'shardopt[lightning]'") from e
 
 import shardopt
 from shardopt.config import ShardConfig
@@ -410,7 +410,7 @@ class ShardedStrategy(DDPStrategy):
         if not self._fitting():
             # Not fitting: no optimizer to load into, so read the whole model
             # state and let Lightning load it as from a plain checkpoint.
-            from shardopt.convert import checkpoint_to_torch
+            from shardopt.checkpoint.convert import checkpoint_to_torch
 
             full = checkpoint_to_torch(path, weights_only=weights_only)
             return {**(full["extra"] or {}), "state_dict": full["model"]}

@@ -19,7 +19,7 @@ Note [Checkpoint layout]
 
 Everything is keyed by parameter *name* and element range of the flattened
 parameter, never by "rank k's slice": a rank file lists pieces as (name,
-start, end) with refs into the file (ckpt_io.py). A loading rank, at any world
+start, end) with refs into the file (checkpoint/files.py). A loading rank, at any world
 size, bucket size or stage, works out its own pieces from its own layout and
 reads only the saved records that overlap them, so no rank reads the whole
 state and no offline conversion is needed. Master values are saved (fp32 for a
@@ -32,7 +32,7 @@ at any moment leaves `latest` pointing at the previous complete checkpoint.
 The directory must be on a file system every rank sees (shared, or one node).
 
 Loading reads through a `Source` (names, shapes, and chunks of any element
-range of a parameter): `NativeSource` for this format, ds_ckpt.DeepSpeedSource
+range of a parameter): `NativeSource` for this format, deepspeed_reader.DeepSpeedSource
 for DeepSpeed's ZeRO-1/2 folders; everything after that is one code path.
 
 Loading happens in two phases so that a bad checkpoint changes nothing: every
@@ -55,18 +55,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardopt.ckpt_io import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
+from shardopt.checkpoint.files import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
                               atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
                               read_manifest, to_json)
-from shardopt.ckpt_state import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
-from shardopt.optim_state import forget_consolidated
+from shardopt.checkpoint.pieces import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
+from shardopt.checkpoint.optim_state import forget_consolidated
+from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
 
-PARAM = ":param"  # the master values travel with a piece's state under this (non-identifier) key
 MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
 _DEFAULT_TAG = re.compile(r"ckpt-(\d+)$")
-# Optimizers whose state is the same (step, exp_avg, exp_avg_sq): offload="cpu"
-# swaps torch's AdamW for shardopt.CPUAdam, and checkpoints move between them.
-_SAME_STATE = ({"torch.optim.adam.Adam", "torch.optim.adamw.AdamW", "shardopt.cpu_adam.CPUAdam"},)
 
 
 # ------------------------------------------------------------------ the model
@@ -137,10 +134,6 @@ def describe_model(module: nn.Module, opt) -> ModelInfo:
                         for g in opt.param_groups)
     return ModelInfo(names=tuple(names), aliases={k: list(v) for k, v in aliases.items()}, others=others,
                      group_names=group_names, keys=tuple(state))
-
-
-def _class_name(cls) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # ----------------------------------------------------------- rank agreement
@@ -250,7 +243,7 @@ def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> di
         "world_size": opt.world_size, "stage": opt.config.stage,
         "mesh": [opt.sharding.shape.replicas, opt.sharding.shape.shards],
         "config": {f.name: repr(getattr(opt.config, f.name)) for f in dataclasses.fields(opt.config)},
-        "optimizer": _class_name(opt.optim_class),
+        "optimizer": class_name(opt.optim_class),
         "dtypes": {"model": dtype_name(opt._params[0].dtype), "master": master},
         "layout": {"bucket_numel": layout.bucket_numel, "total_numel": layout.total_numel,
                    "buckets": [[b.group, b.start, b.numel] for b in layout.buckets],
@@ -353,7 +346,7 @@ def resolve_checkpoint_dir(path, tag: str | None = None) -> str:
         return os.path.join(path, tag)
     if os.path.exists(os.path.join(path, MANIFEST)):
         return path
-    from shardopt.ds_ckpt import looks_like_deepspeed
+    from shardopt.checkpoint.deepspeed_reader import looks_like_deepspeed
 
     if looks_like_deepspeed(path):  # a DeepSpeed tag folder
         return path
@@ -386,41 +379,6 @@ def read_extra(reader: RecordReader, body: dict, weights_only: bool = True):
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=weights_only)
 
 
-class Source:
-    """A checkpoint as the loader sees it, whatever wrote it: names, shapes, chunks, model state.
-
-    `NativeSource` reads shardopt's own format; `shardopt.ds_ckpt.DeepSpeedSource`
-    reads DeepSpeed's ZeRO-1/2 folders. Both hand the loader the same
-    (name, element range) chunks, so staging, agreement and installing are one
-    code path (Note [Checkpoint layout]).
-    """
-
-    directory: str
-    params: dict
-    """Trainable parameter name -> {"shape": list, "group": int}."""
-    model_state: dict
-    """Frozen parameter / buffer name -> ("frozen" | "buffer", shape tuple)."""
-    scaler = None
-    """Loss-scaler state for shardopt.precision.LossScaler.load_state_dict, or None."""
-
-    def resolve_hyper(self, opt) -> list:
-        """Every param group's hyper-parameters after the load; raises if the optimizers cannot meet."""
-        raise NotImplementedError
-
-    def chunks(self, name: str, start: int, end: int) -> list:
-        """Chunks of `name` overlapping elements [start, end), sorted by start (master values in PARAM)."""
-        raise NotImplementedError
-
-    def model_tensor(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def extra(self):
-        return None
-
-    def close(self) -> None:
-        pass
-
-
 class NativeSource(Source):
     """A checkpoint written by save_checkpoint (Note [Checkpoint layout])."""
 
@@ -440,9 +398,9 @@ class NativeSource(Source):
         self._cache: dict = {}  # a saved piece overlapping two of ours is read once
 
     def resolve_hyper(self, opt) -> list:
-        saved_cls, cls = self.body["optimizer"], _class_name(opt.optim_class)
+        saved_cls, cls = self.body["optimizer"], class_name(opt.optim_class)
         same = saved_cls == cls
-        if not same and not any({saved_cls, cls} <= s for s in _SAME_STATE):
+        if not same and not any({saved_cls, cls} <= s for s in SAME_STATE):
             raise CheckpointError(f"{self.directory} holds {saved_cls} state, this optimizer is {cls}: build the "
                                   "optimizer with the class that saved it")
         return resolve_hyper(opt, [from_json(g["hyper"]) for g in self.body["param_groups"]], same,
@@ -473,10 +431,10 @@ def open_source(path, tag: str | None = None, weights_only: bool = True) -> Sour
     """The checkpoint at `path` (shardopt's, or a DeepSpeed ZeRO-1/2 folder) as a Source."""
     directory = resolve_checkpoint_dir(path, tag)
     if not os.path.exists(os.path.join(directory, MANIFEST)):
-        from shardopt import ds_ckpt
+        from shardopt.checkpoint import deepspeed_reader
 
-        if ds_ckpt.looks_like_deepspeed(directory):
-            return ds_ckpt.DeepSpeedSource(directory, weights_only)
+        if deepspeed_reader.looks_like_deepspeed(directory):
+            return deepspeed_reader.DeepSpeedSource(directory, weights_only)
     return NativeSource(directory, weights_only)
 
 
@@ -552,7 +510,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     counts load the same way, and the returned `extra` is then
     {"client_state", "global_steps", "global_samples", "skipped_steps",
     "lr_scheduler", "ds_version"} (Note [DeepSpeed ZeRO-1/2 checkpoint files]
-    in ds_ckpt.py).
+    in checkpoint/deepspeed_reader.py).
     Refuses, on every rank and changing nothing, a damaged checkpoint or one
     of a different model (naming missing / unexpected / mis-shaped
     parameters). Restores master weights (and so the model's), optimizer state

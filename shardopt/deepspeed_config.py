@@ -421,7 +421,7 @@ def translate(config) -> Translation:
                           "filled in)")
     if r.problems:
         raise ValueError("this DeepSpeed config cannot be used as is:\n" + "\n".join(r.problems)
-                         + "\n(see Note [DeepSpeed keys: translated, accepted, refused] in shardopt/ds_config.py)")
+                         + "\n(see Note [DeepSpeed keys: translated, accepted, refused] in shardopt/deepspeed_config.py)")
     return Translation(optim=optim, optim_kwargs=optim_kwargs, kwargs=out, param_dtype=dtype,
                        ignored=tuple(r.ignored), gradient_accumulation_steps=gas)
 

@@ -3,11 +3,11 @@
     with EmulatedCluster(2, "1gbit") as c:
         results = run_ranks_on_cluster(c, 2, 2, my_module.fn, arg)    # [fn's result on rank r]
 
-The same contract as shardopt.testing.run_ranks (a module-level fn, results
+The same contract as shardopt.cluster.ranks.run_ranks (a module-level fn, results
 in rank order, RankFailure with every failing rank's traceback), so a
 benchmark written for run_ranks runs across emulated nodes unchanged. The
 function and its arguments travel in a file (torch.save) to
-shardopt/cluster_rank_worker.py, which torchrun starts on every node; a
+shardopt/cluster/node_rank_worker.py, which torchrun starts on every node; a
 function of a script run as `__main__` is found by loading that script again
 in the worker (its `if __name__ == "__main__"` block does not run).
 """
@@ -19,9 +19,9 @@ import tempfile
 
 import torch
 
-from shardopt.testing import RankFailure
+from shardopt.cluster.ranks import RankFailure
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_rank_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_rank_worker.py")
 
 
 def run_ranks_on_cluster(cluster, nodes: int, nproc: int, fn, *args, timeout: float = 600,

@@ -7,7 +7,7 @@
     tune      times the `module:factory` model over a grid of reduce/allgather bucket sizes at the
               current world size; prints a table, writes a PNG, recommends sizes as a config snippet.
     convert   a checkpoint directory (shardopt.save_checkpoint) -> one torch file: model weights and a
-              torch.optim state dict (shardopt/convert.py).
+              torch.optim state dict (shardopt/checkpoint/convert.py).
     bench     runs scenarios of the source tree's benchmarks/ and writes a dated markdown report with
               charts.
 
@@ -101,13 +101,13 @@ def _list(convert):
 
 # ----------------------------------------------------------------- commands
 def _demo(args) -> int:
-    from shardopt import demo
+    from shardopt.tools import demo
 
     return demo.run(args)
 
 
 def _tune(args) -> int:
-    from shardopt import tune
+    from shardopt.tools import tune
 
     tune.run(args.factory, args.batch, args.reduce_sizes, args.allgather_sizes, stage=args.stage,
              steps=args.steps, rounds=args.rounds, out_dir=args.out_dir)
@@ -142,7 +142,7 @@ def _estimate(args) -> int:
 
 
 def _bench(args) -> int:
-    from shardopt import bench
+    from shardopt.tools import bench
 
     bench.run(args.scenarios, args.quick, args.out_dir, args.benchmarks_dir, args.python)
     return 0
@@ -204,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--benchmarks-dir", default=None)
     b.add_argument("--python", default=None, help="interpreter for the scripts (e.g. one with deepspeed)")
 
-    from shardopt import convert
+    from shardopt.checkpoint import convert
     convert.add_parser(sub)
     return parser
 

@@ -1,4 +1,4 @@
-"""The rank side of shardopt.cluster_ranks.run_ranks_on_cluster; torchrun runs `python cluster_rank_worker.py DIR`.
+"""The rank side of shardopt.cluster.node_ranks.run_ranks_on_cluster; torchrun runs `python node_rank_worker.py DIR`.
 
 Reads DIR/spec.pt (the function, its arguments, the caller's sys.path),
 joins the process group torchrun set up, runs fn(rank, world_size, *args,

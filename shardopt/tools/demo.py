@@ -14,8 +14,8 @@ def _train(wrapper, opt, cfg, args, rank, steps, label):
     """Trains `steps` steps with a progress bar on rank 0; returns (losses, median step time)."""
     import torch
 
-    from shardopt.gpt import synthetic_batch
-    from shardopt.progress import ProgressBar
+    from shardopt.tools.gpt import synthetic_batch
+    from shardopt.tools.progress import ProgressBar
 
     loss_fn = torch.nn.CrossEntropyLoss()
     bar = ProgressBar(steps, label, enabled=rank == 0)
@@ -57,7 +57,7 @@ def run(args) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import shardopt
-    from shardopt.gpt import GPT, PRESETS, num_params
+    from shardopt.tools.gpt import GPT, PRESETS, num_params
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

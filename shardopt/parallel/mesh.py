@@ -14,8 +14,8 @@ import os
 
 import torch.distributed as dist
 
-from shardopt.consistency import check_same_across_ranks
-from shardopt.mesh_plan import MeshShape, node_mesh
+from shardopt.parallel.consistency import check_same_across_ranks
+from shardopt.parallel.mesh_plan import MeshShape, node_mesh
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
