@@ -12,7 +12,8 @@ from shardopt.checkpoint.files import CheckpointError
 from shardopt.config import ShardConfig
 from shardopt.cpu_adam import CPUAdam
 from shardopt.ddp import ShardedDDP
-from shardopt.optimizer import ShardedOptimizer, register_elementwise_optimizer
+from shardopt.elementwise import register_elementwise_optimizer
+from shardopt.optimizer import ShardedOptimizer
 from shardopt.precision import LossScaleConfig
 
 

@@ -78,7 +78,7 @@ class ShardedDDP(nn.Module):
         # (Note [Parameters stay in the flat buffer] in optimizer.py).
         self._param_names = [named[pos][0] for pos in positions]
         handles.append(module.register_forward_pre_hook(_check_in_place_hook(this)))
-        # With separate master weights (Note [Master weights] in optimizer.py), new
+        # With separate master weights (Note [Master weights] in master_step.py), new
         # values loaded into the model must reach the masters, or the next step
         # would overwrite them with the old ones. Post hooks run for every module
         # of a load, so this sees loads into the model or into this wrapper.
@@ -152,14 +152,7 @@ class ShardedDDP(nn.Module):
             # Runs once the whole backward pass is done: reduce what is left.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
-        engine.mark_ready(index, p.grad)
-        if opt.config.stage == 1:
-            view = opt._grad_views[index]
-            if p.grad is not view:  # replaced by user code: the engine copied it back in
-                p.grad = view
-        else:
-            p.grad = None  # stage 2: the full-size gradient is released here
-        opt._installed[index] = p.grad
+        opt.grads.on_grad(index, p)
 
     def _end_backward(self) -> None:
         self._callback_queued = False

@@ -25,7 +25,7 @@ activations, the allocator's slack and the framework itself come on top.
 
 Note [Estimate for mixed precision and offload]
 -----------------------------------------------
-As ShardedOptimizer allocates (Note [Master weights] in optimizer.py, Note
+As ShardedOptimizer allocates (Note [Master weights] in master_step.py, Note
 [Bucket engine] in csrc/comm/bucket_engine.h): fp32 master chunks of this
 rank's shard for bf16/fp16 parameters or offload; master, gradient chunks and
 optimizer state on the host with offload; gradient chunks fp32, staging in the

@@ -10,15 +10,9 @@ Lifecycle of one iteration (see Note [Flat layout] in layout.py and Note
                steps this rank's pieces (fp32 master values), and the updated
                chunks are all-gathered straight into the model.
 
-Note [Master weights]
----------------------
-When the model is fp32 and nothing is offloaded, this rank's chunks of the
-model's flat buffer ARE the optimizer's parameters (no copy). With a bf16/fp16
-model, or offload="cpu", the optimizer steps separate fp32 master chunks
-(`self.master`, on the host with offload, laid out like the gradient shard);
-after a step each bucket's chunk is cast into the model's buffer (by the CPU
-Adam kernel itself when it can write the low-precision copy in the same pass)
-and all-gathered in the model's dtype.
+The rooms it asks: grad_sync.py (the end of backward, p.grad, the step's
+flags), master_step.py (the inner optimizer on this rank's pieces; Note
+[Master weights]), publish.py (updated chunks back into the model).
 """
 from __future__ import annotations
 
@@ -35,48 +29,17 @@ from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKE
                              auto_bucket_size)
 from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
+from shardopt.elementwise import check_elementwise
+from shardopt.grad_sync import GradSync
+from shardopt.master_step import MasterStep
+from shardopt.publish import Publisher
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
 from shardopt.parallel.mesh import require_dist, resolve_groups
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
-from shardopt.sharded_grad import GradShard, ShardedGrad
+from shardopt.sharded_grad import GradShard
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-# Optimizers whose update of an element depends only on that element (and
-# scalars): safe to run on flat slices of parameters.
-_ELEMENTWISE: set[type] = {
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
-    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
-}
-
-
-def _known_elementwise() -> set[type]:
-    from shardopt.cpu_adam import CPUAdam
-
-    return _ELEMENTWISE | {CPUAdam}
-
-
-def register_elementwise_optimizer(cls: type) -> type:
-    """Declares that `cls` updates every element independently, so it may run on shards."""
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(f"expected a torch.optim.Optimizer subclass, got {cls!r}")
-    _ELEMENTWISE.add(cls)
-    return cls
-
-
-def _check_elementwise(cls) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(f"optim must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), got {cls!r}")
-    if cls not in _known_elementwise():
-        known = ", ".join(sorted(c.__name__ for c in _known_elementwise()))
-        raise ValueError(
-            f"{cls.__name__} is not known to be elementwise. ShardedOptimizer runs the inner optimizer on "
-            f"flat 1-D slices of parameters, which is wrong for optimizers that need whole parameter shapes "
-            f"or global state (LBFGS, Adafactor, Shampoo, Muon, ...). Supported: {known}. If {cls.__name__} "
-            f"really updates each element independently, call "
-            f"shardopt.register_elementwise_optimizer({cls.__name__}) first.")
-
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Drop-in replacement for a torch.optim optimizer that shards its state over ranks.
@@ -102,9 +65,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   max_grad_norm=max_grad_norm,
                                   num_staging_buffers=num_staging_buffers, comm_impl=comm_impl,
                                   inter_node_dtype=inter_node_dtype)
-        self._gather_pending = False  # parameters are being gathered (Note [Gathering in the next forward])
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
-        _check_elementwise(optim)
+        check_elementwise(optim)
         require_dist()  # before any work: the groups are resolved once the parameters are known
         # The inner optimizer's own defaults, validated by constructing it once on a dummy tensor.
         probe = optim([torch.zeros(1, requires_grad=True)], **optim_kwargs)
@@ -175,63 +137,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._grad_views.append(p.grad)
         offloaded = self.config.offload == "cpu"
         self.master_device = torch.device("cpu") if offloaded else self.device
-        pin = offloaded and self.config.pin_memory
         # GPU-only operations (pinning, side-stream copies, events): Note [Device
         # operations behind an interface] in device_ops.py.
         self._ops = _device_ops.current()
-        self._copy_back_mark = None  # master -> model copies the device may not have done yet
-        self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin,
-                                         self._ops)
-        # See Note [Master weights].
-        self.master = None
-        if offloaded or self.master_dtype != self.dtype:
-            self.master = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device, pin,
-                                         self._ops)
-
-        # Pieces: the inner optimizer's parameters (see Note [Flat layout]).
-        chunk_offsets = self.layout.chunk_offsets()
-        self._chunks = []  # per bucket: (this rank's chunk of the model buffer, its master chunk)
-        for b, bucket in enumerate(self.layout.buckets):
-            lo, hi = bucket.chunk(self.rank)
-            model_chunk = self.flat_param[lo:hi]
-            master_chunk = self.master[chunk_offsets[b]:chunk_offsets[b] + hi - lo] if self.master is not None \
-                else model_chunk
-            self._chunks.append((model_chunk, master_chunk))
-        self._pieces = self.layout.pieces(self.rank)
-        self._piece_params, self._piece_grads = [], []
-        inner_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in self.param_groups]
-        for pc in self._pieces:
-            bucket = self.layout.buckets[pc.bucket]
-            at = chunk_offsets[pc.bucket] + pc.start - bucket.chunk(self.rank)[0]
-            t = self.master[at:at + pc.numel] if self.master is not None else self.flat_param[pc.start:pc.end]
-            self._piece_params.append(t)
-            self._piece_grads.append(self.shard_grad[at:at + pc.numel])
-            inner_groups[bucket.group]["params"].append(t)
-        self.inner = optim(inner_groups, **optim_kwargs) if self._pieces else None
-        self._load_master_from_model()
-        # The CPU Adam kernel can write the model's bf16/fp16 copy itself (Note [Master weights]).
-        self._kernel_writes_model = _offload.attach_lowp_copies(
-            self.inner, self._piece_params, [self.flat_param[pc.start:pc.end] for pc in self._pieces],
-            separate_master=self.master is not None)
-
-        # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py). _installed[i] is what this
-        # optimizer last put in parameter i's .grad: its ShardedGrad, its stage-1 view, or None.
-        self._grad_shard = GradShard(self._params, self._pieces, self._piece_grads,
-                                     [slot.offset for slot in self.layout.params], self.process_group,
-                                     self.world_size, self._had_grad)
-        self._installed: list = list(self._grad_views) if self.config.stage == 1 else [None] * len(self._params)
-        self._last_used = torch.zeros(len(self._params), dtype=torch.bool)  # global, at the last step
-        self._reconciled = False    # this backward pass already reconciled user changes to p.grad
-
-        self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
-        self._attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
-        self._backwards = 0         # backward passes reduced since the last step
-        self._global_used = None    # per parameter: got a gradient on some rank (cached until step)
-        self._found_nonfinite = False  # some rank's gradients held inf/nan (valid with _global_used)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
+        self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device,
+                                         offloaded and self.config.pin_memory, self._ops)
         # Cumulative seconds per phase, for benchmarks (see phase_seconds()).
         self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)
+        self.stepper = MasterStep(self.layout, self.rank, [self.flat_param[slice(*b.chunk(self.rank))]
+                                                            for b in self.layout.buckets],
+                                  self.shard_grad, self.param_groups, optim, optim_kwargs,
+                                  master_dtype=self.master_dtype, offloaded=offloaded,
+                                  pin=offloaded and self.config.pin_memory, ops=self._ops)
+        self.master, self.inner = self.stepper.master, self.stepper.inner
+        self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
+        self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase)
+        # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py).
+        grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
+                               [slot.offset for slot in self.layout.params], self.process_group,
+                               self.world_size, lambda: self.grads.had_grad())
+        self.grads = GradSync(self._params, self.config.stage, self._grad_views, self.shard_grad, grad_shard,
+                              self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase)
+        self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
 
     @classmethod
     def from_config(cls, params, config, **overrides) -> "ShardedOptimizer":
@@ -268,7 +197,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gather_order: indices into layout.gather_spans, in the order the
         forward needs them (prefetch.plan_gather_order).
         """
-        if self._attached:
+        if self.grads.attached:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
         plan = _ext._C.BucketPlan()
         lay = self.layout
@@ -298,7 +227,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.sharding.replicate is not None:
             self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
         self.engine.set_loss_scale(self.loss_scale)
-        self._attached = True
+        self.grads.engine = self.publisher.engine = self.engine
+        self.grads.attached = True
 
     def _detach_model(self) -> None:
         """Called when the ShardedDDP wrapper is collected (Note [Hooks die with the wrapper] in ddp.py).
@@ -309,11 +239,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self.engine is not None:
             self.wait_params()
-        for i, p in enumerate(self._params):
-            if isinstance(p.grad, ShardedGrad):  # nothing will answer for it any more
-                p.grad = None
-            self._installed[i] = p.grad
-        self._attached = False
+        self.grads.detach()
 
     def add_param_group(self, param_group):
         if hasattr(self, "layout"):  # torch.optim.Optimizer.__init__ adds the constructor's groups first
@@ -322,126 +248,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -------------------------------------------------------------- gradients
-    def _require_engine(self):
-        if not self._attached:
-            raise RuntimeError("no gradients reach this ShardedOptimizer: wrap the model with "
-                               "shardopt.ShardedDDP(model, optimizer) before training (and keep the wrapper: "
-                               "once it is garbage-collected its hooks are gone)")
-        return self.engine
+    # ShardedDDP's hooks call these (the work is grad_sync.py's).
+    def _before_accumulate(self, index: int) -> None:
+        self.grads.before_accumulate(index)
 
     def _end_backward(self) -> None:
-        """End of a backward pass (or a rank that had none): reduce what is left."""
-        engine = self._require_engine()
-        if self.config.stage == 2:
-            # Gradients accumulated under no_sync for parameters this backward did not reach.
-            for i in engine.unready_params():
-                p = self._params[i]
-                if p.grad is not None and not isinstance(p.grad, ShardedGrad):
-                    engine.mark_ready(i, p.grad)
-                    p.grad = None
-        t0 = time.perf_counter()
-        engine.flush()
-        self._phase["reduce"] += time.perf_counter() - t0
-        self._backwards += 1
-        self._reconciled = False
-        # The gradients now live in the shard (Note [Sharded p.grad]). As with DDP, a parameter
-        # has one if some rank's backward reached it (or it had one before); the others keep None.
-        # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.
-        # Over every rank: replicas hold equal shards, so their squared norms count R times.
-        n = len(self._params)
-        stats = torch.cat([self._had_grad().double(), self._grad_shard.local_square_norms()])
-        if dist.get_world_size(self.world_group) > 1:
-            dist.all_reduce(stats, group=self.world_group)
-        self._grad_shard.set_norms(2.0, (stats[n:] / self.sharding.shape.replicas).sqrt())
-        has = (stats[:n] > 0).tolist()
-        for i, (p, handle, h) in enumerate(zip(self._params, self._grad_shard.handles, has)):
-            if h:
-                p.grad = handle
-            elif self.config.stage == 1:
-                p.grad = None  # not the zeroed view: DDP's p.grad is None here too
-            self._installed[i] = p.grad
-
-    def _before_accumulate(self, index: int) -> None:
-        """A backward pass is about to accumulate into parameter `index`'s .grad (ShardedDDP's pre-hook).
-
-        Autograd must not accumulate into a ShardedGrad: the reduced part stays
-        in the shard, and the new gradient is reduced into it; stage 1 puts back
-        the flat-buffer view autograd accumulates into.
-        """
-        if not self._reconciled:
-            # First parameter of this backward: take in what user code did to p.grad
-            # before anything of this pass is reduced (Note [Sharded p.grad]).
-            self._reconcile_grads()
-            self._reconciled = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_reconciled)
-        p = self._params[index]
-        if isinstance(p.grad, ShardedGrad):
-            p.grad = self._grad_views[index] if self.config.stage == 1 else None
-            self._installed[index] = p.grad
-
-    def _end_reconciled(self) -> None:
-        self._reconciled = False
-
-    def _reconcile_grads(self) -> None:
-        """Takes in replacements of a reduced p.grad by user code (Note [Sharded p.grad]).
-
-        None (nn.Module.zero_grad): the parameter's gradient is cleared, and it
-        no longer counts as having one. A tensor: it becomes the gradient.
-        """
-        cleared = []
-        for i, p in enumerate(self._params):
-            handle = self._installed[i]
-            if not isinstance(handle, ShardedGrad) or p.grad is handle:
-                continue
-            if p.grad is None:
-                cleared.append(i)
-                self._installed[i] = None
-            else:
-                self._grad_shard.assign(i, p.grad)
-                self.engine.note_used(i)
-                p.grad = handle
-        if not cleared:
-            return
-        if len(cleared) == len(self._params):
-            self._zero_all(set_to_none=True)  # model.zero_grad(): the same as opt.zero_grad()
-            return
-        used = self.engine.used()  # the engine's own flags: cleared in place
-        for i in cleared:
-            self._grad_shard.zero(i)
-            used[i] = 0
-            self._last_used[i] = False
-            self._grad_shard.kept[i] = False
-
-    def _finish_grad_sync(self) -> torch.Tensor:
-        """Makes sure gradients are reduced and returns the global "got a gradient" flags."""
-        if self._global_used is None:
-            engine = self._require_engine()
-            self._reconcile_grads()
-            if self._backwards == 0:
-                # This rank ran no backward that reached a parameter; its peers may
-                # have, and wait for its share of every bucket: reduce zeros.
-                self._end_backward()
-                self._backwards = 0
-            # One small all-reduce answers every cross-rank question of this step.
-            used = engine.used().bool() | self._grad_shard.kept
-            flags = torch.cat([used.to(torch.int32), torch.tensor([self._backwards], dtype=torch.int32),
-                               engine.found_nonfinite().cpu().to(torch.int32)])
-            if dist.get_world_size(self.world_group) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.world_group)
-            backwards, found = flags[-2:].tolist()
-            if backwards == 0:
-                raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
-                                   "step on every rank: call loss.backward() first")
-            self._global_used = flags[:-2].bool()
-            self._last_used |= self._global_used
-            self._found_nonfinite = bool(found)
-            if self._found_nonfinite and self._nonfinite == "raise":
-                raise FloatingPointError(
-                    "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
-                    "probably diverged: lower the learning rate, clip gradients (max_grad_norm=...), or check "
-                    "the data. To skip such steps instead, pass nonfinite='skip' to ShardedOptimizer "
-                    "(fp16 models skip by default, with loss scaling).")
-        return self._global_used
+        self.grads.end_backward()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -449,11 +261,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Same result as torch.nn.utils.clip_grad_norm_ on the full averaged gradients.
         """
-        self._finish_grad_sync()
+        self.grads.finish()
         norm_type = float(norm_type)
         g = self.shard_grad
         # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]).
-        norms = self._grad_shard.norms(norm_type)
+        norms = self.grads.shard.norms(norm_type)
         if math.isinf(norm_type):
             total = norms.max().float() if norms.numel() else torch.zeros(())
         else:
@@ -462,7 +274,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # As torch.nn.utils.clip_grad_norm_: scale by a clamped coefficient.
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         g.mul_(coef.to(g.dtype))
-        self._grad_shard.scale_all(coef)
+        self.grads.shard.scale_all(coef)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -472,34 +284,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gradient keep a zero one, so the next step() updates them (momentum,
         weight decay) even if no backward reaches them.
         """
-        if self.engine is not None and not set_to_none:
-            self._reconcile_grads()
-            self._grad_shard.kept |= self._had_grad()
-        self._zero_all(set_to_none)
+        self.grads.zero(set_to_none)
 
-    def _had_grad(self) -> torch.Tensor:
-        """Per parameter: whether DDP + torch.optim would hold a gradient tensor for it (p.grad not None)."""
-        used = self.engine.used().bool() if self.engine is not None else torch.zeros_like(self._last_used)
-        return used | self._last_used | self._grad_shard.kept
-
-    def _zero_all(self, set_to_none: bool) -> None:
-        if self.engine is not None:
-            self.engine.zero_grad()
-        if not set_to_none:
-            self.shard_grad.zero_()  # the ShardedGrads left in p.grad read zeros
-            self._grad_shard.set_norms(2.0, torch.zeros(len(self._params), dtype=torch.float64))
-        else:
-            self._grad_shard.kept.zero_()
-            self._last_used.zero_()
-        for i, p in enumerate(self._params):
-            if set_to_none or not isinstance(p.grad, ShardedGrad):
-                # Stage 1: the view autograd accumulates into (zeroed by the engine).
-                p.grad = self._grad_views[i] if self.config.stage == 1 else None
-            self._installed[i] = p.grad
-        self._backwards = 0
-        self._global_used = None
-
-    # ------------------------------------------------------------------- step
     # ------------------------------------------------------ loss scaling
     @property
     def loss_scale(self) -> float:
@@ -525,15 +311,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        used = self._finish_grad_sync()
-        skip = self._found_nonfinite
+        used = self.grads.finish()
+        skip = self.grads.found_nonfinite
         if not skip:
             if self.config.max_grad_norm is not None:
                 self.clip_grad_norm(self.config.max_grad_norm)
             t0 = time.perf_counter()
-            self._step_inner(used)
+            self.stepper.step(used, self.param_groups)
             self._phase["step"] += time.perf_counter() - t0
-            self._publish_params(copy_master=not self._kernel_writes_model, defer=self.config.overlap_gather)
+            self._publish_params(copy_master=not self.stepper.kernel_writes_model, defer=self.config.overlap_gather)
         if skip and self.engine is not None:
             self.engine.reset_hop_residual()  # it holds the inf/nan too (Note [Compressed inter-node hop])
         if skip and self.loss_scaler is None:
@@ -544,58 +330,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(skip)
             self.engine.set_loss_scale(self.loss_scaler.scale)
-        self._backwards = 0
-        self._global_used = None
-        self._found_nonfinite = False
+        self.grads.end_step()
         return loss
 
-    def _step_inner(self, used: torch.Tensor) -> None:
-        if self.inner is None:
-            return
-        # Torch.optim semantics: a parameter with no gradient anywhere is not
-        # stepped at all (no weight decay, no momentum).
-        used = used.tolist()  # one conversion, not a tensor index per piece
-        for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
-            t.grad = g if used[pc.param] else None
-        for inner_group, group in zip(self.inner.param_groups, self.param_groups):
-            for k, v in group.items():
-                if k != "params":
-                    inner_group[k] = v
-        self.inner.step()
-
     def _load_master_from_model(self) -> None:
-        """Master chunks take the model's values (at construction, and after ShardedDDP's broadcast)."""
+        """Master chunks take the model's values (at construction, after ShardedDDP's broadcast, a load)."""
         self.wait_params()
-        if self.master is not None:
-            with torch.no_grad():
-                for model_chunk, master_chunk in self._chunks:
-                    master_chunk.copy_(model_chunk)
+        self.stepper.load_from_model()
 
     def _publish_params(self, copy_master: bool = True, defer: bool = False) -> None:
-        """Every rank's updated chunks into the model: cast from master per bucket, then all-gather.
-
-        A collective: every rank calls it. copy_master=False when the step's
-        kernel already wrote the model's copy (Note [Master weights]).
-        defer=True only starts the gathers (Note [Gathering in the next forward]).
-        """
-        t0 = time.perf_counter()
-        if self.master is not None and copy_master:
-            queued = False
-            with torch.no_grad():
-                for model_chunk, master_chunk in self._chunks:
-                    non_blocking = _offload.copy_back_is_async(model_chunk, master_chunk, self._ops)
-                    model_chunk.copy_(master_chunk, non_blocking=non_blocking)
-                    queued |= non_blocking
-            if queued:  # wait_params() waits for it before master is written again
-                self._copy_back_mark = self._ops.mark(self.device)
-        t1 = time.perf_counter()
-        engine = self._require_engine()
-        engine.start_all_gather_params(self.flat_param)
-        self._gather_pending = engine.num_pending_gathers > 0
-        self._phase["publish"] += t1 - t0
-        self._phase["gather"] += time.perf_counter() - t1
-        if not defer:
-            self._wait_gathers()
+        """Every rank's updated chunks into the model (a collective; publish.py)."""
+        self.grads.require_engine()
+        self.publisher.publish(copy_master, defer)
 
     # Note [Parameters stay in the flat buffer]
     # Every managed parameter is a view into flat_param: the all-gather writes
@@ -628,26 +374,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         copy back (offload to pinned memory; Note [Device operations behind an
         interface] in device_ops.py).
         """
-        self._wait_gathers()
-        if self._copy_back_mark is not None:
-            self._ops.host_wait(self._copy_back_mark)
-            self._copy_back_mark = None
-
-    def _wait_gathers(self) -> None:
-        if self._gather_pending:
-            t0 = time.perf_counter()
-            self.engine.finish_all_gather_params()
-            self._gather_pending = False
-            self._phase["gather"] += time.perf_counter() - t0
+        self.publisher.wait()
 
     def _wait_buckets(self, buckets) -> None:
-        """A module's forward pre-hook: waits for the buckets holding its parameters."""
-        if self._gather_pending:
-            t0 = time.perf_counter()
-            for b in buckets:
-                self.engine.finish_all_gather(b)
-            self._gather_pending = self.engine.num_pending_gathers > 0
-            self._phase["gather"] += time.perf_counter() - t0
+        """A module's forward pre-hook (overlap_gather): waits for the buckets holding its parameters."""
+        self.publisher.wait_buckets(buckets)
 
     def phase_seconds(self) -> dict:
         """Cumulative wall seconds this rank spent per phase since construction.
@@ -688,10 +419,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         buffers, and how much of it is on the model's device vs offloaded to the host."""
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts)
-        state = []
-        if self.inner is not None:
-            for s in self.inner.state.values():
-                state += [v for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+        state = self.stepper.state_tensors()
         stats = {
             "params": nbytes([self.flat_param]),
             "master": nbytes([self.master]) if self.master is not None else 0,

@@ -222,7 +222,7 @@ def _check_shard_grads(opt, model, ref_grads, rtol, what):
     opt._finish_grad_sync()
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
-    for pc, g in zip(opt._pieces, opt._piece_grads):
+    for pc, g in zip(opt._pieces, opt.stepper.piece_grads):
         slot = opt.layout.params[pc.param]
         j = next(k for k, p in enumerate(params) if p is opt._params[pc.param])
         if ref_grads[j] is None:

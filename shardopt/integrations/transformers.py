@@ -38,7 +38,8 @@ from shardopt.checkpoint.save_load import load_checkpoint, save_checkpoint
 from shardopt.ddp import ShardedDDP
 from shardopt.deepspeed_config import translate
 from shardopt.integrations.hf_config import check_scheduler, deepspeed_lr_lambda, resolve_auto, split_config
-from shardopt.optimizer import ShardedOptimizer, _check_elementwise
+from shardopt.elementwise import check_elementwise
+from shardopt.optimizer import ShardedOptimizer
 
 try:
     import transformers
@@ -95,7 +96,7 @@ class ShardedTrainer(Trainer):
                 self._shardopt_config, a, a.world_size):
             cls, _ = self._optimizer_cls_and_kwargs()
             try:
-                _check_elementwise(cls)
+                check_elementwise(cls)
             except (ValueError, TypeError) as e:
                 refused.append(f"optim={a.optim!r}: {e}")
         if refused:

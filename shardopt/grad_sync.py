@@ -1,0 +1,215 @@
+"""Gradient sync: the end of each backward pass, the one all-reduce of flags a step needs, and what p.grad
+holds in between (Note [Sharded p.grad] in sharded_grad.py).
+
+    backward   -> ShardedDDP's hooks: before_accumulate(i), then the engine takes the gradient (on_grad)
+    end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms),
+                  every reached parameter's p.grad becomes its ShardedGrad
+    step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardopt.sharded_grad import GradShard, ShardedGrad
+
+
+class GradSync:
+    """What a ShardedOptimizer knows about gradients between two steps."""
+
+    def __init__(self, params: list, stage: int, grad_views: list, shard_grad: torch.Tensor, grad_shard: GradShard,
+                 world_group, replicas: int, nonfinite: str, phase: dict):
+        self.params = params
+        self.shard_grad = shard_grad  # this rank's chunks of the averaged gradient, concatenated
+        self.stage = stage
+        self.grad_views = grad_views  # stage 1: each parameter's .grad, a view of the flat gradient buffer
+        self.shard = grad_shard
+        self.world_group = world_group
+        self.replicas = replicas
+        self.nonfinite = nonfinite
+        self.phase = phase
+        self.engine = None         # created by ShardedDDP (it knows the model's parameter order)
+        self.attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
+        # installed[i] is what this optimizer last put in parameter i's .grad: its ShardedGrad, its
+        # stage-1 view, or None.
+        self.installed: list = list(grad_views) if stage == 1 else [None] * len(params)
+        self.last_used = torch.zeros(len(params), dtype=torch.bool)  # global, at the last step
+        self.reconciled = False    # this backward pass already reconciled user changes to p.grad
+        self.backwards = 0         # backward passes reduced since the last step
+        self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
+        self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
+
+    def require_engine(self):
+        if not self.attached:
+            raise RuntimeError("no gradients reach this ShardedOptimizer: wrap the model with "
+                               "shardopt.ShardedDDP(model, optimizer) before training (and keep the wrapper: "
+                               "once it is garbage-collected its hooks are gone)")
+        return self.engine
+
+    def detach(self) -> None:
+        """Gradients no longer reach the engine (the wrapper is gone): nothing answers for a ShardedGrad."""
+        for i, p in enumerate(self.params):
+            if isinstance(p.grad, ShardedGrad):
+                p.grad = None
+            self.installed[i] = p.grad
+        self.attached = False
+
+    def had_grad(self) -> torch.Tensor:
+        """Per parameter: whether DDP + torch.optim would hold a gradient tensor for it (p.grad not None)."""
+        used = self.engine.used().bool() if self.engine is not None else torch.zeros_like(self.last_used)
+        return used | self.last_used | self.shard.kept
+
+    # ------------------------------------------------------------- backward
+    def before_accumulate(self, index: int) -> None:
+        """A backward pass is about to accumulate into parameter `index`'s .grad (ShardedDDP's pre-hook).
+
+        Autograd must not accumulate into a ShardedGrad: the reduced part stays
+        in the shard, and the new gradient is reduced into it; stage 1 puts back
+        the flat-buffer view autograd accumulates into.
+        """
+        if not self.reconciled:
+            # First parameter of this backward: take in what user code did to p.grad
+            # before anything of this pass is reduced (Note [Sharded p.grad]).
+            self.reconcile()
+            self.reconciled = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_reconciled)
+        p = self.params[index]
+        if isinstance(p.grad, ShardedGrad):
+            p.grad = self.grad_views[index] if self.stage == 1 else None
+            self.installed[index] = p.grad
+
+    def _end_reconciled(self) -> None:
+        self.reconciled = False
+
+    def on_grad(self, index: int, p: torch.Tensor) -> None:
+        """Parameter `index`'s gradient is complete and reducing: hand it to the engine, release it."""
+        self.engine.mark_ready(index, p.grad)
+        if self.stage == 1:
+            view = self.grad_views[index]
+            if p.grad is not view:  # replaced by user code: the engine copied it back in
+                p.grad = view
+        else:
+            p.grad = None  # stage 2: the full-size gradient is released here
+        self.installed[index] = p.grad
+
+    def end_backward(self) -> None:
+        """End of a backward pass (or a rank that had none): reduce what is left."""
+        engine = self.require_engine()
+        if self.stage >= 2:
+            # Gradients accumulated under no_sync for parameters this backward did not reach.
+            for i in engine.unready_params():
+                p = self.params[i]
+                if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                    engine.mark_ready(i, p.grad)
+                    p.grad = None
+        t0 = time.perf_counter()
+        engine.flush()
+        self.phase["reduce"] += time.perf_counter() - t0
+        self.backwards += 1
+        self.reconciled = False
+        # The gradients now live in the shard (Note [Sharded p.grad]). As with DDP, a parameter
+        # has one if some rank's backward reached it (or it had one before); the others keep None.
+        # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.
+        # Over every rank: replicas hold equal shards, so their squared norms count R times.
+        n = len(self.params)
+        stats = torch.cat([self.had_grad().double(), self.shard.local_square_norms()])
+        if dist.get_world_size(self.world_group) > 1:
+            dist.all_reduce(stats, group=self.world_group)
+        self.shard.set_norms(2.0, (stats[n:] / self.replicas).sqrt())
+        has = (stats[:n] > 0).tolist()
+        for i, (p, handle, h) in enumerate(zip(self.params, self.shard.handles, has)):
+            if h:
+                p.grad = handle
+            elif self.stage == 1:
+                p.grad = None  # not the zeroed view: DDP's p.grad is None here too
+            self.installed[i] = p.grad
+
+    def reconcile(self) -> None:
+        """Takes in replacements of a reduced p.grad by user code (Note [Sharded p.grad]).
+
+        None (nn.Module.zero_grad): the parameter's gradient is cleared, and it
+        no longer counts as having one. A tensor: it becomes the gradient.
+        """
+        cleared = []
+        for i, p in enumerate(self.params):
+            handle = self.installed[i]
+            if not isinstance(handle, ShardedGrad) or p.grad is handle:
+                continue
+            if p.grad is None:
+                cleared.append(i)
+                self.installed[i] = None
+            else:
+                self.shard.assign(i, p.grad)
+                self.engine.note_used(i)
+                p.grad = handle
+        if not cleared:
+            return
+        if len(cleared) == len(self.params):
+            self.zero(set_to_none=True)  # model.zero_grad(): the same as opt.zero_grad()
+            return
+        used = self.engine.used()  # the engine's own flags: cleared in place
+        for i in cleared:
+            self.shard.zero(i)
+            used[i] = 0
+            self.last_used[i] = False
+            self.shard.kept[i] = False
+
+    # ----------------------------------------------------------------- step
+    def finish(self) -> torch.Tensor:
+        """Makes sure gradients are reduced and returns the global "got a gradient" flags."""
+        if self.global_used is None:
+            engine = self.require_engine()
+            self.reconcile()
+            if self.backwards == 0:
+                # This rank ran no backward that reached a parameter; its peers may
+                # have, and wait for its share of every bucket: reduce zeros.
+                self.end_backward()
+                self.backwards = 0
+            # One small all-reduce answers every cross-rank question of this step.
+            used = engine.used().bool() | self.shard.kept
+            flags = torch.cat([used.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
+                               engine.found_nonfinite().cpu().to(torch.int32)])
+            if dist.get_world_size(self.world_group) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.world_group)
+            backwards, found = flags[-2:].tolist()
+            if backwards == 0:
+                raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
+                                   "step on every rank: call loss.backward() first")
+            self.global_used = flags[:-2].bool()
+            self.last_used |= self.global_used
+            self.found_nonfinite = bool(found)
+            if self.found_nonfinite and self.nonfinite == "raise":
+                raise FloatingPointError(
+                    "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
+                    "probably diverged: lower the learning rate, clip gradients (max_grad_norm=...), or check "
+                    "the data. To skip such steps instead, pass nonfinite='skip' to ShardedOptimizer "
+                    "(fp16 models skip by default, with loss scaling).")
+        return self.global_used
+
+    def end_step(self) -> None:
+        self.backwards = 0
+        self.global_used = None
+        self.found_nonfinite = False
+
+    def zero(self, set_to_none: bool) -> None:
+        """Forgets accumulated gradients: the engine's, the shard's and every managed p.grad."""
+        if not set_to_none and self.engine is not None:
+            self.reconcile()
+            self.shard.kept |= self.had_grad()
+        if self.engine is not None:
+            self.engine.zero_grad()
+        if not set_to_none:
+            self.shard_grad.zero_()  # the ShardedGrads left in p.grad read zeros
+            self.shard.set_norms(2.0, torch.zeros(len(self.params), dtype=torch.float64))
+        else:
+            self.shard.kept.zero_()
+            self.last_used.zero_()
+        for i, p in enumerate(self.params):
+            if set_to_none or not isinstance(p.grad, ShardedGrad):
+                # Stage 1: the view autograd accumulates into (zeroed by the engine).
+                p.grad = self.grad_views[i] if self.stage == 1 else None
+            self.installed[i] = p.grad
+        self.backwards = 0
+        self.global_used = None

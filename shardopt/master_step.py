@@ -1,0 +1,98 @@
+"""The step of this rank's chunks: the inner torch optimizer on its pieces, and their master values.
+
+Note [Master weights]
+---------------------
+When the model is fp32 and nothing is offloaded, this rank's chunks of the
+model's parameters ARE the optimizer's parameters (no copy). With a bf16/fp16
+model, or offload="cpu", the optimizer steps separate fp32 master chunks
+(`master`, on the host with offload, laid out like the gradient shard); after
+a step each bucket's chunk is cast into the model's chunk (by the CPU Adam
+kernel itself when it can write the low-precision copy in the same pass) and
+then published to the other ranks (publish.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardopt import offload as _offload
+from shardopt.layout import Layout
+
+
+class MasterStep:
+    """This rank's pieces (layout.py) as the inner optimizer's parameters, and their step.
+
+    `model_chunks[b]` is this rank's chunk of bucket b in the model's dtype (a
+    view of the model's storage). `shard_grad` is the gradient shard: bucket
+    chunks concatenated, as the bucket engine reduces into it.
+    """
+
+    def __init__(self, layout: Layout, rank: int, model_chunks: list, shard_grad: torch.Tensor, param_groups,
+                 optim, optim_kwargs: dict, *, master_dtype: torch.dtype, offloaded: bool, pin: bool, ops):
+        model_dtype = model_chunks[0].dtype if model_chunks else master_dtype
+        self.master = None  # see Note [Master weights]
+        if offloaded or master_dtype != model_dtype:
+            self.master = _offload.zeros(layout.shard_numel(), master_dtype, shard_grad.device, pin, ops)
+        chunk_offsets = layout.chunk_offsets()
+        # Per bucket: (this rank's chunk of the model, its master chunk).
+        self.chunks = []
+        for b, model_chunk in enumerate(model_chunks):
+            at = chunk_offsets[b]
+            master_chunk = self.master[at:at + model_chunk.numel()] if self.master is not None else model_chunk
+            self.chunks.append((model_chunk, master_chunk))
+        self.pieces = layout.pieces(rank)
+        self.piece_params, self.piece_grads, model_pieces = [], [], []
+        inner_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in param_groups]
+        for pc in self.pieces:
+            bucket = layout.buckets[pc.bucket]
+            inside = pc.start - bucket.chunk(rank)[0]  # where the piece starts inside its chunk
+            model_chunk, master_chunk = self.chunks[pc.bucket]
+            t = master_chunk[inside:inside + pc.numel]
+            self.piece_params.append(t)
+            model_pieces.append(model_chunk[inside:inside + pc.numel])
+            at = chunk_offsets[pc.bucket] + inside
+            self.piece_grads.append(shard_grad[at:at + pc.numel])
+            inner_groups[bucket.group]["params"].append(t)
+        self.inner = optim(inner_groups, **optim_kwargs) if self.pieces else None
+        self.load_from_model()
+        # The CPU Adam kernel can write the model's bf16/fp16 copy itself (Note [Master weights]).
+        self.kernel_writes_model = _offload.attach_lowp_copies(self.inner, self.piece_params, model_pieces,
+                                                               separate_master=self.master is not None)
+
+    def step(self, used: torch.Tensor, param_groups) -> None:
+        """One inner step on the pieces; `used[i]`: parameter i got a gradient on some rank."""
+        if self.inner is None:
+            return
+        # Torch.optim semantics: a parameter with no gradient anywhere is not
+        # stepped at all (no weight decay, no momentum).
+        used = used.tolist()  # one conversion, not a tensor index per piece
+        for pc, t, g in zip(self.pieces, self.piece_params, self.piece_grads):
+            t.grad = g if used[pc.param] else None
+        for inner_group, group in zip(self.inner.param_groups, param_groups):
+            for k, v in group.items():
+                if k != "params":
+                    inner_group[k] = v
+        self.inner.step()
+
+    @torch.no_grad()
+    def load_from_model(self) -> None:
+        """Master chunks take the model's values (at construction, after a broadcast or a load)."""
+        if self.master is not None:
+            for model_chunk, master_chunk in self.chunks:
+                master_chunk.copy_(model_chunk)
+
+    @torch.no_grad()
+    def copy_to_model(self, ops) -> bool:
+        """Master chunks cast into the model's chunks; True if some copy may still be running on the device."""
+        queued = False
+        if self.master is not None:
+            for model_chunk, master_chunk in self.chunks:
+                non_blocking = _offload.copy_back_is_async(model_chunk, master_chunk, ops)
+                model_chunk.copy_(master_chunk, non_blocking=non_blocking)
+                queued |= non_blocking
+        return queued
+
+    def state_tensors(self) -> list:
+        """The inner optimizer's state tensors (for memory accounting)."""
+        if self.inner is None:
+            return []
+        return [v for s in self.inner.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
