@@ -2,7 +2,7 @@
 
 The cross-rank part (every rank learning that some rank saw an inf/nan) rides on
 the one small all-reduce the optimizer already does before each step (see
-ShardedOptimizer._finish_grad_sync); this module is the single-process logic.
+GradSync.finish in grad_sync.py); this module is the single-process logic.
 
 Note [Unscaling inside the reduction]
 -------------------------------------

@@ -37,7 +37,7 @@ that tensor becomes its gradient. Replacements are noticed (reconciled) at the
 start of the next backward pass, and before clip_grad_norm / step read the
 shard. Autograd must never accumulate into a ShardedGrad: each parameter's
 tensor pre-hook swaps it out (for None at stage 2, for the flat-buffer view at
-stage 1) before AccumulateGrad runs (ShardedOptimizer._before_accumulate).
+stage 1) before AccumulateGrad runs (GradSync.before_accumulate in grad_sync.py).
 """
 from __future__ import annotations
 
