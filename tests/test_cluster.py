@@ -250,7 +250,7 @@ def test_run_ranks_on_cluster(cluster):
 def test_a_signal_removes_every_namespace_and_link(sig):
     """`python -m shardopt.cluster --hold` builds 2 nodes and waits; a signal must leave nothing behind
     (no namespace of its, no new link in the machine's own namespace), and never touch others' namespaces."""
-    p = subprocess.Popen([sys.executable, "-m", "shardopt.cluster.emulated", "--hold", "--nodes", "2"],
+    p = subprocess.Popen([sys.executable, "-m", "shardopt.cluster", "--hold", "--nodes", "2"],
                          stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         names = p.stdout.readline().split()

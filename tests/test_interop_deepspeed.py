@@ -152,7 +152,8 @@ def _sharded_masters(model, opt):
     """Every trainable parameter's fp32 master values and Adam state, whole, on every rank."""
     import torch.distributed as dist
 
-    from shardopt.checkpoint.save_load import PARAM, describe_model
+    from shardopt.checkpoint.save_load import describe_model
+    from shardopt.checkpoint.source import PARAM
     from shardopt.checkpoint.pieces import assemble, local_chunks
 
     info = describe_model(model, opt)

@@ -244,6 +244,9 @@ def existing_namespaces() -> set[str]:
 
 def hold(nodes: int, rate) -> None:
     """`python -m shardopt.cluster --hold`: builds a cluster, prints its namespaces, waits for a signal."""
+    # A shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt:
+    # Ctrl-C / kill -INT must stop a held cluster however it was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with EmulatedCluster(nodes, rate) as c:
             print(" ".join(c.namespaces()), flush=True)
