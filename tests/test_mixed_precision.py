@@ -147,7 +147,7 @@ def _offload_runs(rank, world_size):
         for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
             if not torch.equal(p, q):
                 failures.append(f"stage {stage} {optim.__name__}: offload changed {name}")
-        if dtype == torch.bfloat16 and not ob._kernel_writes_model:
+        if dtype == torch.bfloat16 and not ob.stepper.kernel_writes_model:
             failures.append("offload with a bf16 CPU model: CPUAdam should write the bf16 copy in its pass")
         stats = ob.memory_stats()
         if ob.master is None or stats["offloaded"] != stats["master"] + ob.shard_grad.numel() * 4 \
@@ -219,7 +219,7 @@ def _reference_apply(ref_model, master, ref_opt, grads):
 
 def _check_shard_grads(opt, model, ref_grads, rtol, what):
     """This rank's reduced gradient pieces against the reference's full gradients."""
-    opt._finish_grad_sync()
+    opt.grads.finish()
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
     for pc, g in zip(opt._pieces, opt.stepper.piece_grads):
