@@ -34,15 +34,18 @@ VARIANTS = {
     "DDP + AdamW(fused)": "ddp",
     "torch ZeroRedundancyOptimizer": "torch-zero",
     "FSDP2 (fully_shard)": "fsdp2",
+    "FSDP2 (fully_shard, reshard after forward: ZeRO-3)": "fsdp2-3",
     "FSDP2 HSDP (replicate across nodes, shard within)": "fsdp2-hsdp",
     "DeepSpeed ZeRO-2": "deepspeed",
     "DeepSpeed ZeRO-2 + CPU Adam offload": "deepspeed-offload",
+    "DeepSpeed ZeRO-3": "deepspeed-3",
     "FairScale OSS + ShardedDDP": "fairscale",
     "FairScale, zero_grad(set_to_none=False)": "fairscale-keep",
     "shardopt ZeRO-1": "shardopt-1",
     "shardopt ZeRO-2": "shardopt-2",
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
     "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
+    "shardopt ZeRO-3": "shardopt-3",
     # Hybrid sharding (shard_group="node"): sharded inside a node, replicated across nodes.
     "shardopt hybrid (fp32 hop) + overlap_gather": "shardopt-hybrid-fp32-gather",
     "shardopt hybrid + bf16 hop + overlap_gather": "shardopt-hybrid-bf16-gather",
@@ -85,7 +88,7 @@ def _torch_style(wrapper, opt, set_to_none=True) -> Trainer:
     return Trainer(wrapper, lambda loss: loss.backward(), step, (wrapper, opt))
 
 
-def _deepspeed(model, bucket: int, batch: int, offload: bool) -> Trainer:
+def _deepspeed(model, bucket: int, batch: int, offload: bool, stage: int = 2) -> Trainer:
     import torch.distributed as dist
 
     # DeepSpeed asks for launcher variables even when the process group exists. LOCAL_RANK as torchrun
@@ -97,10 +100,14 @@ def _deepspeed(model, bucket: int, batch: int, offload: bool) -> Trainer:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     config = {
         "train_micro_batch_size_per_gpu": batch, "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                               "overlap_comm": True, "contiguous_gradients": True},
         "zero_allow_untested_optimizer": True,
     }
+    if stage == 3:  # its own keys: prefetch one bucket ahead, as shardopt's default
+        z = config["zero_optimization"]
+        del z["allgather_bucket_size"]
+        z.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
     opt = None
     if offload:  # DeepSpeed requires its own CPU Adam with optimizer offload
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
@@ -126,23 +133,25 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
                                       weight_decay=WD, fused=True)
         return _torch_style(DDP(model), opt)
-    if kind in ("fsdp2", "fsdp2-hsdp"):
+    if kind in ("fsdp2", "fsdp2-hsdp", "fsdp2-3"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         world = dist.get_world_size()
-        if kind == "fsdp2":
+        if kind in ("fsdp2", "fsdp2-3"):
             mesh = init_device_mesh("cpu", (world,))
         else:  # HSDP: a 2D mesh, replicas across nodes, shards within one (torchrun's LOCAL_WORLD_SIZE)
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+        reshard = kind == "fsdp2-3"  # ZeRO-3: parameters freed after forward, gathered again for backward
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return _torch_style(model, _adamw(model.parameters()))
-    if kind in ("deepspeed", "deepspeed-offload"):
-        return _deepspeed(model, bucket, batch, offload=kind == "deepspeed-offload")
+    if kind in ("deepspeed", "deepspeed-offload", "deepspeed-3"):
+        return _deepspeed(model, bucket, batch, offload=kind == "deepspeed-offload",
+                          stage=3 if kind == "deepspeed-3" else 2)
     if kind in ("fairscale", "fairscale-keep"):
         from fairscale.nn.data_parallel import ShardedDataParallel
         from fairscale.optim.oss import OSS
@@ -192,6 +201,8 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   all-gather of the parameters): the ring crosses each node's link once per
 #   direction, carrying 2 (W-1)/W S. It does not depend on K, and the DDP rows
 #   of 2026-11-23-multinode.md measured it (25.5 MB for 17.0 MB at 2x2).
+# - Flat ZeRO-3 (shardopt stage 3): the reduce-scatter plus a parameter all-gather
+#   before forward and another before backward, each (W-1)/W S: 3 (W-1)/W S.
 # - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
 #   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
@@ -202,6 +213,8 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
     """Note [Link bytes by arithmetic]: bytes one node sends per step, or None where not derived."""
     from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
 
+    if kind == "shardopt-3":  # a reduce-scatter and two all-gathers (forward, backward): 3 (W-1)/W S
+        return 1.5 * ring_link_bytes(world, per_node, grad_bytes)
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)
     shape = MeshShape(world // per_node, per_node)

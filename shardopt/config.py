@@ -28,11 +28,20 @@ DEFAULT_REDUCE_BUCKET_SIZE = None
 DEFAULT_ALLGATHER_BUCKET_SIZE = None
 
 
-def auto_bucket_size(total_numel: int) -> int:
+# Stage 3 gathers a bucket's full parameters for its use, so the bucket is also
+# the unit of parameter memory alive at once (about prefetch + 1 buckets): twice
+# as many, smaller buckets keep that near an eighth of the model.
+AUTO_BUCKETS_STAGE3 = 16
+AUTO_MIN_STAGE3 = 500_000
+
+
+def auto_bucket_size(total_numel: int, stage: int = 2) -> int:
     """The default bucket size for a model of total_numel trainable elements."""
+    if stage == 3:
+        return max(AUTO_MIN_STAGE3, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS_STAGE3)))
     return max(AUTO_MIN, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS)))
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 OFFLOADS = ("none", "cpu")
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_IMPLS = ("auto", "native", "ring")
@@ -46,7 +55,9 @@ class ShardConfig:
     stage: int = 2
     """1: shard optimizer state; full-size gradients persist in one flat buffer.
     2: also shard gradients: a bucket's full-size gradient memory is reused as
-    soon as it is reduce-scattered; each rank keeps only its gradient chunks."""
+    soon as it is reduce-scattered; each rank keeps only its gradient chunks.
+    3: also shard parameters: a bucket's full parameters exist only while a
+    forward or backward uses them (sharded_param.py, Note [Stage-3 schedule])."""
     reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE
     """Elements per gradient bucket: one reduce-scatter each (rounded up to a
     multiple of lcm(world_size, 128)). None: see Note [Default bucket sizes]."""
@@ -88,6 +99,21 @@ class ShardConfig:
     comm_impl: str = "auto"
     """Collectives: "native" (the process group's), "ring" (shardopt's point-to-point
     ring), "auto" (ring on gloo, native elsewhere)."""
+    reshard_after_forward: bool = True
+    """Stage 3: free a bucket's full parameters once the forward has used them
+    and gather them again for backward (least memory). False keeps them from
+    the forward to the end of its backward (one gather per step instead of two)."""
+    prefetch_bucket_size: int | None = None
+    """Stage 3: elements gathered ahead of the bucket a module waits for
+    (DeepSpeed's stage3_prefetch_bucket_size). None: one bucket ahead."""
+    max_live_parameters: int | None = None
+    """Stage 3: prefetching stops while this many elements of full parameters
+    are gathered (DeepSpeed's stage3_max_live_parameters); a bucket a module
+    needs is always gathered. None: no bound beyond the prefetch."""
+    param_persistence_threshold: int = 0
+    """Stage 3: parameters with at most this many elements stay gathered on
+    every rank (DeepSpeed's stage3_param_persistence_threshold; Note [Stage-3
+    buckets hold whole parameters] in layout.py)."""
     inter_node_dtype: object = None
     """Hybrid sharding only: what the inter-node hop carries. None: the reduction
     dtype (exact); torch.bfloat16: half the bytes; "int8": about a quarter, with
@@ -96,7 +122,24 @@ class ShardConfig:
 
     def __post_init__(self):
         if self.stage not in STAGES:
-            raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (stage 3 is not supported)")
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        for field in ("prefetch_bucket_size", "max_live_parameters"):
+            v = getattr(self, field)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{field} must be None or a whole number of elements >= 0, got {v!r}")
+        v = self.param_persistence_threshold
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"param_persistence_threshold must be a whole number of elements >= 0, got {v!r}")
+        if self.stage == 3 and not self.overlap_comm:
+            raise ValueError("stage 3 needs overlap_comm=True: a backward that waited for each reduce-scatter "
+                             "could wait for a rank that is itself waiting for a parameter gather (Note [Stage 3 "
+                             "never waits in backward] in csrc/comm/bucket_engine.cpp)")
+        if self.stage == 3 and self.overlap_gather:
+            raise ValueError("overlap_gather is stage 1/2's way to hide the gather after a step; stage 3 gathers "
+                             "each bucket just before the modules that use it (with prefetch): drop "
+                             "overlap_gather=True")
         for field in ("reduce_bucket_size", "allgather_bucket_size"):
             v = getattr(self, field)
             if v is None:

@@ -12,7 +12,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.optimizer import ShardedOptimizer
-from shardopt.prefetch import plan_forward_waits, plan_gather_order
+from shardopt.prefetch import plan_forward_waits, plan_gather_order, plan_stage3_schedule
 
 
 class ShardedDDP(nn.Module):
@@ -50,20 +50,31 @@ class ShardedDDP(nn.Module):
         if missing:
             raise ValueError(f"{len(missing)} optimizer parameters (e.g. parameter {missing[0]}) are not "
                              "parameters of this model: wrap the model the optimizer was built from")
+        stage3 = optimizer.param_shard is not None
+        if stage3 and optimizer.param_shard.on_meta:
+            optimizer.param_shard.materialize(module)  # Note [Meta-device models] in sharded_param.py
+            optimizer._load_master_from_model()
+
+        def shape(p):  # at stage 3 a managed parameter is empty between uses: its shape is the layout's
+            i = optimizer._index.get(id(p))
+            return list(optimizer.layout.params[i].shape) if stage3 and i is not None else list(p.shape)
+
         check_same_across_ranks(
-            [f"param {n} {list(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for n, p in named]
+            [f"param {n} {shape(p)} {p.dtype} requires_grad={p.requires_grad}" for n, p in named]
             + [f"buffer {n} {list(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
             + [f"broadcast_buffers={broadcast_buffers}"],
             "model's parameters and buffers", group)
         waits = plan_forward_waits(module, optimizer._index, optimizer.layout)
-        optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)))
+        optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)),
+                          plan_stage3_schedule(optimizer.layout, waits) if stage3 else None)
 
         # Rank 0's initial values everywhere, like DDP: the flat buffer in one
         # collective, everything else (frozen params, buffers) coalesced.
         self._group = group
         if dist.get_world_size(group) > 1:
             src = dist.get_global_rank(group, 0)
-            dist.broadcast(optimizer.flat_param, src, group=group)
+            if not stage3:  # at stage 3 the optimizer took rank 0's values as it sharded them
+                dist.broadcast(optimizer.flat_param, src, group=group)
             others = [p.data for _, p in named if id(p) not in optimizer._index]
             self._broadcast_coalesced(others + [b for b in module.buffers()])
             optimizer._load_master_from_model()
@@ -78,12 +89,15 @@ class ShardedDDP(nn.Module):
         # (Note [Parameters stay in the flat buffer] in optimizer.py).
         self._param_names = [named[pos][0] for pos in positions]
         handles.append(module.register_forward_pre_hook(_check_in_place_hook(this)))
+        if stage3:
+            handles += _install_stage3_hooks(module, optimizer, waits)
         # With separate master weights (Note [Master weights] in master_step.py), new
         # values loaded into the model must reach the masters, or the next step
         # would overwrite them with the old ones. Post hooks run for every module
         # of a load, so this sees loads into the model or into this wrapper.
-        handles.append(module.register_load_state_dict_post_hook(
-            lambda mod, keys: optimizer._load_master_from_model()))
+        if not stage3:  # stage 3: its own hooks (Note [Stage-3 hooks])
+            handles.append(module.register_load_state_dict_post_hook(
+                lambda mod, keys: optimizer._load_master_from_model()))
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
@@ -145,6 +159,8 @@ class ShardedDDP(nn.Module):
         """A parameter's gradient is complete: hand it to the bucket engine."""
         opt = self.optimizer
         engine = opt.engine
+        if opt.param_shard is not None:
+            opt.param_shard.grad_ready(index)
         if not self._sync:
             engine.note_used(index)
             return
@@ -248,6 +264,69 @@ _waiting_named_parameters.__name__ = "named_parameters"  # pickles as getattr(mo
 def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
     _WAITING_MODULES[module] = weakref.ref(optimizer)
     module.named_parameters = types.MethodType(_waiting_named_parameters, module)
+
+
+# Note [Stage-3 hooks]
+# At stage 3 the wrapped module's hooks carry out Note [Stage-3 schedule]:
+# its root forward opens a forward round and autograd's saved-tensor hooks
+# (Note [Parameters between gathers]); each module that waits for buckets
+# asks for them before its forward and reports after it; the root's forward
+# end (even by an exception) closes the round. state_dict() and
+# load_state_dict() on the wrapped module (or on this wrapper) see whole
+# parameters: a collective, so every rank calls them, as with FSDP's full
+# state dict; the returned tensors are copies.
+def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
+    shard = optimizer.param_shard
+    saved = []  # the saved-tensor hooks context of the forward in progress
+    handles = []
+
+    def begin(mod, args):
+        shard.begin_forward()
+        ctx = torch.autograd.graph.saved_tensors_hooks(shard.pack, shard.unpack)
+        ctx.__enter__()
+        saved.append(ctx)
+
+    def end(mod, args, out):
+        if saved:
+            saved.pop().__exit__(None, None, None)
+        shard.end_forward(torch.is_grad_enabled())
+
+    handles.append(module.register_forward_pre_hook(begin))
+    handles.append(module.register_forward_hook(end, always_call=True))
+
+    def needer(buckets):
+        return lambda mod, args: shard.need(buckets)
+
+    def reporter(buckets):
+        return lambda mod, args, out: shard.forward_done(id(mod), buckets)
+
+    for w in waits:
+        handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
+        handles.append(w.module.register_forward_hook(reporter(w.buckets)))
+
+    whole = []  # the gathered() context of a state_dict / load_state_dict in progress
+
+    def gather(writeback: bool):
+        def hook(*args):
+            ctx = optimizer.full_params(writeback=writeback)
+            ctx.__enter__()
+            whole.append(ctx)
+        return hook
+
+    def copy_and_free(mod, state_dict, prefix, local_metadata):
+        for k, v in state_dict.items():
+            if torch.is_tensor(v) and shard.holds(v):
+                state_dict[k] = v.clone()
+        whole.pop().__exit__(None, None, None)
+
+    def load_and_free(mod, incompatible):
+        whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values, masters too
+
+    handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
+    handles.append(module.register_state_dict_post_hook(copy_and_free))
+    handles.append(module.register_load_state_dict_pre_hook(gather(writeback=True)))
+    handles.append(module.register_load_state_dict_post_hook(load_and_free))
+    return handles
 
 
 def _detach(handles, optimizer, module) -> None:

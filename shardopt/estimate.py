@@ -5,7 +5,9 @@ same bucket sizes, same padding) and counts what `ShardedOptimizer.memory_stats(
 counts, under the same names:
 
     params           the flat parameter buffer: every trainable element plus the
-                     padding of each region's last bucket, in the model's dtype
+                     padding of each region's last bucket, in the model's dtype;
+                     stage 3: this rank's chunks plus the buckets gathered at
+                     once (Note [Estimate for stage 3])
     grads            stage 2: this rank's gradient chunks (fp32); stage 1: also the
                      full-size flat gradient buffer (model dtype)
     optimizer_state  state tensors of the inner optimizer over this rank's pieces
@@ -32,6 +34,20 @@ optimizer state on the host with offload; gradient chunks fp32, staging in the
 reduce dtype (fp32 by default). tests/test_estimate.py checks every case
 against memory_stats(). Not counted: the output buffers the engine adds when
 gradients accumulate over several backward passes without no_sync.
+
+Note [Estimate for stage 3]
+---------------------------
+At stage 3 a rank keeps 1/N of the parameters (its chunks) and gathers a
+bucket's full parameters only while modules use it (Note [Stage-3 schedule]
+in prefetch.py): the one in use and `prefetch` ahead, `live_buckets` in all,
+of the largest bucket's size. The estimate counts that peak as parameters;
+memory_stats() counts what is gathered at the moment it is called (between
+steps: nothing but persistent buckets); `opt.param_shard.peak_live` is the peak.
+So weights + gradients + Adam state per rank come to 16P/N bytes in fp32
+(4 + 4 + 8 per element), plus the live buckets and the staging buffers.
+The staging pool may grow past num_staging_buffers at stage 3 (Note [Stage 3
+never waits in backward] in csrc/comm/bucket_engine.cpp): the estimate counts
+the buffers allocated up front.
 """
 from __future__ import annotations
 
@@ -67,7 +83,9 @@ class EstimateConfig:
     """Hybrid sharding: "int8" keeps an error-feedback residual (1 + 1/replicas
     fp32 values per shard element); None and "bfloat16" keep nothing."""
     stage: int = 2
-    """1: full gradients on every rank; 2: gradient chunks only."""
+    """1: full gradients on every rank; 2: gradient chunks only; 3: parameter chunks too."""
+    live_buckets: int = 2
+    """Stage 3: buckets gathered at once (the one in use and the prefetched one)."""
     offload: str = "none"
     """"cpu": master chunks and optimizer state on the host."""
     param_dtype: torch.dtype = torch.float32
@@ -92,8 +110,10 @@ class EstimateConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.shards is not None and (self.shards < 1 or self.world_size % self.shards):
             raise ValueError(f"shards must divide world_size ({self.world_size}), got {self.shards}")
-        if self.stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {self.stage}")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage}")
+        if self.stage == 3 and self.shards not in (None, self.world_size):
+            raise ValueError("stage 3 with hybrid sharding is not built yet: estimate it flat (no shards)")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
         if self.optimizer not in STATE_PER_ELEMENT:
@@ -118,6 +138,8 @@ class MemoryEstimate:
     """How many of the bytes above live on the host because of offload="cpu"."""
     hop_residual: int = 0
     """The int8 inter-node hop's error feedback (hybrid sharding)."""
+    gathered: int = 0
+    """Stage 3: the part of `params` that is buckets gathered at once (Note [Estimate for stage 3])."""
 
     @property
     def total(self) -> int:
@@ -138,11 +160,12 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     total = sum(math.prod(s) for _, s in shapes)
     if total == 0:
         raise ValueError("the model has no trainable parameters")
-    rbs = cfg.reduce_bucket_size or auto_bucket_size(total)
+    rbs = cfg.reduce_bucket_size or auto_bucket_size(total, cfg.stage)
     # With hybrid sharding a copy is sharded over `shards` ranks: state per rank is 1/shards.
     shards = cfg.shards or cfg.world_size
     replicas = cfg.world_size // shards
-    layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas)
+    layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
+                         whole_params=cfg.stage == 3)
     pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
     shard = layout.shard_numel()
     # Rank 0 has the most state: later ranks' chunks hold the padding at the end of the region.
@@ -154,14 +177,18 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     rbytes = torch.empty((), dtype=reduce_dtype).element_size()
     slots = min(cfg.num_staging_buffers, len(layout.buckets))
     biggest = max(b.numel for b in layout.buckets)
-    staged = cfg.stage == 2 or reduce_dtype != cfg.param_dtype
+    staged = cfg.stage >= 2 or reduce_dtype != cfg.param_dtype
     direct = reduce_dtype == master_dtype and (cfg.offload != "cpu" or cfg.device == "cpu")
     staging = slots * ((biggest if staged else 0) + (0 if direct else biggest // shards)) * rbytes
     separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu"
     master = shard * 4 if separate_master else 0
     host = master + shard * 4 + state if cfg.offload == "cpu" else 0
     residual = shard * 4 + shard // replicas * 4 if replicas > 1 and cfg.inter_node_dtype == "int8" else 0
-    return MemoryEstimate(params=layout.total_numel * pbytes, grads=grads, optimizer_state=state,
+    params, gathered = layout.total_numel * pbytes, 0
+    if cfg.stage == 3:  # Note [Estimate for stage 3]
+        gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
+        params = shard * pbytes + gathered
+    return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host, hop_residual=residual)
 
 
@@ -174,6 +201,14 @@ def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optim
     return MemoryEstimate(params=total * pbytes, grads=total * pbytes,
                           optimizer_state=STATE_PER_ELEMENT[optimizer] * total * 4, staging=0, master=master,
                           host=0)
+
+
+def count_shapes(n: int, largest: int = 4096 * 4096) -> list[tuple[str, tuple[int, ...]]]:
+    """A model known only by its parameter count, as tensors no larger than a 4096x4096 matrix (what a
+    7B transformer's largest weights are): stage 3 gathers whole tensors, so one n-element tensor would be
+    one bucket holding the whole model."""
+    full, rest = divmod(n, largest)
+    return [(f"params.{i}", (largest,)) for i in range(full)] + ([(f"params.{full}", (rest,))] if rest else [])
 
 
 def trainable_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:

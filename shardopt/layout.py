@@ -31,6 +31,22 @@ range), so any world size can read them.
 All-gathers follow the reduce buckets: each bucket's chunk is gathered in
 sub-ranges of `allgather_bucket_size / world_size` elements (rounded to 128),
 one collective each, written into a strided view of the bucket.
+
+Note [Stage-3 buckets hold whole parameters]
+--------------------------------------------
+At stage 3 a bucket's full parameters exist only while it is gathered, in
+storage of its own that is allocated for the gather and freed after use
+(sharded_param.py). A parameter is a view into that storage, so it must not
+straddle two buckets: with `whole_params=True` a bucket closes before the
+parameter that would cross `bucket_numel`, and each bucket is padded to
+`align` on its own (a parameter larger than `bucket_numel` gets a bucket of
+its own, bigger than the others). Parameters named in `persistent` (small
+ones: biases, norms; DeepSpeed's stage3_param_persistence_threshold) go into
+buckets of their own at the end of their region, marked `persistent`: they
+stay gathered on every rank and are refreshed after each step as at stage 2,
+which costs little memory and saves a gather per use. Everything else
+(pieces, reduce-scatters, checkpoints by name and element range) is the
+same as with split parameters.
 """
 from __future__ import annotations
 
@@ -84,6 +100,8 @@ class Bucket:
     """Indices of the parameters that overlap it."""
     world_size: int
     """Number of chunks it is split into."""
+    persistent: bool = False
+    """Stage 3: its parameters stay gathered (Note [Stage-3 buckets hold whole parameters])."""
 
     @property
     def end(self) -> int:
@@ -147,6 +165,8 @@ class Layout:
     """Every all-gather issued after a step, in order."""
     total_numel: int
     """Size of the flat buffer, padding included."""
+    whole_params: bool = False
+    """No parameter straddles two buckets (stage 3; Note [Stage-3 buckets hold whole parameters])."""
 
     def shard_numel(self) -> int:
         """Elements rank r owns (the same for every rank)."""
@@ -174,10 +194,12 @@ class Layout:
 
     def signature(self) -> list[str]:
         """One line per fact ranks must agree on; compared across ranks at construction."""
-        lines = [f"world_size={self.world_size} bucket_numel={self.bucket_numel} total={self.total_numel}"]
+        lines = [f"world_size={self.world_size} bucket_numel={self.bucket_numel} total={self.total_numel} "
+                 f"whole_params={self.whole_params}"]
         lines += [f"param {p.index} {p.name} shape={list(p.shape)} group={p.group} offset={p.offset}"
                   for p in self.params]
-        lines += [f"bucket {b.index} group={b.group} start={b.start} numel={b.numel}" for b in self.buckets]
+        lines += [f"bucket {b.index} group={b.group} start={b.start} numel={b.numel} persistent={b.persistent}"
+                  for b in self.buckets]
         lines.append("gathers " + " ".join(f"{g.bucket}:{g.lo}-{g.hi}" for g in self.gather_spans))
         return lines
 
@@ -190,7 +212,8 @@ def _round_up(n: int, m: int) -> int:
 
 
 def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int,
-                reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1) -> Layout:
+                reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1, *,
+                whole_params: bool = False, persistent: frozenset = frozenset()) -> Layout:
     """Plans the flat buffer for trainable parameters given per param group as (name, shape).
 
     Parameters keep the given order in `Layout.params`; the buffer holds each
@@ -198,45 +221,70 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
     sharding, `world_size` is the shard group's size and `replicas` the number
     of replicas: buckets are padded so that each chunk also splits into
     `replicas` equal parts (the inter-node hop; Note [Hybrid sharding]).
+    `whole_params` and `persistent` (indices into the flattened parameter list)
+    are stage 3's: Note [Stage-3 buckets hold whole parameters].
     """
     if world_size < 1 or replicas < 1:
         raise ValueError(f"world_size and replicas must be >= 1, got {world_size} and {replicas}")
     for what, v in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{what} must be a positive number of elements, got {v!r}")
+    if persistent and not whole_params:
+        raise ValueError("persistent parameters need whole_params=True (stage 3)")
     align = math.lcm(world_size * replicas, CHUNK_ALIGN)
     bucket_numel = _round_up(reduce_bucket_size, align)
 
     params: list[ParamSlot] = []
     buckets: list[Bucket] = []
     offset = 0
+
+    def close(g: int, start: int, end: int, members, keep: bool) -> int:
+        """Buckets covering [start, end) (end already aligned); returns end."""
+        for bstart in range(start, end, end - start if whole_params else bucket_numel):
+            bend = min(bstart + bucket_numel, end) if not whole_params else end
+            overlapping = tuple(sorted((i for i in members
+                                        if params[i].numel and params[i].offset < bend and params[i].end > bstart),
+                                       key=lambda i: params[i].offset))
+            buckets.append(Bucket(index=len(buckets), group=g, start=bstart, numel=bend - bstart,
+                                  params=overlapping, world_size=world_size, persistent=keep))
+        return end
+
     for g, group in enumerate(groups):
         first = len(params)
         for name, shape in group:
             params.append(ParamSlot(index=len(params), name=name, shape=tuple(int(s) for s in shape),
                                     group=g, offset=-1))
-        region_start = offset
-        # Reverse registration order inside the region (see Note [Flat layout]).
-        for i in reversed(range(first, len(params))):
-            params[i] = dataclasses.replace(params[i], offset=offset)
-            offset += params[i].numel
-        region_end = _round_up(offset, align) if offset > region_start else offset
-        offset = region_end
         members = range(first, len(params))
-        for bstart in range(region_start, region_end, bucket_numel):
-            bend = min(bstart + bucket_numel, region_end)
-            overlapping = tuple(sorted((i for i in members
-                                        if params[i].numel and params[i].offset < bend and params[i].end > bstart),
-                                       key=lambda i: params[i].offset))
-            buckets.append(Bucket(index=len(buckets), group=g, start=bstart, numel=bend - bstart,
-                                  params=overlapping, world_size=world_size))
+        if not whole_params:
+            region_start = offset
+            # Reverse registration order inside the region (see Note [Flat layout]).
+            for i in reversed(members):
+                params[i] = dataclasses.replace(params[i], offset=offset)
+                offset += params[i].numel
+            region_end = _round_up(offset, align) if offset > region_start else offset
+            offset = close(g, region_start, region_end, members, False)
+            continue
+        # Whole parameters: sharded ones first, then the persistent ones (each kind in reverse order).
+        for keep in (False, True):
+            start, placed = offset, []
+            for i in reversed(members):
+                if (i in persistent) != keep:
+                    continue
+                n = params[i].numel
+                if offset > start and offset + n - start > bucket_numel:
+                    offset = close(g, start, _round_up(offset, align), placed, keep)
+                    start, placed = offset, []
+                params[i] = dataclasses.replace(params[i], offset=offset)
+                placed.append(i)
+                offset += n
+            if offset > start:
+                offset = close(g, start, _round_up(offset, align), placed, keep)
 
     span = max(CHUNK_ALIGN, _round_up(max(1, allgather_bucket_size // world_size), CHUNK_ALIGN))
     gather_spans = tuple(GatherSpan(bucket=b.index, lo=lo, hi=min(lo + span, b.chunk_numel))
                          for b in buckets for lo in range(0, b.chunk_numel, span))
     return Layout(world_size=world_size, align=align, bucket_numel=bucket_numel, params=tuple(params),
-                  buckets=tuple(buckets), gather_spans=gather_spans,
-                  total_numel=offset)
+                  buckets=tuple(buckets), gather_spans=gather_spans, total_numel=offset, whole_params=whole_params)
 
 
 def plan_launch_order(layout: Layout, positions: Sequence[int]) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ flags), master_step.py (the inner optimizer on this rank's pieces; Note
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -38,6 +39,7 @@ from shardopt.layout import Layout, plan_launch_order, plan_layout
 from shardopt.parallel.mesh import require_dist, resolve_groups
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard
+from shardopt.sharded_param import ParamShard
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -57,14 +59,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  reduce_dtype: torch.dtype | None = None, loss_scale="auto", nonfinite: str = "auto",
                  max_grad_norm: float | None = None,
                  process_group=None, mesh=None, shard_group: str | None = None, inter_node_dtype=None,
-                 num_staging_buffers: int = 2, comm_impl: str = "auto", **optim_kwargs):
+                 num_staging_buffers: int = 2, comm_impl: str = "auto", reshard_after_forward: bool = True,
+                 prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
+                 param_persistence_threshold: int = 0, **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
                                   overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
                                   reduce_dtype=reduce_dtype, loss_scale=loss_scale, nonfinite=nonfinite,
                                   max_grad_norm=max_grad_norm,
                                   num_staging_buffers=num_staging_buffers, comm_impl=comm_impl,
-                                  inter_node_dtype=inter_node_dtype)
+                                  inter_node_dtype=inter_node_dtype, reshard_after_forward=reshard_after_forward,
+                                  prefetch_bucket_size=prefetch_bucket_size,
+                                  max_live_parameters=max_live_parameters,
+                                  param_persistence_threshold=param_persistence_threshold)
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         check_elementwise(optim)
         require_dist()  # before any work: the groups are resolved once the parameters are known
@@ -86,6 +93,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_group = self.sharding.world
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
+        if self.config.stage == 3 and self.sharding.shape.hybrid:
+            raise NotImplementedError("stage 3 with a mesh / shard_group='node' (parameters gathered inside the "
+                                      "node) is not built yet: use stage 3 flat, or stage 2 with the mesh")
         if self.sharding.shape.hybrid and self._params[0].device.type != "cpu":
             raise NotImplementedError(
                 f"hybrid sharding's inter-node hop runs on CPU tensors (gloo) in this release; the model is on "
@@ -100,10 +110,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
                  for g, group in enumerate(trainable)]
         total = sum(p.numel() for p in self._params)
-        rbs = reduce_bucket_size if reduce_bucket_size is not None else auto_bucket_size(total)
+        rbs = reduce_bucket_size if reduce_bucket_size is not None else auto_bucket_size(total, self.config.stage)
         agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
-        self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs, replicas=self.sharding.shape.replicas)
-        self.dtype, self.device = self._params[0].dtype, self._params[0].device
+        stage3 = self.config.stage == 3
+        persistent = frozenset(i for i, p in enumerate(self._params)
+                               if stage3 and p.numel() <= self.config.param_persistence_threshold)
+        self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs, replicas=self.sharding.shape.replicas,
+                                          whole_params=stage3, persistent=persistent)
+        self.dtype, self.device = self._params[0].dtype, _device_ops.materialization_device(self._params[0].device)
+        if self._params[0].is_meta and self.config.stage < 3:
+            raise ValueError("the model is on the meta device: stage=3 builds it shard by shard (Note [Meta-device "
+                             "models] in sharded_param.py); for stage 1/2 give it storage and values first "
+                             "(model.to_empty(device=...), then initialise or load it)")
         # fp32 master values for a low-precision model; otherwise the model's own dtype.
         self.master_dtype = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
         self.reduce_dtype = self.config.reduce_dtype or self.master_dtype
@@ -117,13 +135,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                for g, grp in enumerate(self.param_groups)],
             "parameters and optimizer configuration", self.world_group)
 
-        # Flat parameter buffer; model parameters become views into it.
-        self.flat_param = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for slot, p in zip(self.layout.params, self._params):
-                view = self.flat_param[slot.offset:slot.end]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
+        # Where parameters live: views into one flat buffer (stages 1-2), or this rank's chunks with a
+        # bucket's full parameters gathered only for its use (stage 3: sharded_param.py).
+        self.flat_param, self.param_shard = None, None
+        self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)  # see phase_seconds()
+        if stage3:
+            bucket = self.layout.bucket_numel
+            self.param_shard = ParamShard(
+                self.layout, self.rank, self._params, self.process_group, self.world_group, self.device,
+                impl=self.config.comm_impl, reshard_after_forward=self.config.reshard_after_forward,
+                prefetch=1 if prefetch_bucket_size is None else -(-prefetch_bucket_size // bucket),
+                max_live=None if max_live_parameters is None else max(1, max_live_parameters // bucket),
+                phase=self._phase)
+            model_chunks = self.param_shard.chunks
+        else:
+            self.flat_param = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for slot, p in zip(self.layout.params, self._params):
+                    view = self.flat_param[slot.offset:slot.end]
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view(p.shape)
+            model_chunks = [self.flat_param[slice(*b.chunk(self.rank))] for b in self.layout.buckets]
         # Where each parameter must stay (Note [Parameters stay in the flat buffer]).
         self._param_ptrs = [p.data_ptr() for p in self._params]
         # Stage 1 keeps full-size gradients in one flat buffer (the params'
@@ -142,20 +174,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ops = _device_ops.current()
         self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device,
                                          offloaded and self.config.pin_memory, self._ops)
-        # Cumulative seconds per phase, for benchmarks (see phase_seconds()).
-        self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)
-        self.stepper = MasterStep(self.layout, self.rank, [self.flat_param[slice(*b.chunk(self.rank))]
-                                                            for b in self.layout.buckets],
-                                  self.shard_grad, self.param_groups, optim, optim_kwargs,
+        self.stepper = MasterStep(self.layout, self.rank, model_chunks, self.shard_grad, self.param_groups, optim, optim_kwargs,
                                   master_dtype=self.master_dtype, offloaded=offloaded,
                                   pin=offloaded and self.config.pin_memory, ops=self._ops)
         self.master, self.inner = self.stepper.master, self.stepper.inner
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
-        self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase)
+        self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase,
+                                   self.param_shard)
         # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py).
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
                                [slot.offset for slot in self.layout.params], self.process_group,
-                               self.world_size, lambda: self.grads.had_grad())
+                               self.world_size, lambda: self.grads.had_grad(),
+                               [slot.shape for slot in self.layout.params])
         self.grads = GradSync(self._params, self.config.stage, self._grad_views, self.shard_grad, grad_shard,
                               self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase)
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
@@ -191,11 +221,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                 "ShardedOptimizer needs one parameter dtype (cast the model, e.g. model.float() "
                                 "or model.bfloat16())")
 
-    def _attach(self, positions: list[int], gather_order: list[int]) -> None:
+    def _attach(self, positions: list[int], gather_order: list[int], schedule=None) -> None:
         """Called by ShardedDDP: builds the bucket engine in the model's backward order.
 
         gather_order: indices into layout.gather_spans, in the order the
-        forward needs them (prefetch.plan_gather_order).
+        forward needs them (prefetch.plan_gather_order); schedule: stage 3's
+        gather rounds (prefetch.plan_stage3_schedule).
         """
         if self.grads.attached:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
@@ -214,7 +245,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan.gather_lo = [g.lo for g in spans]
         plan.gather_hi = [g.hi for g in spans]
         opts = _ext._C.EngineOptions()
-        opts.stage = self.config.stage
+        opts.stage = min(self.config.stage, 2)  # stage 3 reduces gradients as stage 2 does
+        opts.wait_for_staging = self.config.stage < 3  # Note [Stage 3 never waits in backward]
         opts.num_staging = self.config.num_staging_buffers
         opts.overlap = self.config.overlap_comm
         opts.impl = self.config.comm_impl
@@ -228,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
         self.engine.set_loss_scale(self.loss_scale)
         self.grads.engine = self.publisher.engine = self.engine
+        if self.param_shard is not None:
+            self.param_shard.attach(schedule)
         self.grads.attached = True
 
     def _detach_model(self) -> None:
@@ -253,6 +287,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grads.before_accumulate(index)
 
     def _end_backward(self) -> None:
+        if self.param_shard is not None:
+            # Every all-gather of the backward round is issued before this rank waits for any
+            # reduce-scatter (Note [Stage 3 never waits in backward] in csrc/comm/bucket_engine.cpp).
+            self.param_shard.end_backward()
         self.grads.end_backward()
 
     @torch.no_grad()
@@ -261,7 +299,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Same result as torch.nn.utils.clip_grad_norm_ on the full averaged gradients.
         """
-        self.grads.finish()
+        self._grads_and_rounds()
         norm_type = float(norm_type)
         g = self.shard_grad
         # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]).
@@ -311,7 +349,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        used = self.grads.finish()
+        used = self._grads_and_rounds()
         skip = self.grads.found_nonfinite
         if not skip:
             if self.config.max_grad_norm is not None:
@@ -350,11 +388,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # loose: the optimizer would go on stepping the buffer while the model
     # computes with the new tensor. That cannot work, so it is refused: before
     # each forward (ShardedDDP) and each step, on every rank, before anything
-    # wrong is computed.
+    # wrong is computed. At stage 3 a parameter is its bucket's view while
+    # gathered and an empty tensor between uses (Note [Parameters between
+    # gathers] in sharded_param.py); anything else was put there by user code.
     def check_params_in_place(self, names: list[str] | None = None) -> None:
         """Raises if a managed parameter no longer lives in the flat buffer (see the Note above)."""
         for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
-            if p.data_ptr() != ptr or p.dtype != self.dtype:
+            moved = not self.param_shard.in_place(i) if self.param_shard is not None else p.data_ptr() != ptr
+            if moved or p.dtype != self.dtype:
                 name = f"parameter '{names[i]}'" if names else f"parameter {i} (shape {tuple(p.shape)})"
                 dtype = f" (its dtype is now {p.dtype}, was {self.dtype})" if p.dtype != self.dtype else ""
                 raise RuntimeError(
@@ -379,6 +420,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _wait_buckets(self, buckets) -> None:
         """A module's forward pre-hook (overlap_gather): waits for the buckets holding its parameters."""
         self.publisher.wait_buckets(buckets)
+
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool = True):
+        """Every parameter whole on this rank inside the block (a collective: every rank enters it).
+
+        For code that reads or writes weights outside a forward: an EMA, weight
+        logging, generate() on the bare module. At stage 3 it gathers every
+        bucket and frees them on exit; at stages 1-2 parameters are whole
+        anyway (it waits for gathers in flight). writeback=True: values written
+        inside become the parameters' values (master weights included).
+        """
+        self.wait_params()
+        if self.param_shard is None:
+            yield
+        else:
+            with self.param_shard.gathered(writeback):
+                yield
+        if writeback:
+            self.stepper.load_from_model()
+
+    def _grads_and_rounds(self) -> torch.Tensor:
+        """Gradients reduced, and at stage 3 every backward round walked (Note [Stage-3 schedule])."""
+        if self.param_shard is not None:
+            self.param_shard.settle()
+        return self.grads.finish()
 
     def phase_seconds(self) -> dict:
         """Cumulative wall seconds this rank spent per phase since construction.
@@ -421,7 +487,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return sum(t.numel() * t.element_size() for t in ts)
         state = self.stepper.state_tensors()
         stats = {
-            "params": nbytes([self.flat_param]),
+            "params": nbytes([self.flat_param]) if self.param_shard is None
+            else nbytes([self.param_shard.shard]) + self.param_shard.live_bytes(),
             "master": nbytes([self.master]) if self.master is not None else 0,
             "grads": nbytes([self.shard_grad] + ([self.flat_grad] if self.flat_grad is not None else [])),
             "optimizer_state": nbytes(state),

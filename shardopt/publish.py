@@ -1,6 +1,7 @@
-"""Publishing parameters after a step (stages 1-2): master chunks into the model, then every rank's chunks
-all-gathered into the flat buffer, now or during the next forward (Note [Gathering in the next forward]
-in prefetch.py)."""
+"""Publishing parameters after a step: master chunks into the model's chunks, then (stages 1-2) every
+rank's chunks all-gathered into the flat buffer, now or during the next forward (Note [Gathering in the
+next forward] in prefetch.py). At stage 3 the next forward gathers what it uses (sharded_param.py); only
+the persistent buckets are refreshed here."""
 from __future__ import annotations
 
 import time
@@ -19,8 +20,10 @@ class Publisher:
     be done before the master chunks are written again.
     """
 
-    def __init__(self, master: MasterStep, flat_param: torch.Tensor, ops, device, phase: dict):
+    def __init__(self, master: MasterStep, flat_param: torch.Tensor | None, ops, device, phase: dict,
+                 param_shard=None):
         self.master = master
+        self.param_shard = param_shard  # stage 3
         self.flat_param = flat_param
         self.ops = ops
         self.device = device
@@ -36,6 +39,10 @@ class Publisher:
         if copy_master and self.master.copy_to_model(self.ops):
             self.copy_back_mark = self.ops.mark(self.device)  # wait() waits for it
         t1 = time.perf_counter()
+        if self.param_shard is not None:
+            self.param_shard.refresh_persistent()
+            self.phase["publish"] += t1 - t0
+            return
         self.engine.start_all_gather_params(self.flat_param)
         self.gather_pending = self.engine.num_pending_gathers > 0
         self.phase["publish"] += t1 - t0

@@ -41,6 +41,7 @@ stage 1) before AccumulateGrad runs (GradSync.before_accumulate in grad_sync.py)
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -172,8 +173,12 @@ _HANDLERS = {
 class GradShard:
     """Per-parameter operations on this rank's gradient shard, for ShardedGrad (and its reconciling)."""
 
-    def __init__(self, params, pieces, piece_grads, param_offsets, process_group, world_size: int, had_grad):
-        """had_grad(): per parameter, whether DDP would hold a gradient tensor for it now."""
+    def __init__(self, params, pieces, piece_grads, param_offsets, process_group, world_size: int, had_grad,
+                 shapes=None):
+        """had_grad(): per parameter, whether DDP would hold a gradient tensor for it now. shapes: the
+        parameters' own shapes (at stage 3 a parameter is empty between uses, and so is its p.grad's
+        stand-in, which must match it; full() still gives the whole gradient)."""
+        self.shapes = [tuple(s) for s in shapes] if shapes is not None else [tuple(p.shape) for p in params]
         self.process_group = process_group
         self._had_grad = had_grad
         # Parameters whose gradient was zeroed, not set to None (zero_grad(set_to_none=False)):
@@ -246,14 +251,14 @@ class GradShard:
 
     def full(self, i: int) -> torch.Tensor:
         """Parameter i's whole averaged gradient (an all-reduce of every rank's pieces)."""
-        p = self._params[i]
+        p, shape = self._params[i], self.shapes[i]
         dtype = self._all[0].dtype if self._all else torch.float32
-        flat = torch.zeros(p.numel(), dtype=dtype)
+        flat = torch.zeros(math.prod(shape), dtype=dtype)
         for g, at in self._pieces[i]:
             flat[at:at + g.numel()].copy_(g)
         if self.world_size > 1:
             dist.all_reduce(flat, group=self.process_group)
-        return flat.view(p.shape).to(dtype=p.dtype, device=p.device)
+        return flat.view(shape).to(dtype=p.dtype, device=p.device)
 
     # -------------------------------------------------------------- updates
     def scale(self, i: int, factor: float) -> None:

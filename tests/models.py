@@ -1,5 +1,6 @@
 """Small models with the awkward features sharded paths must survive."""
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB, DIM, HIDDEN = 37, 24, 53  # primes: nothing divides evenly by 2, 3 or 4
@@ -63,3 +64,47 @@ class TinyNet(nn.Module):
 
     def forward(self, x):
         return self.frozen(self.l2(self.norm(torch.relu(self.l1(x))))) + self.shift
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, h):
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+
+class StackNet(nn.Module):
+    """What stage 3 meets in real models: blocks in a ModuleList (each gathered on its own), a head tied to
+    the embedding (used first and last), a frozen layer, and experts that only some ranks reach in a step
+    (an MoE whose router sent no token of this rank to an expert) - each rank skips a module another runs.
+    """
+
+    def __init__(self, depth: int = 4, experts: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(experts))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, expert: int | None = None, checkpoint: bool = False):
+        h = self.emb(x)
+        for blk in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=False) if checkpoint else blk(h)
+        h = self.frozen(h)
+        if expert is not None:
+            h = h + self.experts[expert](h)
+        return self.head(self.norm(h))
+
+
+def expert_of(step: int, rank: int, experts: int = 2) -> int | None:
+    # Rank r reaches expert (step + r) % experts on most steps, none on every third: in a step each
+    # expert is run by some ranks and skipped by others, and on some steps by no rank at all.
+    return None if step % 3 == 2 else (step + rank) % experts

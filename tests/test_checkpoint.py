@@ -397,3 +397,39 @@ def test_checkpoint_moves_between_offload_and_precision_settings(reference, tmp_
     out = run_ranks(_offload_and_bf16, 2, str(tmp_path), ref["adamw"])[0]
     for what, diffs in out.items():
         assert diffs == [], (what, diffs[:5])
+
+
+# ------------------------------------------------------------------- stage 3
+def _stage3_resume_and_save(rank, world_size, root, full_dicts):
+    """Stage 3 at world size 3 loads the stage-2 checkpoint (and the whole state dicts), then saves its own."""
+    import shardopt
+
+    out = _resume(rank, world_size, root, 3, 300, full_dicts)
+    model, opt, wrapper, sched = _build("sgd", seed=1, stage=3)
+    sched.load_state_dict(shardopt.load_checkpoint(os.path.join(root, "sgd"), wrapper, opt)["sched"])
+    return out, shardopt.save_checkpoint(os.path.join(root, "stage3"), wrapper, opt,
+                                         extra={"sched": sched.state_dict()})
+
+
+def _stage1_from_stage3(rank, world_size, root):
+    import shardopt
+
+    model, opt, wrapper, sched = _build("sgd", seed=2, stage=1, rbs=1000)
+    sched.load_state_dict(shardopt.load_checkpoint(os.path.join(root, "stage3"), wrapper, opt)["sched"])
+    loaded = _snapshot(model, opt)
+    _train(wrapper, opt, sched, range(4, 8), rank, world_size)
+    return loaded, _snapshot(model, opt)
+
+
+def test_stage3_checkpoints_move_between_stages_and_world_sizes(reference, tmp_path):
+    ref_root, ref, _ = reference
+    root = str(tmp_path)
+    for name in OPTIMS:
+        shutil.copytree(os.path.join(ref_root, name), os.path.join(root, name))
+    # Stage 2 at 2 ranks -> stage 3 at 3 ranks: what was saved is what is loaded, and training goes on.
+    got, saved = run_ranks(_stage3_resume_and_save, 3, root, {n: ref[n]["snap4"] for n in OPTIMS})[0]
+    _check_resumed(ref, got, 3)
+    # Stage 3 at 3 ranks -> stage 1 at 2 ranks, other buckets: the same state, the same continuation.
+    loaded, snap8 = run_ranks(_stage1_from_stage3, 2, root)[0]
+    assert _differences(ref["sgd"]["snap4"], loaded, rtol=0) == []
+    assert _differences(ref["sgd"]["snap8"], snap8, rtol=1e-6) == []

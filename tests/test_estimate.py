@@ -21,9 +21,10 @@ def _measure(rank, world_size):
         + [("gpt-tiny", tiny_model, 20_000, torch.float32, "none"), ("awkward", AwkwardNet, 1000, torch.float32, "cpu"),
            ("awkward", AwkwardNet, 1000, torch.bfloat16, "none"), ("gpt-tiny", tiny_model, 20_000, torch.bfloat16, "cpu")]
     for name, factory, rbs, dtype, offload in cases:
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             torch.manual_seed(0)
             model = factory().to(dtype)
+            shapes = trainable_shapes(model)  # before stage 3 empties the parameters between uses
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, stage=stage,
                                             reduce_bucket_size=rbs, offload=offload)
             wrapper = shardopt.ShardedDDP(model, opt)
@@ -34,7 +35,7 @@ def _measure(rank, world_size):
                 out_ = wrapper(example_batch())
             out_.float().pow(2).mean().backward()
             opt.step()
-            out.append((name, rbs, stage, trainable_shapes(model), opt.memory_stats(), dtype, offload))
+            out.append((name, rbs, stage, shapes, opt.memory_stats(), dtype, offload))
     return out
 
 
@@ -47,9 +48,17 @@ def test_estimate_matches_memory_stats(world_size):
         est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, reduce_bucket_size=rbs,
                                               param_dtype=dtype, offload=offload, device="cpu"))
         predicted = est.as_stats()
+        # Stage 3 between steps holds its chunks only; the estimate adds the peak of gathered buckets.
+        predicted["params"] -= est.gathered
+        predicted["on_device"] -= est.gathered
         where = f"{name} rbs={rbs} stage={stage} ws={world_size} {dtype} offload={offload}"
         assert set(predicted) == set(measured), where
         for key, value in measured.items():
+            if stage == 3 and key in ("staging", "on_device"):
+                # The pool grows instead of waiting in backward (Note [Stage 3 never waits in backward]):
+                # at least the estimate's buffers, never more than one per bucket.
+                assert predicted[key] <= value, (where, key, predicted, measured)
+                continue
             assert abs(predicted[key] - value) <= TOLERANCE * max(value, 1), (where, key, predicted, measured)
 
 
@@ -78,4 +87,6 @@ def test_bad_estimate_input_names_the_fix():
     with pytest.raises(RuntimeError, match="no arguments"):
         meta_model("shardopt.tools.gpt:GPT")
     with pytest.raises(ValueError, match="stage"):
-        EstimateConfig(stage=3)
+        EstimateConfig(stage=4)
+    with pytest.raises(ValueError, match="stage 3 with hybrid"):
+        EstimateConfig(stage=3, world_size=4, shards=2)

@@ -58,9 +58,9 @@ class Pair:
         return nn.functional.cross_entropy(out.reshape(-1, 37), y.reshape(-1))
 
     def diff(self):
-        self.opt.wait_params()
-        return max((a - b).abs().max().item()
-                   for a, b in zip(self.ref_module.parameters(), self.module.parameters()))
+        with self.opt.full_params(writeback=False):  # stage 3: whole only inside it
+            return max((a - b).abs().max().item()
+                       for a, b in zip(self.ref_module.parameters(), self.module.parameters()))
 
 
 def _train(pair, body, steps=STEPS):
@@ -271,6 +271,38 @@ def compile_overlap_gather(rank, stage):
     return _standard(pair)
 
 
+def ema_in_full_params(rank, stage):
+    # Stage 3's way to read weights outside a forward (an EMA, logging): opt.full_params().
+    pair = Pair(rank, stage)
+    with pair.opt.full_params(writeback=False):
+        emas = [[p.detach().clone() for p in m.parameters()] for _, _, m in pair.sides()]
+
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step).backward()
+        opt.step()
+        opt.zero_grad()
+        ctx = opt.full_params(writeback=False) if opt is pair.opt else _nothing()
+        with ctx, torch.no_grad():
+            for e, p in zip(emas[int(opt is pair.opt)], module.parameters()):
+                e.mul_(0.5).add_(p, alpha=0.5)
+    diff, _, _ = _train(pair, body)
+    return max(diff, max((a - b).abs().max().item() for a, b in zip(*emas))), [], []
+
+
+def compile_model(rank, stage):
+    pair = Pair(rank, stage)
+    pair.sharded = torch.compile(pair.sharded)
+    return _standard(pair)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
 # Idioms that cannot work: the shardopt loop must raise (checked on every rank).
 def step_without_backward(rank, stage):
     pair = Pair(rank, stage)
@@ -321,7 +353,10 @@ MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_
          submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,
-         no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather]
+         no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather,
+         ema_in_full_params, compile_model]
+# overlap_gather is stage 1/2's; stage 3 refuses it at construction (test_zero_behaviour checks the message).
+NOT_AT_STAGE_3 = {"ema_after_step_overlap_gather", "compile_overlap_gather"}
 # idiom -> (exception type, text the message must contain)
 RAISE = {
     step_without_backward: (RuntimeError, "before any backward()"),
@@ -337,6 +372,8 @@ RAISE = {
 def _all_idioms(rank, world_size, stage):
     out = {}
     for idiom in MATCH:
+        if stage == 3 and idiom.__name__ in NOT_AT_STAGE_3:
+            continue
         try:
             out[idiom.__name__] = ("ok", idiom(rank, stage))
         except Exception:  # noqa: BLE001 - reported per idiom
@@ -367,8 +404,8 @@ def _close(a, b):
     return abs(a - b) <= 1e-5 * max(1.0, abs(a))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("idiom", [f.__name__ for f in MATCH])
+@pytest.mark.parametrize("idiom,stage", [(f.__name__, s) for s in (1, 2, 3) for f in MATCH
+                                         if not (s == 3 and f.__name__ in NOT_AT_STAGE_3)])
 def test_idiom_matches_ddp(idiom, stage):
     for rank, results in enumerate(_results(stage)):
         status, value = results[idiom]
@@ -382,7 +419,7 @@ def test_idiom_matches_ddp(idiom, stage):
             assert _close(ref_logs, logs), f"rank {rank}: logged {ref_logs} (DDP) vs {logs} (shardopt)"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("idiom", [f.__name__ for f in RAISE])
 def test_idiom_raises_documented_error(idiom, stage):
     exc_type, text = next(v for k, v in RAISE.items() if k.__name__ == idiom)

@@ -108,3 +108,50 @@ def test_signature_names_first_difference():
 def test_bad_bucket_size(bad):
     with pytest.raises(ValueError, match="reduce_bucket_size"):
         plan_layout([[("p", (3,))]], 2, bad, 100)
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 4])
+@pytest.mark.parametrize("rbs", [1, 200, 1000, 10**6])
+def test_whole_params_never_straddle(ws, rbs):
+    # Stage 3 (Note [Stage-3 buckets hold whole parameters]): a parameter is a view of one bucket's own
+    # storage, so it lies inside one bucket; small ones (here the 1-D shapes) sit in persistent buckets.
+    shapes = [[(10, 7), (13,), (1,), (0,), (300, 3), (5,), (129,)], [(3, 3), (1000,)], []]
+    groups = [[(f"g{g}p{i}", s) for i, s in enumerate(ss)] for g, ss in enumerate(shapes)]
+    flat = [s for ss in shapes for s in ss]
+    persistent = frozenset(i for i, s in enumerate(flat) if len(s) == 1 and s[0] < 200)
+    lay = plan_layout(groups, ws, rbs, 10**9, whole_params=True, persistent=persistent)
+    at = 0
+    for b in lay.buckets:
+        assert b.start == at and b.numel % lay.align == 0
+        at = b.end
+        for i in b.params:
+            p = lay.params[i]
+            assert b.start <= p.offset and p.end <= b.end          # whole, never straddling
+            assert (i in persistent) == b.persistent
+        # A bucket is over the size only when it holds one parameter that alone is.
+        if b.numel > lay.bucket_numel:
+            assert len(b.params) == 1 and lay.params[b.params[0]].numel > lay.bucket_numel - lay.align
+    assert at == lay.total_numel
+    covered = {p.index: 0 for p in lay.params}
+    for r in range(ws):
+        for pc in lay.pieces(r):
+            covered[pc.param] += pc.numel
+    assert covered == {p.index: p.numel for p in lay.params}
+    assert lay.shard_numel() * ws == lay.total_numel
+    assert "whole_params=True" in lay.signature()[0]
+
+
+def test_whole_params_worked_example():
+    # Two ranks, buckets of 256, align 128: reversed order puts c (100) first; b (200) would cross 256, so
+    # c's bucket closes (padded to 128) and b starts one (256); a (300) is alone and over size (384);
+    # d persists, in a bucket of its own at the end.
+    groups = [[("a", (300,)), ("b", (200,)), ("c", (100,)), ("d", (4,))]]
+    lay = plan_layout(groups, 2, 256, 10**9, whole_params=True, persistent=frozenset({3}))
+    assert [(b.start, b.numel, b.params, b.persistent) for b in lay.buckets] == [
+        (0, 128, (2,), False), (128, 256, (1,), False), (384, 384, (0,), False), (768, 128, (3,), True)]
+    assert [p.offset for p in lay.params] == [384, 128, 0, 768]
+
+
+def test_persistent_needs_whole_params():
+    with pytest.raises(ValueError, match="whole_params"):
+        plan_layout([[("a", (4,))]], 2, 256, 256, persistent=frozenset({0}))

@@ -246,7 +246,11 @@ def _bad_args(rank, world_size):
     P = lambda: AwkwardNet().parameters()  # noqa: E731
     expect("bucket<=0", ValueError, lambda: shardopt.ShardedOptimizer(P(), reduce_bucket_size=0))
     expect("agbucket<=0", ValueError, lambda: shardopt.ShardedOptimizer(P(), allgather_bucket_size=-1))
-    expect("stage3", ValueError, lambda: shardopt.ShardedOptimizer(P(), stage=3))
+    expect("stage4", ValueError, lambda: shardopt.ShardedOptimizer(P(), stage=4))
+    expect("stage3+overlap_gather", ValueError, lambda: shardopt.ShardedOptimizer(P(), stage=3, overlap_gather=True))
+    expect("stage3-no-overlap", ValueError, lambda: shardopt.ShardedOptimizer(P(), stage=3, overlap_comm=False))
+    expect("meta-stage2", ValueError, lambda: shardopt.ShardedOptimizer(
+        nn.Linear(3, 3, device="meta").parameters(), stage=2))
     expect("offload", ValueError, lambda: shardopt.ShardedOptimizer(P(), offload="nvme"))
     expect("lbfgs", ValueError, lambda: shardopt.ShardedOptimizer(P(), optim=torch.optim.LBFGS))
     expect("not-a-class", TypeError, lambda: shardopt.ShardedOptimizer(P(), optim="adam"))
@@ -317,7 +321,9 @@ def test_forward_after_a_failed_backward_refuses_to_continue():
 def test_bad_arguments_raise_clear_errors():
     errors = run_ranks(_bad_args, 2)[0]
     needles = {
-        "bucket<=0": "reduce_bucket_size", "agbucket<=0": "allgather_bucket_size", "stage3": "stage",
+        "bucket<=0": "reduce_bucket_size", "agbucket<=0": "allgather_bucket_size", "stage4": "stage must be 1, 2 or 3",
+        "stage3+overlap_gather": "drop overlap_gather=True", "stage3-no-overlap": "needs overlap_comm=True",
+        "meta-stage2": "meta device: stage=3",
         "offload": "offload", "lbfgs": "LBFGS", "not-a-class": "torch.optim.Optimizer class",
         "bad-kwarg": "betas2", "mixed-dtype": "one parameter dtype", "mixed-device": "one device",
         "no-trainable": "requires grad", "param-not-in-opt": "not in the ShardedOptimizer",

@@ -48,6 +48,7 @@ void init_comm_bindings(pybind11::module& m) {
       .def_readwrite("grad_dtype", &EngineOptions::grad_dtype)
       .def_readwrite("reduce_dtype", &EngineOptions::reduce_dtype)
       .def_readwrite("device", &EngineOptions::device)
+      .def_readwrite("wait_for_staging", &EngineOptions::wait_for_staging)
       .def_readwrite("copy_device", &EngineOptions::copy_device);
 
   using gil_release = py::call_guard<py::gil_scoped_release>;

@@ -17,6 +17,7 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
       flat_grad_(std::move(flat_grad)),
       shard_grad_(std::move(shard_grad)),
       overlap_(options.overlap),
+      wait_for_staging_(options.wait_for_staging),
       impl_(comm::parse_impl(options.impl)),
       host_copier_(options.copy_device ? options.copy_device : default_copy_device()) {
   TORCH_CHECK(pg_, "BucketEngine needs a process group");
@@ -143,8 +144,27 @@ at::Tensor BucketEngine::chunk_view(int64_t b) const {
   return shard_grad_.narrow(0, chunk_offset_[b], plan_.bucket_numel[b] / world_size_);
 }
 
+// Note [Stage 3 never waits in backward]
+// At stage 3 a backward pass also waits for parameter all-gathers (another
+// process group, in a fixed schedule of their own). If rank A waited here for
+// a reduce-scatter that rank B has not launched yet, while B waits for an
+// all-gather that only A's backward would go on to issue, neither would move:
+// the two streams' orders differ between ranks as soon as ranks run different
+// modules. So with wait_for_staging=false this never blocks: a staging buffer
+// whose reduce-scatter has finished is taken back, and if none has, the pool
+// grows by one (it stays grown; what a backward needs at most is then bounded
+// by how far its computation outruns the link, never by a deadlock).
+bool BucketEngine::oldest_is_done() const {
+  const auto& f = inflight_.front();
+  return (!f.work || f.work->isCompleted()) && (!f.hop || f.hop->isCompleted());
+}
+
 int64_t BucketEngine::acquire_slot() {
-  while (free_slots_.empty() && !inflight_.empty()) free_a_slot();
+  if (wait_for_staging_) {
+    while (free_slots_.empty() && !inflight_.empty()) free_a_slot();
+  } else {
+    while (free_slots_.empty() && !inflight_.empty() && oldest_is_done()) finish_oldest();
+  }
   if (free_slots_.empty()) {
     // Every buffer belongs to a bucket that waits for an earlier one in the
     // launch order: grow rather than deadlock (see Note [Bucket engine]).
@@ -261,6 +281,9 @@ void BucketEngine::launch(int64_t b) {
   }
   inflight_.push_back(InFlight{b, std::move(work), std::move(hop), slot, std::move(out), direct, accumulate});
   if (!overlap_) finish_oldest();
+  else if (!wait_for_staging_) {
+    while (!inflight_.empty() && oldest_is_done()) finish_oldest();  // give finished slots back early
+  }
 }
 
 void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket) {

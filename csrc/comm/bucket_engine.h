@@ -68,6 +68,10 @@ struct EngineOptions {
   at::ScalarType grad_dtype = at::kFloat;    // the model's gradients
   at::ScalarType reduce_dtype = at::kFloat;  // what the collectives carry
   at::Device device = at::kCPU;              // the model's device (staging lives there)
+  // false (stage 3): never block a backward pass for a staging buffer; take
+  // back those whose reduce-scatter has finished, else grow the pool (Note
+  // [Stage 3 never waits in backward] in bucket_engine.cpp).
+  bool wait_for_staging = true;
   // Carries out the host copier's device calls; nullptr: this build's default
   // (CUDA streams, or none). Tests pass a FakeCopyDevice (copy_device.h).
   std::shared_ptr<CopyDevice> copy_device;
@@ -167,6 +171,7 @@ class BucketEngine {
   void launch(int64_t bucket);
   void launch_ready_buckets();
   void finish_oldest();
+  bool oldest_is_done() const;
   void free_a_slot();
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
@@ -179,6 +184,7 @@ class BucketEngine {
   at::Tensor shard_grad_;
   std::vector<int64_t> chunk_offset_;
   bool overlap_;
+  bool wait_for_staging_;
   comm::Impl impl_;
   at::TensorOptions reduce_options_;  // reduce dtype on the model's device
   bool staged_;        // gradients are copied into a staging buffer to be reduced

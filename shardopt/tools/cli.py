@@ -121,7 +121,7 @@ def _estimate(args) -> int:
         model = est.meta_model(args.model)
         shapes = est.trainable_shapes(model)
     else:
-        shapes = [("params", (parse_count(args.model),))]
+        shapes = est.count_shapes(parse_count(args.model))
     n = sum(math.prod(s) for _, s in shapes)
     dtype = est.DTYPES[args.dtype]
     rows = []
@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="CPU ranks train a small GPT with ZeRO-2")
     d.add_argument("--world-size", type=int, default=2, help="ranks to launch when not under torchrun")
     d.add_argument("--steps", type=int, default=30)
-    d.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    d.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     d.add_argument("--offload", default="none", choices=("none", "cpu"),
                    help="cpu: master weights and optimizer state on the host, stepped by the fused CPU Adam")
     d.add_argument("--model", default="small", choices=("tiny", "small", "30m"))
@@ -169,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="memory per rank for a model, before building it")
     e.add_argument("model", help="a parameter count (7e9, 7B, 125M) or module:factory (built on the meta device)")
     e.add_argument("--world-size", type=_list(int), default=[1, 2, 4, 8], help="comma-separated, e.g. 2,4,8")
-    e.add_argument("--stage", type=_list(int), default=[1, 2], help="comma-separated, e.g. 2")
+    e.add_argument("--stage", type=_list(int), default=[1, 2, 3], help="comma-separated, e.g. 3")
     e.add_argument("--offload", type=_list(str), default=["none", "cpu"], help="comma-separated: none,cpu")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="the model's parameter dtype")
     e.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop, ...")
@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--reduce-sizes", type=_list(parse_count), default=[500_000, 2_000_000, 8_000_000, 32_000_000])
     t.add_argument("--allgather-sizes", type=_list(parse_count), default=None,
                    help="default: the same as each reduce size")
-    t.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    t.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     t.add_argument("--steps", type=int, default=3, help="timed steps per grid point per round")
     t.add_argument("--rounds", type=int, default=2)
     t.add_argument("--out-dir", default=".")

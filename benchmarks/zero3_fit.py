@@ -1,0 +1,127 @@
+"""A model that does not fit one rank's memory: DDP and ZeRO-2 are killed, ZeRO-3 at 4 ranks trains it.
+
+How the cap is enforced: each rank, once torch is imported and its process group
+is up, makes a cgroup (v1 memory controller, /sys/fs/cgroup/memory) of its own
+with memory.limit_in_bytes = --cap-mib, writes its pid into cgroup.procs and
+only then builds the model and trains. Only memory touched after joining is
+charged, so the cap is what the model, the optimizer and the training need on
+top of an idle rank. A rank that goes over it is killed by the kernel's OOM
+killer (SIGKILL, exit -9), which the launcher reports. The groups are removed
+afterwards, also after failures. Needs root.
+
+Every variant trains the same GPT (fp32, AdamW, 3 steps): DDP and ZeRO-2 build
+it whole on every rank, as they must; ZeRO-3 builds it on the meta device and
+materialises it bucket by bucket (Note [Meta-device models]).
+
+    python benchmarks/zero3_fit.py [--cap-mib 300] [--layers 10]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import secrets
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shardopt.cluster.ranks import RankFailure, run_ranks  # noqa: E402
+
+CGROUP = "/sys/fs/cgroup/memory"
+
+
+def _train(rank, world_size, variant, layers, cap_mib, token):
+    import shardopt
+    from shardopt.tools.gpt import GPT, GPTConfig, synthetic_batch
+
+    group = os.path.join(CGROUP, f"shardopt-fit-{token}-{rank}")
+    os.makedirs(group, exist_ok=True)
+    with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(cap_mib << 20))
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    cfg = GPTConfig(vocab=8192, dim=512, layers=layers, heads=8, seq=128)
+    torch.manual_seed(0)
+    if variant == "ZeRO-3":
+        with torch.device("meta"):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    if variant == "DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapper, opt = DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3,
+                                        stage=3 if variant == "ZeRO-3" else 2, reduce_bucket_size=2_000_000)
+        wrapper = shardopt.ShardedDDP(model, opt)
+    losses = []
+    for step in range(3):
+        x, y = synthetic_batch(cfg, 2, 16, step, rank)
+        loss = torch.nn.functional.cross_entropy(wrapper(x).reshape(-1, cfg.vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with open(os.path.join(group, "memory.max_usage_in_bytes")) as f:
+        used = int(f.read())
+    torch.distributed.barrier()
+    return losses, used
+
+
+def _remove_groups(token):
+    for name in os.listdir(CGROUP):
+        if name.startswith(f"shardopt-fit-{token}-"):
+            try:
+                os.rmdir(os.path.join(CGROUP, name))
+            except OSError as e:
+                print(f"could not remove cgroup {name}: {e}", file=sys.stderr)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cap-mib", type=int, default=300)
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    token = secrets.token_hex(3)
+    rows = []
+    try:
+        for variant in ("DDP", "ZeRO-2", "ZeRO-3"):
+            try:
+                res = run_ranks(_train, args.world_size, variant, args.layers, args.cap_mib, token, timeout=900)
+                rows.append((variant, "trained", f"losses {', '.join(f'{v:.3f}' for v in res[0][0])}; "
+                             f"peak charged {max(u for _, u in res) / 2**20:.0f} MiB (max rank)"))
+            except RankFailure as e:
+                killed = "exit code -9" in str(e)
+                rows.append((variant, "killed by the OOM killer (SIGKILL)" if killed else "failed",
+                             str(e).strip().splitlines()[-1][:160]))
+            _remove_groups(token)
+    finally:
+        _remove_groups(token)
+    from shardopt.tools.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(GPTConfig(vocab=8192, dim=512, layers=args.layers, heads=8,
+                                                 seq=128)).parameters())
+    lines = [f"# A model that does not fit — {datetime.date.today().isoformat()}", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
+             f"{args.world_size} ranks; GPT dim 512 x {args.layers} blocks ({n / 1e6:.1f}M parameters, "
+             f"{16 * n / 2**20:.0f} MiB of fp32 AdamW model states), 3 steps. Per-rank cap {args.cap_mib} MiB "
+             f"(cgroup v1 memory.limit_in_bytes, joined after import; see the script's docstring).", "",
+             "| variant | outcome | details |", "|---|---|---|"]
+    lines += [f"| {v} | {o} | {d} |" for v, o, d in rows]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""Stage 3: the parameter shard and the life cycle of a bucket's full parameters (gather, wait, free).
+
+Between uses each rank holds only its chunk of every bucket (`shard`, the
+chunks concatenated in bucket order, in the model's dtype). A bucket's full
+parameters live in storage of their own (`full[b]`; Note [Stage-3 buckets
+hold whole parameters] in layout.py) that exists only while the bucket is
+gathered: a gather allocates it and all-gathers every rank's chunk into it,
+a free gives the memory back. Which gather comes when is Note [Stage-3
+schedule] in prefetch.py; this module carries it out.
+
+Note [Parameters between gathers]
+---------------------------------
+A gathered parameter is a view of its bucket's storage. When the bucket is
+freed, the parameter's `.data` becomes an empty tensor of its dtype (as
+DeepSpeed's stage 3 does), so code that reads a weight outside a forward
+gets an obvious shape error instead of freed memory; `opt.full_params()`
+gathers everything for such code. Autograd saves weights for backward
+(x @ W saves W); saved views of a bucket are packed as (bucket, size, stride,
+offset) and unpacked by asking for the bucket again, which is what moves the
+backward round forward. Gathers write through a second tensor on the same
+storage (`_comm`), so autograd's version counter of the parameters' views is
+not bumped by the collective that refills them.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from shardopt.layout import Layout
+from shardopt.parallel import comm
+from shardopt.prefetch import Stage3Schedule
+
+FREE, GATHERING, LIVE = "free", "gathering", "live"
+
+
+class _Round:
+    """One pass of the schedule (Note [Stage-3 schedule]): which gathers were issued, what may be freed."""
+
+    def __init__(self, kind: str, order: tuple, users: tuple):
+        self.kind = kind
+        self.order = order
+        self.pos = 0                     # next position of `order` to issue
+        self.users = list(users)         # forward: modules still to run per bucket
+        self.ran: set[int] = set()       # forward: ids of the modules that ran (first call counts)
+        self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
+
+
+class ParamShard:
+    """This rank's chunks of the parameters and the buckets gathered now (stage 3)."""
+
+    def __init__(self, layout: Layout, rank: int, params: list, process_group, world_group, device, *, impl: str,
+                 prefetch: int, max_live: int | None, reshard_after_forward: bool, phase: dict):
+        self.layout = layout
+        self.rank = rank
+        self.params = params
+        self.impl = impl
+        self.prefetch = prefetch
+        self.max_live = max_live
+        self.reshard_after_forward = reshard_after_forward
+        self.phase = phase
+        self.dtype, self.device = params[0].dtype, device
+        self.world_size = dist.get_world_size(process_group)
+        # Parameter gathers run on a group of their own: the bucket engine's reduce-scatters run on
+        # `process_group` in backward at the same time, in an order of their own.
+        ranks = dist.get_process_group_ranks(process_group)
+        self.group = dist.new_group(ranks, use_local_synchronization=True) if self.world_size > 1 else process_group
+        offsets = layout.chunk_offsets()
+        self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
+        self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
+        self.full = [torch.empty(b.numel, dtype=self.dtype, device=self.device) for b in layout.buckets]
+        self._comm = [torch.empty(0, dtype=self.dtype, device=self.device).set_(f.untyped_storage())
+                      for f in self.full]
+        self._bucket_of_storage = {f.untyped_storage()._cdata: b for b, f in enumerate(self.full)}
+        self._starts = [b.start for b in layout.buckets]
+        self.views = [None] * len(params)
+        self.bucket_params: list[list[int]] = [[] for _ in layout.buckets]
+        self._bucket_of_param: list[list[int]] = [[] for _ in params]  # whole parameters: one bucket each
+        for slot in layout.params:
+            if slot.numel:
+                b = self._bucket_of(slot)
+                s = slot.offset - layout.buckets[b].start
+                self.views[slot.index] = self.full[b][s:s + slot.numel].view(slot.shape)
+                self.bucket_params[b].append(slot.index)
+                self._bucket_of_param[slot.index].append(b)
+            else:
+                self.views[slot.index] = torch.empty(slot.shape, dtype=self.dtype, device=self.device)
+        self.placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._empty_storage = self.placeholder.untyped_storage()._cdata
+        self.state = [LIVE] * len(layout.buckets)
+        self.handles: dict[int, object] = {}
+        self.schedule: Stage3Schedule | None = None  # set when ShardedDDP attaches (it knows the modules)
+        self.round: _Round | None = None
+        self.backwards_owed = 0  # grad-enabled forwards whose backward round has not run on this rank
+        self.num_gathers = 0
+        self.live = sum(f.numel() * f.element_size() for f in self.full)  # bytes of full storage now held
+        self.peak_live = 0  # the most `live` has been since construction (or reset_peak())
+        self._shard_from_params(world_group)
+        self.reset_peak()
+
+    def _buckets_of(self, index: int) -> list:
+        return self._bucket_of_param[index]
+
+    def _bucket_of(self, slot) -> int:
+        b = bisect.bisect_right(self._starts, slot.offset) - 1  # buckets tile the buffer in order
+        assert self.layout.buckets[b].start <= slot.offset < self.layout.buckets[b].end
+        return b
+
+    # ------------------------------------------------------------ construction
+    @torch.no_grad()
+    def _shard_from_params(self, world_group) -> None:
+        """Rank 0's values of every bucket (as DDP broadcasts them); this rank keeps its chunk.
+
+        Parameters on the meta device have no values yet: every bucket starts
+        freed and `materialize` fills them, bucket by bucket (Note [Meta-device
+        models])."""
+        self._world = world_group
+        self.on_meta = any(p.is_meta for p in self.params)
+        if self.on_meta:  # a meta tensor cannot take real storage through .data; its contents can be swapped
+            for i, p in enumerate(self.params):
+                torch.utils.swap_tensors(p, torch.nn.Parameter(self.placeholder, requires_grad=p.requires_grad))
+        for slot in self.layout.params:
+            if not slot.numel:  # in no bucket: it keeps a (empty) tensor of its own
+                self.params[slot.index].data = self.views[slot.index]
+        for b in self.layout.buckets:
+            if self.on_meta:
+                for i in self.bucket_params[b.index]:
+                    self.params[i].data = self.views[i]
+                self.state[b.index] = LIVE
+                self._free(b.index, even_persistent=True)
+                continue
+            self.full[b.index].zero_()
+            for i in self.bucket_params[b.index]:
+                self.views[i].copy_(self.params[i].detach())
+                self.params[i].data = self.views[i]
+            self._publish_full(b.index)
+
+    def _publish_full(self, b: int) -> None:
+        """Bucket b's full values become rank 0's everywhere; this rank keeps its chunk of them."""
+        full, bucket = self.full[b], self.layout.buckets[b]
+        if dist.get_world_size(self._world) > 1:
+            dist.broadcast(full, dist.get_global_rank(self._world, 0), group=self._world)
+        lo = self.rank * bucket.chunk_numel
+        self.chunks[b].copy_(full[lo:lo + bucket.chunk_numel])
+        self._free(b)
+
+    # Note [Meta-device models]
+    # -------------------------
+    # `with torch.device("meta"): model = Big()` builds shapes without memory.
+    # At stage 3 no rank ever holds the whole model: `materialize` walks the
+    # modules in registration order (the order their constructors ran), gives a
+    # module's own parameters real storage in their buckets, and runs its
+    # reset_parameters() - the same calls, in the same order, as an eager
+    # build, so a seeded meta model gets the eager model's values. Once every
+    # parameter of a bucket has its value, rank 0's bucket is broadcast, each
+    # rank keeps its chunk and the bucket is freed: at most the buckets of one
+    # module are whole at a time. A parameter tied to an earlier one keeps the
+    # earlier value (as tying after construction does). Parameters of modules
+    # without reset_parameters() start at zero (a warning names them): load a
+    # checkpoint into them. Frozen parameters and buffers are not sharded:
+    # they get real storage here and ShardedDDP broadcasts rank 0's.
+    @torch.no_grad()
+    def materialize(self, model: torch.nn.Module) -> None:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        left = [len(members) for members in self.bucket_params]
+        done: set[int] = set()
+        zeroed = []
+        for name, mod in model.named_modules():
+            unsharded = False  # a frozen parameter or a buffer of this module was on the meta device
+            for key, buf in list(mod._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    mod._buffers[key] = torch.zeros_like(buf, device=self.device)
+                    unsharded = True
+            for key, p in list(mod._parameters.items()):
+                if p is not None and p.is_meta and id(p) not in index:
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros_like(p, device=self.device),
+                                                                   requires_grad=p.requires_grad))
+                    unsharded = True
+            mine = [index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index]
+            fresh = [i for i in mine if i not in done]
+            if not fresh and not unsharded:
+                continue
+            for b in {b for i in fresh for b in self._buckets_of(i)}:
+                if self.state[b] == FREE:
+                    self.full[b].untyped_storage().resize_(self.full[b].numel() * self.full[b].element_size())
+                    self.full[b].zero_()
+                    self.live += self.full[b].numel() * self.full[b].element_size()
+                    self.peak_live = max(self.peak_live, self.live)
+                    self.state[b] = LIVE
+                    for i in self.bucket_params[b]:
+                        self.params[i].data = self.views[i]
+            # Tied to a parameter an earlier module initialised: keep that value (in a scratch tensor if its
+            # bucket is already published and freed).
+            kept = {i: self.params[i].detach().clone() if self.state[self._buckets_of(i)[0]] == LIVE
+                    else None for i in mine if i in done}
+            for i, value in kept.items():
+                if value is None:
+                    self.params[i].data = torch.empty(self.views[i].shape, dtype=self.dtype, device=self.device)
+            reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)  # MHA
+            if callable(reset):
+                reset()
+            else:
+                zeroed += [f"{name}.{k}" if name else k for k, p in mod._parameters.items()
+                           if p is not None and (id(p) not in index or index[id(p)] in fresh)]
+            for i, value in kept.items():
+                if value is None:
+                    self.params[i].data = self.placeholder
+                else:
+                    self.views[i].copy_(value)
+            done.update(fresh)
+            for i in fresh:
+                for b in self._buckets_of(i):
+                    left[b] -= 1
+                    if left[b] == 0:
+                        self._publish_full(b)
+        for b, n in enumerate(left):
+            if n and self.state[b] != FREE:
+                self._publish_full(b)
+        if zeroed:
+            warnings.warn(f"stage 3 built these meta-device parameters as zeros (their modules have no "
+                          f"reset_parameters()): {', '.join(zeroed[:8])}{' ...' if len(zeroed) > 8 else ''}; "
+                          f"load a checkpoint to give them values", UserWarning, stacklevel=3)
+        self.on_meta = False
+
+    # ---------------------------------------------------------------- buckets
+    def _issue(self, b: int) -> None:
+        """Starts gathering bucket b into freshly allocated storage."""
+        full = self.full[b]
+        nbytes = full.numel() * full.element_size()
+        full.untyped_storage().resize_(nbytes)
+        self.live += nbytes
+        self.peak_live = max(self.peak_live, self.live)
+        self.handles[b] = comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group, impl=self.impl)
+        self.state[b] = GATHERING
+        self.num_gathers += 1
+
+    def _wait(self, b: int) -> None:
+        t0 = time.perf_counter()
+        self.handles.pop(b).wait()
+        self.phase["gather"] += time.perf_counter() - t0
+        for i in self.bucket_params[b]:
+            self.params[i].data = self.views[i]
+        self.state[b] = LIVE
+
+    def _free(self, b: int, even_persistent: bool = False) -> None:
+        if self.state[b] == GATHERING:
+            self._wait(b)  # never free memory a collective is still writing
+        if self.state[b] == FREE or (self.layout.buckets[b].persistent and not even_persistent):
+            return
+        for i in self.bucket_params[b]:
+            self.params[i].data = self.placeholder
+        self.full[b].untyped_storage().resize_(0)
+        self.live -= self.full[b].numel() * self.full[b].element_size()
+        self.state[b] = FREE
+
+    def live_bytes(self) -> int:
+        """Bytes of full parameters gathered now (persistent buckets included)."""
+        return self.live
+
+    def reset_peak(self) -> None:
+        self.peak_live = self.live
+
+    # ------------------------------------------------------------------ rounds
+    def begin_forward(self) -> None:
+        """The root module's forward starts: a forward round (Note [Stage-3 schedule])."""
+        if self.round is not None:  # a pass that never ended (an exception): close it as every rank does
+            self._close_round()
+        self.round = _Round("forward", self.schedule.forward, self.schedule.users)
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        """The root module's forward returned (or raised): the rest of the round, then frees.
+
+        With reshard_after_forward=False a forward whose backward will follow keeps
+        everything gathered for it (its backward round gathers nothing)."""
+        if self.round is None or self.round.kind != "forward":
+            return
+        self._finish_round_gathers()
+        keep = grad_enabled and not self.reshard_after_forward
+        for b in range(len(self.full)):
+            if keep:
+                if self.state[b] == GATHERING:
+                    self._wait(b)
+            else:
+                self._free(b)
+        self.round = None
+        self.backwards_owed += int(grad_enabled)
+
+    def _begin_backward(self) -> None:
+        order = self.schedule.backward if self.reshard_after_forward else ()
+        self.round = _Round("backward", order, self.schedule.users)
+        self.round.pending = {b: len(self.bucket_params[b]) for b in order}
+        if torch._C._current_graph_task_id() != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def end_backward(self) -> None:
+        """The backward pass is over (autograd's final callback): the rest of the round, then frees."""
+        if self.round is not None and self.round.kind == "backward":
+            self._close_round()
+            self.backwards_owed = max(0, self.backwards_owed - 1)
+
+    def settle(self) -> None:
+        """Before a step: backward rounds this rank owes (grad-enabled forwards whose backward reached none
+        of its parameters, while other ranks' did), so every rank has walked the same rounds."""
+        while self.backwards_owed:
+            self._begin_backward()
+            self.end_backward()
+
+    def _close_round(self) -> None:
+        self._finish_round_gathers()
+        for b in range(len(self.full)):
+            self._free(b)
+        self.round = None
+
+    def _finish_round_gathers(self) -> None:
+        r = self.round
+        while r.pos < len(r.order):
+            self._issue_position()
+
+    def _advance(self, until: int | None) -> None:
+        """Issues the round's gathers up to position `until` (inclusive), then prefetches."""
+        r = self.round
+        if until is not None:
+            while r.pos <= until:
+                self._issue_position()
+        ahead = 0
+        while r.pos < len(r.order) and ahead < self.prefetch and self._room():
+            self._issue_position()
+            ahead += 1
+
+    def _issue_position(self) -> None:
+        r = self.round
+        b = r.order[r.pos]
+        r.pos += 1
+        if self.state[b] == FREE:
+            self._issue(b)
+
+    def _room(self) -> bool:
+        if self.max_live is None:
+            return True
+        live = sum(1 for b, s in enumerate(self.state) if s != FREE and not self.layout.buckets[b].persistent)
+        return live < self.max_live
+
+    def need(self, buckets) -> None:
+        """A module is about to use these buckets (its forward, or a saved weight in backward)."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self.round is None:
+            if in_backward:
+                self._begin_backward()
+            else:  # a submodule called on its own, outside the root's forward
+                self.round = _Round("forward", self.schedule.forward, self.schedule.users)
+        r = self.round
+        for b in buckets:
+            if self.state[b] == LIVE:
+                continue
+            if self.state[b] == FREE:
+                try:
+                    at = r.order.index(b, r.pos)
+                except ValueError:
+                    # Needed again after it was freed in this pass: the rest of the round first, then one
+                    # extra gather (Note [Stage-3 schedule], the limit).
+                    self._finish_round_gathers()
+                    self._issue(b)
+                else:
+                    self._advance(at)
+            self._wait(b)
+        self._advance(None)
+
+    def forward_done(self, module_id: int, buckets) -> None:
+        """A module's forward returned: buckets every waiting module has now used may go."""
+        r = self.round
+        if r is None or r.kind != "forward" or module_id in r.ran:
+            return
+        r.ran.add(module_id)
+        for b in buckets:
+            r.users[b] -= 1
+            if r.users[b] == 0 and self.reshard_after_forward:
+                self._free(b)
+
+    def grad_ready(self, index: int) -> None:
+        """Parameter `index` has its gradient of this backward: its bucket may go once all have."""
+        if self.round is None:
+            self._begin_backward()
+        r = self.round
+        if r.kind != "backward":
+            return
+        for b in self._bucket_of_param[index]:
+            left = r.pending.get(b)
+            if left is not None:
+                r.pending[b] = left - 1
+                if left == 1:
+                    self._free(b)
+
+    # ------------------------------------------------------------- attaching
+    def attach(self, schedule: Stage3Schedule) -> None:
+        self.schedule = schedule
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in a bucket's full storage (memory that a free gives back)."""
+        return t.untyped_storage()._cdata in self._bucket_of_storage
+
+    def pack(self, t: torch.Tensor):
+        """Autograd saves `t` for backward: a view of a bucket is kept as where it lies, not as memory."""
+        try:
+            b = self._bucket_of_storage.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return t
+        if b is None or self.layout.buckets[b].persistent:
+            return t
+        return (b, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, saved):
+        if not isinstance(saved, tuple):
+            return saved
+        b, size, stride, offset = saved
+        self.need((b,))
+        return self.full[b].as_strided(size, stride, offset)
+
+    # ------------------------------------------------------------- whole weights
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = True):
+        """Every bucket gathered (a collective: every rank enters); on exit this rank's chunk takes what
+        the full parameters hold (writeback) and the buckets gathered for it are freed."""
+        if self.round is not None:
+            raise RuntimeError("full_params() inside a forward or backward pass: use it between steps")
+        was_free = [b for b, s in enumerate(self.state) if s == FREE]
+        for b in was_free:
+            self._issue(b)
+        for b in was_free:
+            self._wait(b)
+        try:
+            yield
+        finally:
+            if writeback:
+                self.take_chunks()
+            for b in was_free:
+                self._free(b)
+
+    @torch.no_grad()
+    def take_chunks(self) -> None:
+        """This rank's chunk of every gathered bucket from the full parameters (after they were written)."""
+        for b in self.layout.buckets:
+            if self.state[b.index] == LIVE:
+                lo = self.rank * b.chunk_numel
+                self.chunks[b.index].copy_(self.full[b.index][lo:lo + b.chunk_numel])
+
+    def refresh_persistent(self) -> None:
+        """After a step: the persistent buckets take every rank's updated chunk (as stage 2 publishes)."""
+        keep = [b.index for b in self.layout.buckets if b.persistent]
+        for b in keep:
+            self.handles[b] = comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group,
+                                                    impl=self.impl)
+            self.state[b] = GATHERING
+            self.num_gathers += 1
+        for b in keep:
+            self._wait(b)
+
+    # ----------------------------------------------------------------- checks
+    def in_place(self, index: int) -> bool:
+        """Whether parameter `index` still holds what this shard put there (its bucket view, or the empty
+        tensor while freed): Note [Parameters stay in the flat buffer] in optimizer.py, at stage 3."""
+        p, view = self.params[index], self.views[index]
+        if p.dtype != self.dtype:
+            return False
+        if p.numel() == 0 and view.numel():  # freed: the shared empty tensor, not an empty one of its own
+            return p.untyped_storage()._cdata == self._empty_storage
+        return p.data_ptr() == view.data_ptr() and p.shape == view.shape
