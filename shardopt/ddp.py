@@ -307,17 +307,24 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
     whole = []  # the gathered() context of a state_dict / load_state_dict in progress
 
     def gather(writeback: bool):
-        def hook(*args):
+        def hook(mod, *args):
+            # state_dict(keep_vars=True) asks for the parameters themselves (which tensors, not values).
+            if not writeback and args[-1]:
+                whole.append(None)
+                return
             ctx = optimizer.full_params(writeback=writeback)
             ctx.__enter__()
             whole.append(ctx)
         return hook
 
     def copy_and_free(mod, state_dict, prefix, local_metadata):
+        ctx = whole.pop()
+        if ctx is None:
+            return
         for k, v in state_dict.items():
             if torch.is_tensor(v) and shard.holds(v):
                 state_dict[k] = v.clone()
-        whole.pop().__exit__(None, None, None)
+        ctx.__exit__(None, None, None)
 
     def load_and_free(mod, incompatible):
         whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values, masters too

@@ -216,7 +216,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
         mine.setdefault(pc.param, []).append((pc.start - off, pc.end - off, i))
 
     def sharded(j, tensors):
-        shape = tuple(opt._params[j].shape)
+        shape = tuple(opt.layout.params[j].shape)  # at stage 3 the parameter is empty between uses
         local = _local_views(shape, [(a, b, t) for (a, b, _), t in zip(mine.get(j, ()), tensors)])
         # A rank may hold no piece of a parameter (or none at all: a chunk of padding only).
         dtype = tensors[0].dtype if tensors else opt.master_dtype

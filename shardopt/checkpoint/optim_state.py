@@ -50,7 +50,7 @@ def consolidate_state_dict(opt, to: int = 0) -> None:
     opt._consolidated, opt._consolidated_to = None, to
     if opt.rank == to:
         groups, index = _torch_groups(opt)
-        full = assemble({j: tuple(p.shape) for j, p in enumerate(opt._params)}, (c for cs in gathered for c in cs))
+        full = assemble({s.index: tuple(s.shape) for s in opt.layout.params}, (c for cs in gathered for c in cs))
         opt._consolidated = {"state": {index[id(opt._params[j])]: full[j] for j in sorted(full)},
                              "param_groups": groups}
 
@@ -95,7 +95,8 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
         st = state_dict["state"].get(saved_index[index[id(p)]])
         if not st:
             continue
-        slices, scalars = split_state(st, tuple(p.shape), f"state of parameter {index[id(p)]}")
+        slices, scalars = split_state(st, tuple(opt.layout.params[pc.param].shape),
+                                      f"state of parameter {index[id(p)]}")
         slot = opt.layout.params[pc.param]
         a, b = pc.start - slot.offset, pc.end - slot.offset
         states[i] = {**{k: v[a:b].clone() for k, v in slices.items()},

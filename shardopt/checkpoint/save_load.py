@@ -442,7 +442,7 @@ def _mismatch(src: Source, info: ModelInfo, opt) -> str | None:
     """What differs between the saved model and this one, or None."""
     saved = {n: ("trainable", tuple(v["shape"])) for n, v in src.params.items()}
     saved.update(src.model_state)
-    here = {n: ("trainable", tuple(p.shape)) for n, p in zip(info.names, opt._params)}
+    here = {n: ("trainable", tuple(s.shape)) for n, s in zip(info.names, opt.layout.params)}
     here.update({n: (kind, tuple(t.shape)) for n, (t, kind) in info.others.items()})
 
     def some(xs):
