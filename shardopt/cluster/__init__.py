@@ -1,6 +1,6 @@
 """Multi-rank runs for tests and benchmarks, never imported by the engine.
 
-ranks.py          run_ranks: fn on N local processes joined by gloo
+ranks.py          run_ranks: fn on N local processes joined by gloo (or NCCL)
 emulated.py       EmulatedCluster: nodes as network namespaces with shaped links (root)
 plan.py           its pure plan: names, addresses, ip/tc/torchrun command lines
 node_ranks.py     run_ranks_on_cluster: run_ranks' contract on ranks torchrun starts on the nodes

@@ -1,4 +1,5 @@
-"""Runs a function on N real ranks: fresh processes joined by a gloo group over 127.0.0.1 (tests, benchmarks).
+"""Runs a function on N real ranks: fresh processes joined by a gloo group over 127.0.0.1 (tests, benchmarks),
+or by NCCL (gpu_check, one process per GPU).
 
 Each call gets its own FileStore in a temp dir, so parallel tests never share a
 port or a rendezvous; gloo itself binds ephemeral ports on loopback. Every
@@ -21,14 +22,14 @@ import torch
 _RANK_THREADS = 1
 
 
-def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, args, kwargs):
+def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, args, kwargs, backend="gloo"):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
 
     torch.set_num_threads(_RANK_THREADS)
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         out = fn(rank, world_size, *args, **kwargs)
         # torch.save copies tensor data into the bytes; a tensor put on the
@@ -51,8 +52,10 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, **kwargs):
+def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, backend="gloo", **kwargs):
     """Runs fn(rank, world_size, *args, **kwargs) on `world_size` ranks; returns [result of rank r].
+
+    backend: the process group's ("nccl": fn selects its GPU before its first collective).
 
     fn must be a module-level function (ranks are spawned, not forked, so torch
     state from the test process never leaks in). Raises RankFailure with every
@@ -64,7 +67,7 @@ def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, **kwarg
     with tempfile.TemporaryDirectory(prefix="shardopt-store-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main,
-                             args=(fn, r, world_size, store_path, collective_timeout, results, args, kwargs),
+                             args=(fn, r, world_size, store_path, collective_timeout, results, args, kwargs, backend),
                              daemon=True)
                  for r in range(world_size)]
         for p in procs:

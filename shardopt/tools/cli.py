@@ -10,6 +10,9 @@
               torch.optim state dict (shardopt/checkpoint/convert.py).
     bench     runs scenarios of the source tree's benchmarks/ and writes a dated markdown report with
               charts.
+    gpu-check on a machine with GPUs: the CUDA kernels, parity with DDP on NCCL, syncs, time and memory,
+              in one markdown file; exits 1 on a failure (shardopt/tools/gpu_check.py). Without a GPU it
+              prints one line and exits 0.
 
 demo and tune run on every rank: under torchrun (`torchrun --nproc-per-node 2 -m shardopt demo`) they use
 its ranks; run directly, they launch torchrun themselves with --world-size ranks.
@@ -204,6 +207,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--benchmarks-dir", default=None)
     b.add_argument("--python", default=None, help="interpreter for the scripts (e.g. one with deepspeed)")
 
+    from shardopt.tools import gpu_check
+    gpu_check.add_arguments(sub.add_parser("gpu-check", help="prove the CUDA path on a machine with GPUs"))
+
     from shardopt.checkpoint import convert
     convert.add_parser(sub)
     return parser
@@ -218,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return _on_ranks(_demo, args, argv, timeout_s=120)
     if args.command == "tune":
         return _on_ranks(_tune, args, argv, timeout_s=600)
+    if args.command == "gpu-check":
+        from shardopt.tools import gpu_check
+
+        return gpu_check.run(args)
     try:
         return _estimate(args) if args.command == "estimate" else _bench(args)
     except (ValueError, TypeError, ImportError, AttributeError, RuntimeError, OSError,
