@@ -13,7 +13,7 @@ Every variant trains the same GPT (fp32, AdamW, 3 steps): DDP and ZeRO-2 build
 it whole on every rank, as they must; ZeRO-3 builds it on the meta device and
 materialises it bucket by bucket (Note [Meta-device models]).
 
-    python benchmarks/zero3_fit.py [--cap-mib 300] [--layers 10]
+    python benchmarks/zero3_fit.py [--cap-mib 700] [--layers 12] [--dim 768]
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from shardopt.cluster.ranks import RankFailure, run_ranks  # noqa: E402
 CGROUP = "/sys/fs/cgroup/memory"
 
 
-def _train(rank, world_size, variant, layers, cap_mib, token):
+def _train(rank, world_size, variant, layers, dim, cap_mib, token):
     import shardopt
     from shardopt.tools.gpt import GPT, GPTConfig, synthetic_batch
 
@@ -43,7 +43,7 @@ def _train(rank, world_size, variant, layers, cap_mib, token):
         f.write(str(cap_mib << 20))
     with open(os.path.join(group, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
-    cfg = GPTConfig(vocab=8192, dim=512, layers=layers, heads=8, seq=128)
+    cfg = GPTConfig(vocab=8192, dim=dim, layers=layers, heads=8, seq=128)
     torch.manual_seed(0)
     if variant == "ZeRO-3":
         with torch.device("meta"):
@@ -84,7 +84,8 @@ def _remove_groups(token):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cap-mib", type=int, default=300)
-    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -94,7 +95,7 @@ def main():
     try:
         for variant in ("DDP", "ZeRO-2", "ZeRO-3"):
             try:
-                res = run_ranks(_train, args.world_size, variant, args.layers, args.cap_mib, token, timeout=900)
+                res = run_ranks(_train, args.world_size, variant, args.layers, args.dim, args.cap_mib, token, timeout=900)
                 rows.append((variant, "trained", f"losses {', '.join(f'{v:.3f}' for v in res[0][0])}; "
                              f"peak charged {max(u for _, u in res) / 2**20:.0f} MiB (max rank)"))
             except RankFailure as e:
@@ -107,11 +108,11 @@ def main():
     from shardopt.tools.gpt import GPT, GPTConfig
 
     with torch.device("meta"):
-        n = sum(p.numel() for p in GPT(GPTConfig(vocab=8192, dim=512, layers=args.layers, heads=8,
+        n = sum(p.numel() for p in GPT(GPTConfig(vocab=8192, dim=args.dim, layers=args.layers, heads=8,
                                                  seq=128)).parameters())
     lines = [f"# A model that does not fit — {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
-             f"{args.world_size} ranks; GPT dim 512 x {args.layers} blocks ({n / 1e6:.1f}M parameters, "
+             f"{args.world_size} ranks; GPT dim {args.dim} x {args.layers} blocks ({n / 1e6:.1f}M parameters, "
              f"{16 * n / 2**20:.0f} MiB of fp32 AdamW model states), 3 steps. Per-rank cap {args.cap_mib} MiB "
              f"(cgroup v1 memory.limit_in_bytes, joined after import; see the script's docstring).", "",
              "| variant | outcome | details |", "|---|---|---|"]

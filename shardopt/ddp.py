@@ -302,7 +302,8 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
 
     for w in waits:
         handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
-        handles.append(w.module.register_forward_hook(reporter(w.buckets)))
+        if not w.covered:  # its parent's return reports these buckets (prefetch.ForwardWait.covered)
+            handles.append(w.module.register_forward_hook(reporter(w.buckets)))
 
     whole = []  # the gathered() context of a state_dict / load_state_dict in progress
 

@@ -13,7 +13,43 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardopt import _ext
+from shardopt.config import ShardConfig
+from shardopt.layout import Layout
 from shardopt.sharded_grad import GradShard, ShardedGrad
+
+
+def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig, process_group, grad_dtype,
+                 reduce_dtype, device, copy_device, flat_grad: torch.Tensor, shard_grad: torch.Tensor):
+    """The C++ bucket engine for this layout (Note [Bucket engine] in csrc/comm/bucket_engine.h).
+
+    launch_order: buckets in the order every rank reduces them (layout.plan_launch_order);
+    gather_order: indices into layout.gather_spans, in the order the forward needs them
+    (prefetch.plan_gather_order)."""
+    plan = _ext._C.BucketPlan()
+    plan.bucket_start = [b.start for b in layout.buckets]
+    plan.bucket_numel = [b.numel for b in layout.buckets]
+    plan.bucket_params = [list(b.params) for b in layout.buckets]
+    plan.param_offset = [p.offset for p in layout.params]
+    plan.param_numel = [p.numel for p in layout.params]
+    plan.launch_order = list(launch_order)
+    if sorted(gather_order) != list(range(len(layout.gather_spans))):
+        raise ValueError("gather_order must be a permutation of the layout's gather spans")
+    spans = [layout.gather_spans[i] for i in gather_order]
+    plan.gather_bucket = [g.bucket for g in spans]
+    plan.gather_lo = [g.lo for g in spans]
+    plan.gather_hi = [g.hi for g in spans]
+    opts = _ext._C.EngineOptions()
+    opts.stage = min(config.stage, 2)  # stage 3 reduces gradients as stage 2 does
+    opts.wait_for_staging = config.stage < 3  # Note [Stage 3 never waits in backward]
+    opts.num_staging = config.num_staging_buffers
+    opts.overlap = config.overlap_comm
+    opts.impl = config.comm_impl
+    opts.grad_dtype = grad_dtype
+    opts.reduce_dtype = reduce_dtype
+    opts.device = device
+    opts.copy_device = copy_device
+    return _ext._C.BucketEngine(process_group, plan, opts, flat_grad, shard_grad)
 
 
 class GradSync:

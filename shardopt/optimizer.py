@@ -25,13 +25,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardopt import _ext
 from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig,
                              auto_bucket_size)
 from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
 from shardopt.elementwise import check_elementwise
-from shardopt.grad_sync import GradSync
+from shardopt.grad_sync import GradSync, build_engine
 from shardopt.master_step import MasterStep
 from shardopt.publish import Publisher
 from shardopt.parallel.consistency import check_same_across_ranks
@@ -230,32 +229,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self.grads.attached:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
-        plan = _ext._C.BucketPlan()
-        lay = self.layout
-        plan.bucket_start = [b.start for b in lay.buckets]
-        plan.bucket_numel = [b.numel for b in lay.buckets]
-        plan.bucket_params = [list(b.params) for b in lay.buckets]
-        plan.param_offset = [p.offset for p in lay.params]
-        plan.param_numel = [p.numel for p in lay.params]
-        plan.launch_order = list(plan_launch_order(lay, positions))
-        if sorted(gather_order) != list(range(len(lay.gather_spans))):
-            raise ValueError("gather_order must be a permutation of the layout's gather spans")
-        spans = [lay.gather_spans[i] for i in gather_order]
-        plan.gather_bucket = [g.bucket for g in spans]
-        plan.gather_lo = [g.lo for g in spans]
-        plan.gather_hi = [g.hi for g in spans]
-        opts = _ext._C.EngineOptions()
-        opts.stage = min(self.config.stage, 2)  # stage 3 reduces gradients as stage 2 does
-        opts.wait_for_staging = self.config.stage < 3  # Note [Stage 3 never waits in backward]
-        opts.num_staging = self.config.num_staging_buffers
-        opts.overlap = self.config.overlap_comm
-        opts.impl = self.config.comm_impl
-        opts.grad_dtype = self.dtype
-        opts.reduce_dtype = self.reduce_dtype
-        opts.device = self.device
-        opts.copy_device = self._ops.copy_device()
         flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
-        self.engine = _ext._C.BucketEngine(self.process_group, plan, opts, flat_grad, self.shard_grad)
+        self.engine = build_engine(self.layout, plan_launch_order(self.layout, positions), gather_order,
+                                   self.config, self.process_group, self.dtype, self.reduce_dtype, self.device,
+                                   self._ops.copy_device(), flat_grad, self.shard_grad)
         if self.sharding.replicate is not None:
             self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
         self.engine.set_loss_scale(self.loss_scale)

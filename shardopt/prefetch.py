@@ -61,6 +61,9 @@ class ForwardWait:
     """The module itself."""
     buckets: tuple[int, ...]
     """Buckets holding a parameter its forward may touch (Note [Gathering in the next forward])."""
+    covered: bool = False
+    """Its parent is a module that is not a container, so the parent's forward, which encloses this one,
+    waits for all of these buckets too (stage 3 frees after the enclosing forward: Note [Stage-3 schedule])."""
 
 
 def _wait_set(module: nn.Module, index: dict[int, int]) -> list[int]:
@@ -85,11 +88,14 @@ def plan_forward_waits(model: nn.Module, index: dict[int, int], layout: Layout) 
     for b in layout.buckets:
         for i in b.params:
             param_buckets[i].append(b.index)
+    modules = dict(model.named_modules())
     waits = []
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         buckets = sorted({b for i in _wait_set(module, index) for b in param_buckets[i]})
         if buckets:
-            waits.append(ForwardWait(name, module, tuple(buckets)))
+            parent = modules[name.rpartition(".")[0]] if name else None
+            covered = parent is not None and not isinstance(parent, CONTAINERS)
+            waits.append(ForwardWait(name, module, tuple(buckets), covered))
     return waits
 
 
@@ -115,9 +121,9 @@ def plan_gather_order(layout: Layout, waits: Sequence[ForwardWait]) -> tuple[int
 #   forward round   the non-persistent buckets in the order the forward is
 #                   expected to need them (the gather order of Note [Gathering
 #                   in the next forward]: modules in registration order);
-#   backward round  the same buckets reversed, except that the buckets of a
-#                   module that holds a container (the root, whose head and
-#                   final norm run after its stack) come first.
+#   backward round  the same buckets reversed, except that the root module's
+#                   own buckets (a head and final norm run after its stack)
+#                   come first.
 # A hook that needs bucket b issues every gather of the round up to b (plus
 # `prefetch` more, while fewer than `max_live` buckets are gathered), waits
 # for b, and uses it. A rank that skips a module merely issues that module's
@@ -125,8 +131,9 @@ def plan_gather_order(layout: Layout, waits: Sequence[ForwardWait]) -> tuple[int
 # not reached when the pass ends (the root's forward returns, the backward's
 # final callback) is issued then, so each round is the whole schedule on every
 # rank and the next round starts in step. Releases are local and need no
-# agreement: in forward, a bucket is freed once every module that waits for it
-# has run (`users`), or when the forward ends; in backward, once all of its
+# agreement: in forward, a bucket is freed once every outermost module that
+# waits for it (not nested in another that does) has returned (`users`), or
+# when the forward ends; in backward, once all of its
 # parameters have their gradient, or when the backward ends.
 # The cost of never hanging is that a skipped module's bucket still crosses
 # the link. The limit: a module that needs a bucket *again* after it was freed
@@ -143,28 +150,29 @@ class Stage3Schedule:
     backward: tuple[int, ...]
     """The same buckets in the order every backward gathers them."""
     users: tuple[int, ...]
-    """Per bucket: how many modules' forwards wait for it (a forward frees it after the last)."""
+    """Per bucket: how many modules' forwards wait for it, not counting a module whose parent's forward
+    encloses it (a forward frees it after the last). nn.MultiheadAttention reads out_proj's weight without
+    calling out_proj: only the enclosing module's return says that its buckets are done with."""
 
 
 def plan_stage3_schedule(layout: Layout, waits: Sequence[ForwardWait]) -> Stage3Schedule:
     """The rounds for a model whose modules wait as `waits` says (plan_forward_waits).
 
     Forward: buckets in the order modules first wait for them. Backward: first
-    the buckets of modules that hold a container (the model's root, usually):
-    such a module runs its own layers around the stack, and the ones after it
-    (a final norm, an LM head tied to the embedding) are the first a backward
-    needs; then everything else in reverse forward order.
+    the root module's own buckets: the root runs its own layers around its
+    stacks, and the ones after them (a final norm, an LM head tied to the
+    embedding) are the first a backward needs; then everything else in reverse
+    forward order.
     """
     order: list[int] = []
     users = [0] * len(layout.buckets)
     outer: list[int] = []
     for w in waits:
-        holds_container = any(isinstance(m, CONTAINERS) for m in w.module.modules())
         for b in w.buckets:
-            users[b] += 1
+            users[b] += not w.covered
             if b not in order:
                 order.append(b)
-            if holds_container and b not in outer:
+            if w.name == "" and b not in outer:
                 outer.append(b)
     order += [b.index for b in layout.buckets if b.index not in order]
     forward = tuple(b for b in order if not layout.buckets[b].persistent)

@@ -44,7 +44,9 @@ class _Round:
     def __init__(self, kind: str, order: tuple, users: tuple):
         self.kind = kind
         self.order = order
+        self.position = {b: i for i, b in enumerate(order)}
         self.pos = 0                     # next position of `order` to issue
+        self.needed = -1                 # the furthest position a module has asked for
         self.users = list(users)         # forward: modules still to run per bucket
         self.ran: set[int] = set()       # forward: ids of the modules that ran (first call counts)
         self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
@@ -321,15 +323,15 @@ class ParamShard:
             self._issue_position()
 
     def _advance(self, until: int | None) -> None:
-        """Issues the round's gathers up to position `until` (inclusive), then prefetches."""
+        """Issues the round's gathers up to position `until` (inclusive), then prefetches: up to `prefetch`
+        positions past the furthest one asked for, while there is room."""
         r = self.round
         if until is not None:
+            r.needed = max(r.needed, until)
             while r.pos <= until:
                 self._issue_position()
-        ahead = 0
-        while r.pos < len(r.order) and ahead < self.prefetch and self._room():
+        while r.pos < len(r.order) and r.pos <= r.needed + self.prefetch and self._room():
             self._issue_position()
-            ahead += 1
 
     def _issue_position(self) -> None:
         r = self.round
@@ -354,12 +356,13 @@ class ParamShard:
                 self.round = _Round("forward", self.schedule.forward, self.schedule.users)
         r = self.round
         for b in buckets:
+            if self.state[b] != FREE:
+                r.needed = max(r.needed, r.position.get(b, -1))
             if self.state[b] == LIVE:
                 continue
             if self.state[b] == FREE:
-                try:
-                    at = r.order.index(b, r.pos)
-                except ValueError:
+                at = r.position.get(b, -1)
+                if at < r.pos:
                     # Needed again after it was freed in this pass: the rest of the round first, then one
                     # extra gather (Note [Stage-3 schedule], the limit).
                     self._finish_round_gathers()

@@ -207,3 +207,50 @@ def test_meta_init_state_dicts_and_full_params():
         assert out["writeback"] and out["no writeback"]
         # Between steps a rank holds its chunks only: a half of the padded model at 2 ranks.
         assert out["stats"]["params"] == out["total"] // 2, out["stats"]
+
+
+# ------------------------------------------------------------- low precision
+def _low_precision(rank, world_size, dtype):
+    """A bf16 / fp16 (loss-scaled) StackNet at stage 3 and at stage 2: the same master-weight math."""
+    import shardopt
+
+    runs = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = StackNet().to(dtype)
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=5e-2, momentum=0.9,
+                                        stage=stage, reduce_bucket_size=300)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        losses = []
+        for step in range(6):
+            x, y = batch(step, rank)
+            loss = torch.nn.functional.cross_entropy(wrapper(x, expert_of(step, rank)).float().reshape(-1, VOCAB),
+                                                     y.reshape(-1))
+            opt.scale_loss(loss).backward()
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.consolidate_state_dict(to=0)
+        with opt.full_params(writeback=False):
+            weights = [p.detach().float().clone() for p in model.parameters()]
+        runs[stage] = (losses, weights, opt.state_dict() if rank == 0 else None, opt.loss_scale)
+    return runs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_stage3_matches_stage2(dtype):
+    for rank, runs in enumerate(run_ranks(_low_precision, 2, dtype, timeout=300)):
+        (l2, w2, s2, scale2), (l3, w3, s3, scale3) = runs[2], runs[3]
+        assert scale2 == scale3
+        # The fp32 masters are what both step; the model's low-precision copies may round apart by an ulp.
+        for a, b in zip(l2, l3):
+            assert abs(a - b) <= 1e-2 * max(1.0, abs(a)), (rank, l2, l3)
+        for a, b in zip(w2, w3):
+            assert (a - b).abs().max() <= 2e-2 * a.abs().max().clamp_min(1e-3), rank
+        if rank == 0:
+            for k, st in s2["state"].items():
+                for key, v in st.items():
+                    if torch.is_tensor(v) and v.numel() > 1:
+                        err = (v - s3["state"][k][key]).abs().max() / v.abs().max().clamp_min(1e-12)
+                        assert err <= 1e-3, (k, key, float(err))
