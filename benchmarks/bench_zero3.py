@@ -49,7 +49,7 @@ def _build(variant, cfg, rank, world_size, bucket):
     import torch.distributed as dist
 
     import shardopt
-    from shardopt.tools.gpt import GPT
+    from shardopt.tools.gpt import GPT, init_weights
 
     torch.manual_seed(0)
     if variant == "shardopt ZeRO-3":
@@ -57,7 +57,7 @@ def _build(variant, cfg, rank, world_size, bucket):
             model = GPT(cfg)
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, stage=3,
                                         reduce_bucket_size=bucket)
-        return shardopt.ShardedDDP(model, opt), opt
+        return shardopt.ShardedDDP(model, opt, param_init_fn=init_weights), opt
     if variant == "FSDP2 fully_shard":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -70,8 +70,7 @@ def _build(variant, cfg, rank, world_size, bucket):
         fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")
         for m in model.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            init_weights(m)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     if variant == "DeepSpeed ZeRO-3":
         os.environ.setdefault("LOCAL_RANK", str(rank))

@@ -11,7 +11,9 @@ afterwards, also after failures. Needs root.
 
 Every variant trains the same GPT (fp32, AdamW, 3 steps): DDP and ZeRO-2 build
 it whole on every rank, as they must; ZeRO-3 builds it on the meta device and
-materialises it bucket by bucket (Note [Meta-device models]).
+materialises it bucket by bucket (Note [Meta-device models]) with GPT's init
+(tools/gpt.py init_weights: the same distribution, other values, so its losses
+start near the others' without being equal).
 
     python benchmarks/zero3_fit.py [--cap-mib 700] [--layers 12] [--dim 768]
 """
@@ -35,7 +37,7 @@ CGROUP = "/sys/fs/cgroup/memory"
 
 def _train(rank, world_size, variant, layers, dim, cap_mib, token):
     import shardopt
-    from shardopt.tools.gpt import GPT, GPTConfig, synthetic_batch
+    from shardopt.tools.gpt import GPT, GPTConfig, init_weights, synthetic_batch
 
     group = os.path.join(CGROUP, f"shardopt-fit-{token}-{rank}")
     os.makedirs(group, exist_ok=True)
@@ -57,7 +59,7 @@ def _train(rank, world_size, variant, layers, dim, cap_mib, token):
     else:
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3,
                                         stage=3 if variant == "ZeRO-3" else 2, reduce_bucket_size=2_000_000)
-        wrapper = shardopt.ShardedDDP(model, opt)
+        wrapper = shardopt.ShardedDDP(model, opt, param_init_fn=init_weights if variant == "ZeRO-3" else None)
     losses = []
     for step in range(3):
         x, y = synthetic_batch(cfg, 2, 16, step, rank)

@@ -22,10 +22,14 @@ class ShardedDDP(nn.Module):
     broadcasts them from rank 0, and hooks every managed parameter so backward
     hands its gradient to the optimizer's bucket engine. `broadcast_buffers`
     re-broadcasts buffers from rank 0 before each forward, as DDP does.
-    `no_sync()` accumulates gradients locally, as DDP's does.
+    `no_sync()` accumulates gradients locally, as DDP's does. At stage 3 a model
+    built on the meta device is materialised here, bucket by bucket, by each
+    module's reset_parameters() or by `param_init_fn(module)` when given (Note
+    [Meta-device models] in sharded_param.py).
     """
 
-    def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, broadcast_buffers: bool = True):
+    def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, broadcast_buffers: bool = True,
+                 param_init_fn=None):
         super().__init__()
         if not isinstance(optimizer, ShardedOptimizer):
             raise TypeError(f"ShardedDDP needs a shardopt.ShardedOptimizer, got {type(optimizer).__name__}")
@@ -52,7 +56,7 @@ class ShardedDDP(nn.Module):
                              "parameters of this model: wrap the model the optimizer was built from")
         stage3 = optimizer.param_shard is not None
         if stage3 and optimizer.param_shard.on_meta:
-            optimizer.param_shard.materialize(module)  # Note [Meta-device models] in sharded_param.py
+            optimizer.param_shard.materialize(module, param_init_fn)  # Note [Meta-device models]
             optimizer._load_master_from_model()
 
         def shape(p):  # at stage 3 a managed parameter is empty between uses: its shape is the layout's

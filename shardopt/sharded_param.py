@@ -161,12 +161,14 @@ class ParamShard:
     # parameter of a bucket has its value, rank 0's bucket is broadcast, each
     # rank keeps its chunk and the bucket is freed: at most the buckets of one
     # module are whole at a time. A parameter tied to an earlier one keeps the
-    # earlier value (as tying after construction does). Parameters of modules
-    # without reset_parameters() start at zero (a warning names them): load a
-    # checkpoint into them. Frozen parameters and buffers are not sharded:
+    # earlier value (as tying after construction does). ShardedDDP's
+    # param_init_fn(module), if given, replaces reset_parameters() (a model whose
+    # own constructor re-initialises weights, as GPT-2's std 0.02, says so in it).
+    # Parameters of modules without either start at zero (a warning names them):
+    # load a checkpoint into them. Frozen parameters and buffers are not sharded:
     # they get real storage here and ShardedDDP broadcasts rank 0's.
     @torch.no_grad()
-    def materialize(self, model: torch.nn.Module) -> None:
+    def materialize(self, model: torch.nn.Module, param_init_fn=None) -> None:
         index = {id(p): i for i, p in enumerate(self.params)}
         left = [len(members) for members in self.bucket_params]
         done: set[int] = set()
@@ -203,7 +205,9 @@ class ParamShard:
                 if value is None:
                     self.params[i].data = torch.empty(self.views[i].shape, dtype=self.dtype, device=self.device)
             reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)  # MHA
-            if callable(reset):
+            if param_init_fn is not None:
+                param_init_fn(mod)
+            elif callable(reset):
                 reset()
             else:
                 zeroed += [f"{name}.{k}" if name else k for k, p in mod._parameters.items()

@@ -194,6 +194,14 @@ def _whole_weights(rank, world_size):
     torch.nn.functional.cross_entropy(wrapper(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
     opt.step()
     out["stats"] = opt.memory_stats()
+    # param_init_fn replaces reset_parameters() while materialising.
+    with torch.device("meta"):
+        other = StackNet()
+    opt2 = shardopt.ShardedOptimizer(other.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3,
+                                     reduce_bucket_size=300)
+    shardopt.ShardedDDP(other, opt2, param_init_fn=lambda m: [p.data.fill_(0.5) for p in m.parameters(recurse=False)])
+    with opt2.full_params(writeback=False):
+        out["param_init_fn"] = all(bool((p == 0.5).all()) for p in other.parameters())
     return out
 
 
@@ -205,6 +213,7 @@ def test_meta_init_state_dicts_and_full_params():
         assert set(out["between uses"]) == {(0,)}, out["between uses"]  # Note [Parameters between gathers]
         assert out["after load"] == [], out["after load"]
         assert out["writeback"] and out["no writeback"]
+        assert out["param_init_fn"]
         # Between steps a rank holds its chunks only: a half of the padded model at 2 ranks.
         assert out["stats"]["params"] == out["total"] // 2, out["stats"]
 

@@ -69,6 +69,18 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+def init_weights(m: nn.Module) -> None:
+    """GPT's init for one module: the module's own, then std 0.02 for Linear and Embedding weights.
+
+    ShardedDDP's param_init_fn for a GPT built on the meta device at stage 3 (the same
+    distribution as GPT(...)'s constructor; not the same values: the RNG runs in another order)."""
+    reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+    if callable(reset):
+        reset()
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+
+
 def synthetic_batch(c: GPTConfig, batch: int, seq: int, step: int, rank: int):
     """Token sequences with learnable structure (next token = a fixed function of the current one)."""
     g = torch.Generator().manual_seed(step * 1009 + rank)
