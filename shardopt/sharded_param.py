@@ -23,7 +23,6 @@ not bumped by the collective that refills them.
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import time
 import warnings
@@ -74,43 +73,46 @@ class ParamShard:
         offsets = layout.chunk_offsets()
         self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
         self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
-        self.full = [torch.empty(b.numel, dtype=self.dtype, device=self.device) for b in layout.buckets]
-        self._comm = [torch.empty(0, dtype=self.dtype, device=self.device).set_(f.untyped_storage())
-                      for f in self.full]
-        self._bucket_of_storage = {f.untyped_storage()._cdata: b for b, f in enumerate(self.full)}
-        self._starts = [b.start for b in layout.buckets]
-        self.views = [None] * len(params)
+        # Full storage of every bucket, allocated only while gathered: empty from the start, so that not
+        # even construction holds the whole model.
+        self.views: list = [torch.empty(s.shape, dtype=self.dtype, device=self.device) if not s.numel else None
+                            for s in layout.params]
         self.bucket_params: list[list[int]] = [[] for _ in layout.buckets]
         self._bucket_of_param: list[list[int]] = [[] for _ in params]  # whole parameters: one bucket each
-        for slot in layout.params:
-            if slot.numel:
-                b = self._bucket_of(slot)
-                s = slot.offset - layout.buckets[b].start
-                self.views[slot.index] = self.full[b][s:s + slot.numel].view(slot.shape)
-                self.bucket_params[b].append(slot.index)
-                self._bucket_of_param[slot.index].append(b)
-            else:
-                self.views[slot.index] = torch.empty(slot.shape, dtype=self.dtype, device=self.device)
+        self.full, self._comm = [], []
+        for b in layout.buckets:  # one at a time: the views are made, then the storage goes
+            full = torch.empty(b.numel, dtype=self.dtype, device=self.device)
+            self.full.append(full)
+            self._comm.append(torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                full.untyped_storage(), 0, (b.numel,)))
+            self._views_of(b)
+            full.untyped_storage().resize_(0)
+        self._bucket_of_storage = {f.untyped_storage()._cdata: b for b, f in enumerate(self.full)}
         self.placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self._empty_storage = self.placeholder.untyped_storage()._cdata
-        self.state = [LIVE] * len(layout.buckets)
+        self.state = [FREE] * len(layout.buckets)
         self.handles: dict[int, object] = {}
         self.schedule: Stage3Schedule | None = None  # set when ShardedDDP attaches (it knows the modules)
         self.round: _Round | None = None
         self.backwards_owed = 0  # grad-enabled forwards whose backward round has not run on this rank
         self.num_gathers = 0
-        self.live = sum(f.numel() * f.element_size() for f in self.full)  # bytes of full storage now held
+        self.live = 0  # bytes of full storage held now
         self.peak_live = 0  # the most `live` has been since construction (or reset_peak())
         self._shard_from_params(world_group)
         self.reset_peak()
 
+    def _views_of(self, bucket) -> None:
+        """Every parameter of `bucket` as a view of its full storage (made while that storage exists)."""
+        full = self.full[bucket.index]
+        for i in bucket.params:
+            slot = self.layout.params[i]
+            s = slot.offset - bucket.start
+            self.views[i] = full[s:s + slot.numel].view(slot.shape)
+            self.bucket_params[bucket.index].append(i)
+            self._bucket_of_param[i].append(bucket.index)
+
     def _buckets_of(self, index: int) -> list:
         return self._bucket_of_param[index]
-
-    def _bucket_of(self, slot) -> int:
-        b = bisect.bisect_right(self._starts, slot.offset) - 1  # buckets tile the buffer in order
-        assert self.layout.buckets[b].start <= slot.offset < self.layout.buckets[b].end
-        return b
 
     # ------------------------------------------------------------ construction
     @torch.no_grad()
@@ -128,17 +130,12 @@ class ParamShard:
         for slot in self.layout.params:
             if not slot.numel:  # in no bucket: it keeps a (empty) tensor of its own
                 self.params[slot.index].data = self.views[slot.index]
-        for b in self.layout.buckets:
-            if self.on_meta:
-                for i in self.bucket_params[b.index]:
-                    self.params[i].data = self.views[i]
-                self.state[b.index] = LIVE
-                self._free(b.index, even_persistent=True)
-                continue
-            self.full[b.index].zero_()
+        for b in self.layout.buckets if not self.on_meta else ():
+            self._allocate(b.index, views=False)
+            self.full[b.index].zero_()  # padding
             for i in self.bucket_params[b.index]:
                 self.views[i].copy_(self.params[i].detach())
-                self.params[i].data = self.views[i]
+            self._show(b.index)
             self._publish_full(b.index)
 
     def _publish_full(self, b: int) -> None:
@@ -190,13 +187,8 @@ class ParamShard:
                 continue
             for b in {b for i in fresh for b in self._buckets_of(i)}:
                 if self.state[b] == FREE:
-                    self.full[b].untyped_storage().resize_(self.full[b].numel() * self.full[b].element_size())
+                    self._allocate(b)
                     self.full[b].zero_()
-                    self.live += self.full[b].numel() * self.full[b].element_size()
-                    self.peak_live = max(self.peak_live, self.live)
-                    self.state[b] = LIVE
-                    for i in self.bucket_params[b]:
-                        self.params[i].data = self.views[i]
             # Tied to a parameter an earlier module initialised: keep that value (in a scratch tensor if its
             # bucket is already published and freed).
             kept = {i: self.params[i].detach().clone() if self.state[self._buckets_of(i)[0]] == LIVE
@@ -233,13 +225,25 @@ class ParamShard:
         self.on_meta = False
 
     # ---------------------------------------------------------------- buckets
-    def _issue(self, b: int) -> None:
-        """Starts gathering bucket b into freshly allocated storage."""
+    def _allocate(self, b: int, views: bool = True) -> None:
+        """Bucket b's full storage exists again (its contents undefined); with `views`, its parameters are
+        its views (a gather sets them when it is waited for, so nothing reads a bucket half written)."""
         full = self.full[b]
         nbytes = full.numel() * full.element_size()
         full.untyped_storage().resize_(nbytes)
         self.live += nbytes
         self.peak_live = max(self.peak_live, self.live)
+        self.state[b] = LIVE
+        if views:
+            self._show(b)
+
+    def _show(self, b: int) -> None:
+        for i in self.bucket_params[b]:
+            self.params[i].data = self.views[i]
+
+    def _issue(self, b: int) -> None:
+        """Starts gathering bucket b into freshly allocated storage."""
+        self._allocate(b, views=False)
         self.handles[b] = comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group, impl=self.impl)
         self.state[b] = GATHERING
         self.num_gathers += 1
@@ -248,9 +252,8 @@ class ParamShard:
         t0 = time.perf_counter()
         self.handles.pop(b).wait()
         self.phase["gather"] += time.perf_counter() - t0
-        for i in self.bucket_params[b]:
-            self.params[i].data = self.views[i]
         self.state[b] = LIVE
+        self._show(b)
 
     def _free(self, b: int, even_persistent: bool = False) -> None:
         if self.state[b] == GATHERING:
