@@ -67,10 +67,10 @@ def unscale_into_reference(src, dst, divisor, found):
 
 
 def int8_block_encode_reference(x, block=256):
-    """The int8 inter-node hop's encoding of fp32 ``x`` (Note [Compressed inter-node hop] in
-    csrc/comm/replica_hop.h): per block of ``block`` elements (the last one zero-padded),
+    """The int8 inter-node hop's encoding of fp32 ``x`` (Note [Fused int8 codec] in
+    csrc/comm/int8_codec.h): per block of ``block`` elements (the last one zero-padded),
     scale = max|x| / 127 in fp32, q = round-half-to-even(x * (1 / scale)) clamped to [-127, 127]
-    (0 where scale is 0). Returns (scales fp32, q int8)."""
+    (0 where scale is 0, and where x * (1 / scale) is nan). Returns (scales fp32, q int8)."""
     m = x.numel()
     nb = -(-m // block)
     padded = torch.zeros(nb * block, dtype=torch.float32)
@@ -78,7 +78,7 @@ def int8_block_encode_reference(x, block=256):
     rows = padded.view(nb, block)
     scale = rows.abs().amax(1) / 127.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(rows * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.round(rows * inv[:, None]).clamp(-127, 127).nan_to_num(0.0).to(torch.int8)
     return scale, q.view(-1)[:m]
 
 
@@ -89,3 +89,21 @@ def int8_block_decode_reference(scale, q, block=256):
     padded = torch.zeros(nb * block, dtype=torch.float32)
     padded[:m] = q.float()
     return (padded.view(nb, block) * scale[:, None]).view(-1)[:m]
+
+
+def int8_encode_feedback_reference(x, residual=None, block=256):
+    """The hop's encode with error feedback (Note [Fused int8 codec]): v = x + residual in fp32
+    is encoded, and ``residual`` (if given) becomes, in place, v - decode(message): what the
+    rounding lost. Returns (scales, q, decoded)."""
+    v = x.float() if residual is None else x.float() + residual
+    scale, q = int8_block_encode_reference(v, block)
+    decoded = int8_block_decode_reference(scale, q, block)
+    if residual is not None:
+        residual.copy_(v - decoded)
+    return scale, q, decoded
+
+
+def int8_decode_reference(scale, q, out, accumulate=False, block=256):
+    """The hop's decode into fp32 ``out``: out = decoded, or out += decoded (fp32) with accumulate."""
+    decoded = int8_block_decode_reference(scale, q, block)
+    return out.add_(decoded) if accumulate else out.copy_(decoded)
