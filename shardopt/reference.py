@@ -103,7 +103,35 @@ def int8_encode_feedback_reference(x, residual=None, block=256):
     return scale, q, decoded
 
 
-def int8_decode_reference(scale, q, out, accumulate=False, block=256):
-    """The hop's decode into fp32 ``out``: out = decoded, or out += decoded (fp32) with accumulate."""
+def int8_decode_reference(scale, q, out, base=None, block=256):
+    """The hop's decode into fp32 ``out``: out = decoded, or out = base + decoded (fp32) given ``base``."""
     decoded = int8_block_decode_reference(scale, q, block)
-    return out.add_(decoded) if accumulate else out.copy_(decoded)
+    return out.copy_(decoded if base is None else base + decoded)
+
+
+def int8_hop_reference(chunks, residuals=None, block=256):
+    """The int8 inter-node hop (Note [Compressed inter-node hop] in csrc/comm/replica_hop.h) of all
+    R replicas at once: ``chunks[k]`` is replica k's chunk (n elements, fp32/bf16/fp16),
+    ``residuals[k]`` its error-feedback residual (n + n / R fp32, updated in place) or None.
+    Returns the chunk every replica ends with. Part j (n / R elements) is owned by replica j: the
+    others send it encoded (with their residual for it), j sums in rank order in fp32 (its own
+    part exact), encodes the sum (with its residual's last n / R elements), and everyone decodes."""
+    reps = len(chunks)
+    n = chunks[0].numel()
+    m = n // reps
+    out = torch.empty(n, dtype=chunks[0].dtype)
+    for j in range(reps):
+        lo, hi = j * m, (j + 1) * m
+        addends = []
+        for k in range(reps):
+            x = chunks[k][lo:hi].float()
+            if k == j:
+                addends.append(x)
+            else:
+                addends.append(int8_encode_feedback_reference(x, residuals[k][lo:hi] if residuals else None,
+                                                              block)[2])
+        total = addends[0].clone()
+        for a in addends[1:]:
+            total += a
+        out[lo:hi] = int8_encode_feedback_reference(total, residuals[j][n:] if residuals else None, block)[2]
+    return out

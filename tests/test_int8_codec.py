@@ -123,7 +123,7 @@ def test_encode_and_decode_match_the_reference_bitwise(isa, threads):
             over = x.clone()
             _C.int8_encode(over, None, over)
             assert same_bits(over, int8_encode_feedback_reference(x)[2]), f"{isa} {name}: decoded over x"
-            # Decode: written, and added to what is there.
+            # Decode: written, added to another tensor, and added in place.
             payload = _C.int8_encode(x, residual)
             scale, q = split(payload, m)
             out = torch.full((m,), 7.0)
@@ -131,10 +131,12 @@ def test_encode_and_decode_match_the_reference_bitwise(isa, threads):
             assert same_bits(out, int8_decode_reference(scale, q, torch.empty(m))), f"{isa} {name}: decode"
             assert same_bits(_C.hop_decode(payload, "int8", m), out), f"{isa} {name}: hop_decode"
             base = torch.randn(m, generator=g)
-            out = base.clone()
-            _C.int8_decode(payload, out, accumulate=True)
-            want = int8_decode_reference(scale, q, base.clone(), accumulate=True)
-            assert same_bits(out, want), f"{isa} {name}: decode-add differs"
+            want = int8_decode_reference(scale, q, torch.empty(m), base)
+            out = torch.full((m,), 7.0)
+            _C.int8_decode(payload, out, base)
+            assert same_bits(out, want), f"{isa} {name}: base + decoded differs"
+            _C.int8_decode(payload, base, base)
+            assert same_bits(base, want), f"{isa} {name}: decode-add in place differs"
 
 
 def test_bad_arguments_are_refused_naming_the_problem():
@@ -151,3 +153,45 @@ def test_bad_arguments_are_refused_naming_the_problem():
         _C.int8_decode(torch.zeros(308, dtype=torch.int8), torch.empty(300))
     with pytest.raises(ValueError, match="aligned"):
         _C.int8_decode(torch.zeros(309, dtype=torch.uint8)[1:], torch.empty(300))
+    with pytest.raises(ValueError, match="base has 299 elements"):
+        _C.int8_decode(torch.zeros(308, dtype=torch.uint8), torch.empty(300), torch.empty(299))
+
+
+# ------------------------------------------------------------------ the hop is its reference composition
+def _hop_against_reference(rank, world_size):
+    """Every rank's hop result, and its residual after each hop, are the bits of
+    shardopt.reference.int8_hop_reference computed here from every rank's inputs: the phase-1 sum
+    in rank order whichever rank we are (the fused first addition included), fp32 and bf16 chunks."""
+    import torch.distributed as dist
+
+    from shardopt.reference import int8_hop_reference
+
+    out = []
+    group = dist.group.WORLD
+    for dtype, m in ((torch.float32, 1000), (torch.bfloat16, 300), (torch.float32, 70_001)):
+        n = m * world_size
+        g = torch.Generator().manual_seed(1)  # the same on every rank: each builds everyone's inputs
+        residual = torch.zeros(n + m)
+        want_res = [torch.zeros(n + m) for _ in range(world_size)]
+        for hop in range(3):
+            chunks = [(torch.randn(n, generator=g) * torch.logspace(-4, 2, n)).to(dtype) for _ in range(world_size)]
+            want = int8_hop_reference(chunks, want_res)
+            got = chunks[rank].clone()
+            _C.replica_all_reduce(group, got, "int8", residual).wait()
+            if not same_bits(got.float(), want.float()):
+                out.append(f"{dtype} m={m} hop {hop}: the chunk differs from the reference")
+            if not same_bits(residual, want_res[rank]):
+                out.append(f"{dtype} m={m} hop {hop}: the residual differs from the reference")
+        got = chunks[rank].clone()
+        _C.replica_all_reduce(group, got, "int8").wait()  # no residual: no feedback
+        if not same_bits(got.float(), int8_hop_reference(chunks).float()):
+            out.append(f"{dtype} m={m}: the hop without feedback differs from the reference")
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_hop_is_its_reference_composition(world_size):
+    from dist_harness import run_ranks
+
+    for rank, failures in enumerate(run_ranks(_hop_against_reference, world_size, timeout=180)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)

@@ -94,12 +94,13 @@ void int8_encode(const at::Tensor& x, const at::Tensor& residual, const at::Tens
                    [&](int64_t b0, int64_t b1) { kernel(&args, b0, b1); });
 }
 
-void int8_decode(const at::Tensor& payload, const at::Tensor& out, bool accumulate) {
+void int8_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base) {
   constexpr const char* what = "int8 decode";
   const int64_t m = out.numel();
   check_values(out, what, "out", m);
+  if (base.defined()) check_values(base, what, "base", m);
   const auto [scale, q] = message_parts(payload, m, what);
-  const Int8DecodeArgs args{scale, q, out.data_ptr<float>(), m, accumulate ? 1 : 0};
+  const Int8DecodeArgs args{scale, q, out.data_ptr<float>(), base.defined() ? base.data_ptr<float>() : nullptr, m};
   const Int8DecodeFn kernel = decode_kernel();
   at::parallel_for(0, int8_num_blocks(m), kGrainBlocks,
                    [&](int64_t b0, int64_t b1) { kernel(&args, b0, b1); });

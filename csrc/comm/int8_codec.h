@@ -12,7 +12,8 @@
 //     q     = clamp(round-half-to-even(v * inv), -127, 127), nan -> 0
 //     d     = q * scale                      fp32: what every receiver decodes
 //     r     = v - d                          the error fed back at the next hop
-// and decoding is d = q * scale, written or added (out + d, fp32) into out.
+// and decoding is d = q * scale, written into out, or added to a base
+// (out = base + d, fp32; base may be out).
 // Every step is exact or one IEEE fp32 rounding (no FMA: the kernels are built
 // with -ffp-contract=off), so the result is bitwise that of the pure-PyTorch
 // reference (shardopt.reference: int8_block_encode_reference,
@@ -55,7 +56,8 @@ int64_t int8_message_bytes(int64_t m);
 void int8_encode(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& payload,
                  const at::Tensor& decoded);
 // Decodes `payload` (a message of out.numel() values) into float32 `out`
-// (1-D, contiguous): out = decoded, or out += decoded when `accumulate`.
-void int8_decode(const at::Tensor& payload, const at::Tensor& out, bool accumulate);
+// (1-D, contiguous): out = decoded, or, given `base` (float32, out's size; it
+// may be out itself, to add in place), out = base + decoded.
+void int8_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base);
 
 }  // namespace shardopt::comm

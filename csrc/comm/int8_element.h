@@ -104,23 +104,24 @@ static inline void int8_encode_range(const Int8EncodeArgs* a, int64_t b0, int64_
   int8_encode_blocks<false, false>(*a, b0, b1);
 }
 
-template <bool kAccumulate>
+template <bool kBase>
 static inline void int8_decode_blocks(const Int8DecodeArgs& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * kInt8Block;
     const int64_t n = a.numel - lo < kInt8Block ? a.numel - lo : kInt8Block;
     const float scale = a.scale[b];
     const int8_t* q = a.q + lo;
+    const float* base = a.base + (kBase ? lo : 0);
     float* out = a.out + lo;
     for (int64_t i = 0; i < n; ++i) {
       const float d = static_cast<float>(q[i]) * scale;
-      out[i] = kAccumulate ? out[i] + d : d;
+      out[i] = kBase ? base[i] + d : d;
     }
   }
 }
 
 static inline void int8_decode_range(const Int8DecodeArgs* a, int64_t b0, int64_t b1) {
-  if (a->accumulate) return int8_decode_blocks<true>(*a, b0, b1);
+  if (a->base) return int8_decode_blocks<true>(*a, b0, b1);
   int8_decode_blocks<false>(*a, b0, b1);
 }
 

@@ -23,13 +23,13 @@ struct Int8EncodeArgs {
   int64_t numel;
 };
 
-// One decode: out = q * scale, or out += q * scale when accumulate != 0.
+// One decode: out = q * scale, or out = base + q * scale.
 struct Int8DecodeArgs {
   const float* scale;
   const int8_t* q;
   float* out;
+  const float* base;  // nullptr, or numel values (it may be out: out += decoded)
   int64_t numel;
-  int accumulate;
 };
 
 // Each works on blocks [block_begin, block_end), so callers split the work by

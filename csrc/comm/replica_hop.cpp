@@ -30,7 +30,7 @@ at::Tensor hop_encode(const at::Tensor& x, HopFormat format, at::ScalarType exac
 at::Tensor hop_decode(const at::Tensor& payload, HopFormat format, int64_t m) {
   if (format != HopFormat::kInt8) return payload.to(at::kFloat);
   auto out = at::empty({m}, payload.options().dtype(at::kFloat));
-  int8_decode(payload, out, /*accumulate=*/false);
+  int8_decode(payload, out, at::Tensor());
   return out;
 }
 
@@ -86,6 +86,58 @@ at::Tensor message_like(HopFormat format, int64_t m, const at::Tensor& chunk) {
   return at::empty({m}, chunk.options());
 }
 
+// Phase 1's sum a_0 + a_1 + ... + a_{w-1} in fp32, in rank order: a_r is our
+// own part (exact), the others the decoded messages, each waited for in turn.
+at::Tensor decoded_sum(const Peers& peers, int64_t r, int64_t w, const at::Tensor& own, std::vector<at::Tensor>& inbox,
+                       std::vector<WorkPtr>& recvs, HopFormat format) {
+  const int64_t m = own.numel();
+  at::Tensor sum;
+  for (int64_t j = 0; j < w; ++j) {
+    at::Tensor addend;
+    if (j == r) {
+      addend = own.to(at::kFloat);
+    } else {
+      peers.wait(recvs[j], "receiving from", j);
+      addend = hop_decode(inbox[j], format, m);
+    }
+    if (sum.defined()) {
+      sum.add_(addend);
+    } else {
+      sum = j == r ? addend.clone() : addend;  // our own part may be the chunk itself: do not sum into it
+    }
+  }
+  return sum;
+}
+
+// The same sum from int8 messages, each decoded and added in one pass. When our
+// own part is a_0 or a_1, the first addition is made by the other one's decode
+// (own + d_1 or d_0 + own: fp32 addition commutes, so the bits are the same).
+at::Tensor int8_sum(const Peers& peers, int64_t r, int64_t w, const at::Tensor& own_part,
+                    std::vector<at::Tensor>& inbox, std::vector<WorkPtr>& recvs) {
+  const auto own = own_part.to(at::kFloat);
+  auto sum = at::empty_like(own);
+  auto take = [&](int64_t j, const at::Tensor& base) {
+    peers.wait(recvs[j], "receiving from", j);
+    int8_decode(inbox[j], sum, base);
+  };
+  int64_t next;
+  if (r <= 1) {
+    take(1 - r, own);
+    next = 2;
+  } else {
+    take(0, at::Tensor());
+    next = 1;
+  }
+  for (int64_t j = next; j < w; ++j) {
+    if (j == r) {
+      sum.add_(own);
+    } else {
+      take(j, sum);
+    }
+  }
+  return sum;
+}
+
 // See Note [Compressed inter-node hop].
 void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tensor& chunk, HopFormat format,
                         const at::Tensor& residual) {
@@ -130,25 +182,8 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
     sends.emplace_back(j, peers.send(outbox[j], j));
   }
   // The sum, in rank order; our own addend never left this rank and is exact.
-  at::Tensor sum;
-  for (int64_t j = 0; j < w; ++j) {
-    at::Tensor addend;
-    if (j == r) {
-      addend = part(r).to(at::kFloat);
-    } else {
-      peers.wait(recvs[j], "receiving from", j);
-      if (format == HopFormat::kInt8 && sum.defined()) {
-        int8_decode(inbox[j], sum, /*accumulate=*/true);  // decoded and added in one pass
-        continue;
-      }
-      addend = hop_decode(inbox[j], format, m);
-    }
-    if (sum.defined()) {
-      sum.add_(addend);
-    } else {
-      sum = j == r ? addend.clone() : addend;  // our own part may be the chunk itself: do not sum into it
-    }
-  }
+  const at::Tensor sum = format == HopFormat::kInt8 ? int8_sum(peers, r, w, part(r), inbox, recvs)
+                                                    : decoded_sum(peers, r, w, part(r), inbox, recvs, format);
   wait_sends();
 
   // Phase 2: our sum to everyone; everyone's sum into its part.
@@ -185,7 +220,7 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
     if (j == r) continue;
     peers.wait(recvs[j], "receiving from", j);
     if (format == HopFormat::kInt8 && dtype == at::kFloat) {
-      int8_decode(inbox[j], part(j), /*accumulate=*/false);
+      int8_decode(inbox[j], part(j), at::Tensor());
     } else if (format != HopFormat::kExact) {
       part(j).copy_(hop_decode(inbox[j], format, m));
     }

@@ -63,8 +63,12 @@ void init_ring_bindings(py::module& m) {
         "The int8 hop's fused encode (Note [Fused int8 codec] in csrc/comm/int8_codec.h): returns the\n"
         "message of x + residual; updates `residual` (error feedback) and writes the decoded message\n"
         "into `decoded` (may be x) when given. For tests and benchmarks/bench_codec.py.");
-  m.def("int8_decode", &comm::int8_decode, py::arg("payload"), py::arg("out"), py::arg("accumulate") = false,
-        nogil, "Decodes an int8 message into float32 `out` (out += decoded with accumulate=True).");
+  m.def("int8_decode",
+        [](const at::Tensor& payload, const at::Tensor& out, std::optional<at::Tensor> base) {
+          comm::int8_decode(payload, out, base.value_or(at::Tensor()));
+        },
+        py::arg("payload"), py::arg("out"), py::arg("base") = py::none(), nogil,
+        "Decodes an int8 message into float32 `out`: out = decoded, or base + decoded (base may be out).");
   m.def("ring_piece_bytes", &comm::ring_piece_bytes);
   m.def("set_ring_piece_bytes", &comm::set_ring_piece_bytes, py::arg("bytes"),
         "Ring message size; must be equal on all ranks. For benchmarks.");
