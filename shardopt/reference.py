@@ -67,10 +67,10 @@ def unscale_into_reference(src, dst, divisor, found):
 
 
 def int8_block_encode_reference(x, block=256):
-    """The int8 inter-node hop's encoding of fp32 ``x`` (Note [Compressed inter-node hop] in
-    csrc/comm/replica_hop.h): per block of ``block`` elements (the last one zero-padded),
+    """The int8 inter-node hop's encoding of fp32 ``x`` (Note [Fused int8 codec] in
+    csrc/comm/int8_codec.h): per block of ``block`` elements (the last one zero-padded),
     scale = max|x| / 127 in fp32, q = round-half-to-even(x * (1 / scale)) clamped to [-127, 127]
-    (0 where scale is 0). Returns (scales fp32, q int8)."""
+    (0 where scale is 0, and where x * (1 / scale) is nan). Returns (scales fp32, q int8)."""
     m = x.numel()
     nb = -(-m // block)
     padded = torch.zeros(nb * block, dtype=torch.float32)
@@ -78,7 +78,7 @@ def int8_block_encode_reference(x, block=256):
     rows = padded.view(nb, block)
     scale = rows.abs().amax(1) / 127.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(rows * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.round(rows * inv[:, None]).clamp(-127, 127).nan_to_num(0.0).to(torch.int8)
     return scale, q.view(-1)[:m]
 
 
@@ -89,3 +89,49 @@ def int8_block_decode_reference(scale, q, block=256):
     padded = torch.zeros(nb * block, dtype=torch.float32)
     padded[:m] = q.float()
     return (padded.view(nb, block) * scale[:, None]).view(-1)[:m]
+
+
+def int8_encode_feedback_reference(x, residual=None, block=256):
+    """The hop's encode with error feedback (Note [Fused int8 codec]): v = x + residual in fp32
+    is encoded, and ``residual`` (if given) becomes, in place, v - decode(message): what the
+    rounding lost. Returns (scales, q, decoded)."""
+    v = x.float() if residual is None else x.float() + residual
+    scale, q = int8_block_encode_reference(v, block)
+    decoded = int8_block_decode_reference(scale, q, block)
+    if residual is not None:
+        residual.copy_(v - decoded)
+    return scale, q, decoded
+
+
+def int8_decode_reference(scale, q, out, base=None, block=256):
+    """The hop's decode into fp32 ``out``: out = decoded, or out = base + decoded (fp32) given ``base``."""
+    decoded = int8_block_decode_reference(scale, q, block)
+    return out.copy_(decoded if base is None else base + decoded)
+
+
+def int8_hop_reference(chunks, residuals=None, block=256):
+    """The int8 inter-node hop (Note [Compressed inter-node hop] in csrc/comm/replica_hop.h) of all
+    R replicas at once: ``chunks[k]`` is replica k's chunk (n elements, fp32/bf16/fp16),
+    ``residuals[k]`` its error-feedback residual (n + n / R fp32, updated in place) or None.
+    Returns the chunk every replica ends with. Part j (n / R elements) is owned by replica j: the
+    others send it encoded (with their residual for it), j sums in rank order in fp32 (its own
+    part exact), encodes the sum (with its residual's last n / R elements), and everyone decodes."""
+    reps = len(chunks)
+    n = chunks[0].numel()
+    m = n // reps
+    out = torch.empty(n, dtype=chunks[0].dtype)
+    for j in range(reps):
+        lo, hi = j * m, (j + 1) * m
+        addends = []
+        for k in range(reps):
+            x = chunks[k][lo:hi].float()
+            if k == j:
+                addends.append(x)
+            else:
+                addends.append(int8_encode_feedback_reference(x, residuals[k][lo:hi] if residuals else None,
+                                                              block)[2])
+        total = addends[0].clone()
+        for a in addends[1:]:
+            total += a
+        out[lo:hi] = int8_encode_feedback_reference(total, residuals[j][n:] if residuals else None, block)[2]
+    return out

@@ -59,6 +59,25 @@ def test_plan_names_addresses_and_commands():
             cp.plan_cluster(2, run_id=bad)
 
 
+def test_sweep_picks_only_our_names_with_a_dead_owner():
+    """Note [Sweeping namespaces of dead runs]: the exact shape of our names, and the owner's pid."""
+    alive = {100, 300}.__contains__
+    names = ["shardopt-200-abc123-sw", "shardopt-200-abc123-n0", "shardopt-200-abc123-n11",  # dead owner
+             "shardopt-100-abc123-n0", "shardopt-100-abc123-sw",                            # live owner
+             "shardopt-200-ABC123-n0", "shardopt-200-abc12-n0", "shardopt-200-abc123-x0",   # not quite ours
+             "shardopt-200-abc123-n0-extra", "shardopt-abc123-n0", "other-200-abc123-n0", "x-shardopt-200-abc123-sw",
+             "docker-200", "cni-4f1e2d3c-aaaa"]
+    assert cp.stale_namespaces(names, alive) == ["shardopt-200-abc123-n0", "shardopt-200-abc123-n11",
+                                                 "shardopt-200-abc123-sw"]
+    assert cp.stale_namespaces(names, alive, prefix="other") == ["other-200-abc123-n0"]
+    assert cp.namespace_owner("my-run-7-0a0b0c-n3", prefix="my-run") == 7
+    plan = cp.plan_cluster(2, run_id=cp.new_run_id("shardopt", 4321, "00ff00"))
+    assert {cp.namespace_owner(ns) for ns in plan.namespaces} == {4321}
+    stale = cp.stale_namespaces(plan.namespaces, lambda pid: False)
+    assert sorted(stale) == sorted(plan.namespaces) and stale[-1] == plan.switch  # the switch last, as in teardown
+    assert cp.stale_namespaces(plan.namespaces, lambda pid: True) == []
+
+
 @pytest.mark.parametrize("rate,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
                                        ("500kbit", 5 * 10**5), (10**6, 10**6), (None, None), ("640", 640)])
 def test_parse_rate(rate, bits):
@@ -263,3 +282,42 @@ def test_a_signal_removes_every_namespace_and_link(sig):
     assert not set(names) & existing_namespaces()
     # Links are only ever made inside the namespaces; none of the machine's own refers to them.
     assert not any(ns in _ip("-o", "link") for ns in names)
+
+
+@needs_cluster
+def test_sweep_removes_a_killed_holders_namespaces_and_nothing_else():
+    """A SIGKILLed `--hold` cannot clean up: its namespaces stay. `--sweep` removes them (and so their
+    links), and keeps a namespace named unlike ours (even with the dead pid in its name) and one of ours
+    whose owner is alive (this test); the test deletes those two itself."""
+    import secrets
+
+    p = subprocess.Popen([sys.executable, "-m", "shardopt.cluster", "--hold", "--nodes", "2"],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    names, keep = [], []
+    try:
+        names = p.stdout.readline().split()
+        assert len(names) == 3 and set(names) <= existing_namespaces(), names
+        p.kill()
+        p.wait(timeout=30)  # reaped: its pid is gone, not a zombie
+        assert set(names) <= existing_namespaces()  # left behind, as a SIGKILL leaves them
+        token = secrets.token_hex(3)
+        keep = [f"sweeptest-{p.pid}-{token}-n0",                                 # not our name
+                cp.new_run_id("shardopt", os.getpid(), token) + "-sw"]          # ours, owner alive
+        for ns in keep:
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+        r = subprocess.run([sys.executable, "-m", "shardopt.cluster", "--sweep"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        left = existing_namespaces()
+        assert not set(names) & left, (names, r.stdout)
+        assert set(keep) <= left, (keep, r.stdout)
+        assert all(f"removed {ns} (owner pid {p.pid} is gone)" in r.stdout for ns in names), r.stdout
+        assert not any(ns in r.stdout for ns in keep), r.stdout
+        assert not any(ns in _ip("-o", "link") for ns in names)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        for ns in keep + names:  # ours to delete, also after a failure
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+    assert not set(keep + names) & existing_namespaces()

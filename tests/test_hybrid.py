@@ -410,6 +410,93 @@ def test_checkpoints_move_between_meshes_and_flat(tmp_path):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
 
 
+# ------------------------------------------------------------------ the int8 residual in checkpoints
+def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False, hop="int8", rbs=300):
+    """AdamW on `shape` with the given hop: optionally load a checkpoint (path, tag) first, then train
+    steps [first, first + steps), then optionally save (path, tag). Returns (model, optimizer, warnings)."""
+    import shardopt
+
+    torch.manual_seed(0 if load is None else 1)  # a loaded run starts from other weights
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                    reduce_bucket_size=rbs, mesh=_mesh(shape), inter_node_dtype=hop)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    caught = []
+    if load is not None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shardopt.load_checkpoint(load[0], wrapper, opt, tag=load[1])
+        caught = [str(w.message) for w in caught if "residual" in str(w.message)]
+        if forget:
+            opt.engine.reset_hop_residual()
+    for step in range(first, first + steps):
+        _loss(wrapper, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    if save is not None:
+        shardopt.save_checkpoint(save[0], wrapper, opt, tag=save[1])
+    opt.wait_params()
+    return model, opt, caught
+
+
+def _relative_error(model, want):
+    return max(((p.detach() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
+               for p, w in zip(model.parameters(), want))
+
+
+def _residual_resume(rank, world_size, path):
+    """N steps straight against N/2 + save + load + N/2 with the int8 hop on a 2 x 2 mesh: the resumed
+    run must end within the parity bar (1e-5 relative), and the same resume that forgets the residual
+    must not (else this test could not tell). A resume at another mesh or with other buckets, or from a
+    checkpoint without a residual, restarts it from zero and says so once (world rank 0)."""
+    n = 8
+    out, numbers = [], {}
+    straight, _, _ = _int8_run(rank, (2, 2), n)
+    want = [p.detach().clone() for p in straight.parameters()]
+    _, half, _ = _int8_run(rank, (2, 2), n // 2, save=(path, "half"))
+    saved = half.engine.hop_residual.clone()
+    if not saved.abs().max() > 0:
+        out.append("the residual is all zeros at the save: nothing to test")
+    dist.barrier()
+    if rank == 0:
+        files = sorted(f for f in os.listdir(os.path.join(path, "half")) if f.startswith("hop-residual"))
+        if files != [f"hop-residual-r{r:03d}-s{s:05d}.bin" for r in range(2) for s in range(2)]:
+            out.append(f"residual files {files}")
+    # Loaded as saved, bit for bit, and training goes on as if uninterrupted.
+    _, loaded, caught = _int8_run(rank, (2, 2), 0, load=(path, "half"))
+    if not torch.equal(loaded.engine.hop_residual, saved) or caught:
+        out.append(f"the residual did not load as saved (warnings: {caught})")
+    resumed, _, _ = _int8_run(rank, (2, 2), n - n // 2, first=n // 2, load=(path, "half"))
+    numbers["with"] = _relative_error(resumed, want)
+    forgot, _, _ = _int8_run(rank, (2, 2), n - n // 2, first=n // 2, load=(path, "half"), forget=True)
+    numbers["without"] = _relative_error(forgot, want)
+    if numbers["with"] > 1e-5:
+        out.append(f"resumed with the residual: relative error {numbers['with']:.2e} > 1e-5")
+    if numbers["without"] <= 1e-5:
+        out.append(f"resumed without the residual: relative error {numbers['without']:.2e} <= 1e-5: the residual "
+                   "does not matter here, so this test cannot tell")
+    # Elsewhere it restarts from zero, said once.
+    _int8_run(rank, (2, 2), 1, hop=None, save=(path, "exact"))
+    for shape, rbs, tag, why in (((4, 1), 300, "half", "mesh (2, 2)"), ((2, 2), 1000, "half", "other buckets"),
+                                 ((2, 2), 300, "exact", "holds none")):
+        _, opt, caught = _int8_run(rank, shape, 0, load=(path, tag), rbs=rbs)
+        if opt.engine.hop_residual.abs().max() != 0:
+            out.append(f"{tag} at {shape} rbs {rbs}: the residual is not zero")
+        expected = 1 if rank == 0 else 0
+        if len(caught) != expected or (caught and not ("restarts from zero" in caught[0] and why in caught[0])):
+            out.append(f"{tag} at {shape} rbs {rbs}: expected {expected} warning naming {why!r}, got {caught}")
+    return out, numbers
+
+
+def test_int8_residual_is_saved_and_restored(tmp_path):
+    results = run_ranks(_residual_resume, 4, str(tmp_path), timeout=300)
+    for rank, (failures, _) in enumerate(results):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)
+    numbers = results[0][1]
+    print(f"\nfinal weights vs 8 straight steps, max relative error over parameters (rank 0): resumed with "
+          f"the residual {numbers['with']:.2e}, without it {numbers['without']:.2e}")
+
+
 # ------------------------------------------------------------------ refusals
 def _refusals(rank, world_size):
     import shardopt

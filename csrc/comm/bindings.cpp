@@ -69,6 +69,7 @@ void init_comm_bindings(pybind11::module& m) {
       .def("set_replicate_group", &BucketEngine::set_replicate_group, py::arg("replicate"), py::arg("format"))
       .def("reset_hop_residual", &BucketEngine::reset_hop_residual)
       .def_property_readonly("hop_residual_bytes", &BucketEngine::hop_residual_bytes)
+      .def_property_readonly("hop_residual", &BucketEngine::hop_residual)
       .def("all_gather_params", &BucketEngine::all_gather_params, py::arg("flat"), gil_release())
       .def("start_all_gather_params", &BucketEngine::start_all_gather_params, py::arg("flat"), gil_release())
       .def("finish_all_gather", &BucketEngine::finish_all_gather, py::arg("bucket"), gil_release())

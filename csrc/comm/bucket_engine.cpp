@@ -126,6 +126,13 @@ void BucketEngine::reset_hop_residual() {
   if (hop_residual_.defined()) hop_residual_.zero_();
 }
 
+at::Tensor BucketEngine::hop_residual() const {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(inflight_.empty() && !in_backward_,
+              "hop_residual is read between steps, not while gradients are being reduced");
+  return hop_residual_;
+}
+
 int64_t BucketEngine::hop_residual_bytes() const {
   return hop_residual_.defined() ? hop_residual_.numel() * hop_residual_.element_size() : 0;
 }

@@ -112,6 +112,10 @@ class BucketEngine {
   void reset_hop_residual();
   // Bytes of the int8 hop's error-feedback residual (0 without one).
   int64_t hop_residual_bytes() const;
+  // The residual itself (undefined without one), shared, not copied: checkpoints
+  // read and restore it (shardopt/checkpoint/hop_residual.py). Only between
+  // steps: refused while gradients are being reduced.
+  at::Tensor hop_residual() const;
   // One float32 element: 1 if a gradient staged since zero_grad held an inf/nan.
   at::Tensor found_nonfinite() const { return found_; }
 

@@ -17,51 +17,21 @@ HopFormat parse_hop_format(const std::string& name) {
   TORCH_CHECK_VALUE(false, "hop format must be \"exact\", \"bfloat16\" or \"int8\", got \"", name, "\"");
 }
 
-namespace {
-
-int64_t num_blocks(int64_t m) {
-  return (m + kInt8Block - 1) / kInt8Block;
-}
-
-// x padded with zeros to whole blocks, as [blocks, kInt8Block].
-at::Tensor as_blocks(const at::Tensor& x) {
-  const int64_t m = x.numel(), nb = num_blocks(m);
-  if (nb * kInt8Block == m) return x.view({nb, kInt8Block});
-  auto padded = at::zeros({nb * kInt8Block}, x.options());
-  padded.narrow(0, 0, m).copy_(x);
-  return padded.view({nb, kInt8Block});
-}
-
-}  // namespace
-
 at::Tensor hop_encode(const at::Tensor& x, HopFormat format, at::ScalarType exact_dtype) {
   TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "hop_encode: x must be a contiguous 1-D float32 tensor");
   if (format == HopFormat::kExact) return x.to(exact_dtype);
   if (format == HopFormat::kBFloat16) return x.to(at::kBFloat16);
-  const int64_t m = x.numel(), nb = num_blocks(m);
-  auto payload = at::empty({nb * 4 + m}, x.options().dtype(at::kByte));
-  if (m == 0) return payload;
-  auto rows = as_blocks(x);
-  auto scale = rows.abs().amax(1).div_(127.0);
-  // A block of zeros has scale 0 and encodes as zeros.
-  auto inv = at::where(scale > 0, scale.reciprocal(), at::zeros_like(scale));
-  auto q = rows.mul(inv.unsqueeze(1)).round_().clamp_(-127, 127).to(at::kChar);
-  payload.narrow(0, 0, nb * 4).view(at::kFloat).copy_(scale);
-  payload.narrow(0, nb * 4, m).view(at::kChar).copy_(q.view({-1}).narrow(0, 0, m));
+  auto payload = at::empty({int8_message_bytes(x.numel())}, x.options().dtype(at::kByte));
+  int8_encode(x, at::Tensor(), payload, at::Tensor());
   return payload;
 }
 
 at::Tensor hop_decode(const at::Tensor& payload, HopFormat format, int64_t m) {
   if (format != HopFormat::kInt8) return payload.to(at::kFloat);
-  const int64_t nb = num_blocks(m);
-  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.numel() == nb * 4 + m,
-              "hop_decode: an int8 message of ", m, " elements has ", nb * 4 + m, " bytes, got ",
-              payload.numel());
-  if (m == 0) return at::empty({0}, payload.options().dtype(at::kFloat));
-  auto scale = payload.narrow(0, 0, nb * 4).view(at::kFloat);
-  auto q = as_blocks(payload.narrow(0, nb * 4, m).view(at::kChar).to(at::kFloat));
-  return q.mul_(scale.unsqueeze(1)).view({-1}).narrow(0, 0, m);
+  auto out = at::empty({m}, payload.options().dtype(at::kFloat));
+  int8_decode(payload, out, at::Tensor());
+  return out;
 }
 
 namespace {
@@ -111,9 +81,61 @@ class Peers {
 
 // An empty message of the size peers will send (gloo checks sizes).
 at::Tensor message_like(HopFormat format, int64_t m, const at::Tensor& chunk) {
-  if (format == HopFormat::kInt8) return at::empty({num_blocks(m) * 4 + m}, chunk.options().dtype(at::kByte));
+  if (format == HopFormat::kInt8) return at::empty({int8_message_bytes(m)}, chunk.options().dtype(at::kByte));
   if (format == HopFormat::kBFloat16) return at::empty({m}, chunk.options().dtype(at::kBFloat16));
   return at::empty({m}, chunk.options());
+}
+
+// Phase 1's sum a_0 + a_1 + ... + a_{w-1} in fp32, in rank order: a_r is our
+// own part (exact), the others the decoded messages, each waited for in turn.
+at::Tensor decoded_sum(const Peers& peers, int64_t r, int64_t w, const at::Tensor& own, std::vector<at::Tensor>& inbox,
+                       std::vector<WorkPtr>& recvs, HopFormat format) {
+  const int64_t m = own.numel();
+  at::Tensor sum;
+  for (int64_t j = 0; j < w; ++j) {
+    at::Tensor addend;
+    if (j == r) {
+      addend = own.to(at::kFloat);
+    } else {
+      peers.wait(recvs[j], "receiving from", j);
+      addend = hop_decode(inbox[j], format, m);
+    }
+    if (sum.defined()) {
+      sum.add_(addend);
+    } else {
+      sum = j == r ? addend.clone() : addend;  // our own part may be the chunk itself: do not sum into it
+    }
+  }
+  return sum;
+}
+
+// The same sum from int8 messages, each decoded and added in one pass. When our
+// own part is a_0 or a_1, the first addition is made by the other one's decode
+// (own + d_1 or d_0 + own: fp32 addition commutes, so the bits are the same).
+at::Tensor int8_sum(const Peers& peers, int64_t r, int64_t w, const at::Tensor& own_part,
+                    std::vector<at::Tensor>& inbox, std::vector<WorkPtr>& recvs) {
+  const auto own = own_part.to(at::kFloat);
+  auto sum = at::empty_like(own);
+  auto take = [&](int64_t j, const at::Tensor& base) {
+    peers.wait(recvs[j], "receiving from", j);
+    int8_decode(inbox[j], sum, base);
+  };
+  int64_t next;
+  if (r <= 1) {
+    take(1 - r, own);
+    next = 2;
+  } else {
+    take(0, at::Tensor());
+    next = 1;
+  }
+  for (int64_t j = next; j < w; ++j) {
+    if (j == r) {
+      sum.add_(own);
+    } else {
+      take(j, sum);
+    }
+  }
+  return sum;
 }
 
 // See Note [Compressed inter-node hop].
@@ -144,6 +166,10 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
     if (j == r) continue;
     if (format == HopFormat::kExact) {
       outbox[j] = part(j);  // sent as is; not written before this phase's sends finish
+    } else if (format == HopFormat::kInt8) {
+      // One pass: part + residual encoded, the residual left with what the rounding lost.
+      outbox[j] = message_like(format, m, chunk);
+      int8_encode(part(j).to(at::kFloat), feedback ? sent_residual(j) : at::Tensor(), outbox[j], at::Tensor());
     } else {
       auto x = part(j).to(at::kFloat);
       if (feedback) x = x.add(sent_residual(j));
@@ -156,21 +182,8 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
     sends.emplace_back(j, peers.send(outbox[j], j));
   }
   // The sum, in rank order; our own addend never left this rank and is exact.
-  at::Tensor sum;
-  for (int64_t j = 0; j < w; ++j) {
-    at::Tensor addend;
-    if (j == r) {
-      addend = part(r).to(at::kFloat);
-    } else {
-      peers.wait(recvs[j], "receiving from", j);
-      addend = hop_decode(inbox[j], format, m);
-    }
-    if (sum.defined()) {
-      sum.add_(addend);
-    } else {
-      sum = j == r ? addend.clone() : addend;  // our own part may be the chunk itself: do not sum into it
-    }
-  }
+  const at::Tensor sum = format == HopFormat::kInt8 ? int8_sum(peers, r, w, part(r), inbox, recvs)
+                                                    : decoded_sum(peers, r, w, part(r), inbox, recvs, format);
   wait_sends();
 
   // Phase 2: our sum to everyone; everyone's sum into its part.
@@ -178,6 +191,13 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
   if (format == HopFormat::kExact) {
     part(r).copy_(sum);
     mine = part(r);
+  } else if (format == HopFormat::kInt8) {
+    // One pass: sum + residual encoded, the residual updated, and the decoded
+    // message written where it goes (our part, or the sum in place to be cast).
+    mine = message_like(format, m, chunk);
+    const bool direct = dtype == at::kFloat;
+    int8_encode(sum, feedback ? owned_residual() : at::Tensor(), mine, direct ? part(r) : sum);
+    if (!direct) part(r).copy_(sum);
   } else {
     if (feedback) sum.add_(owned_residual());
     mine = hop_encode(sum, format, dtype);
@@ -199,7 +219,11 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
   for (int64_t j = 0; j < w; ++j) {
     if (j == r) continue;
     peers.wait(recvs[j], "receiving from", j);
-    if (format != HopFormat::kExact) part(j).copy_(hop_decode(inbox[j], format, m));
+    if (format == HopFormat::kInt8 && dtype == at::kFloat) {
+      int8_decode(inbox[j], part(j), at::Tensor());
+    } else if (format != HopFormat::kExact) {
+      part(j).copy_(hop_decode(inbox[j], format, m));
+    }
   }
   wait_sends();
 }

@@ -29,8 +29,10 @@
 //            Adam / ZeRO++'s qgZ; ZeRO++ only does this for stage 3). The
 //            residual is n + m fp32 elements per chunk; a skipped step (inf/nan)
 //            resets it.
-// The pure-PyTorch reference of the int8 codec is shardopt/reference.py
-// (int8_block_encode/decode), tested against this one.
+// The int8 codec is fused: one pass encodes and updates the residual, one
+// decodes (into the sum, adding, in phase 1; into the chunk in phase 2); Note
+// [Fused int8 codec] in int8_codec.h. Its pure-PyTorch reference is in
+// shardopt/reference.py, tested against it bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +40,7 @@
 
 #include <ATen/ATen.h>
 
+#include "int8_codec.h"
 #include "ring.h"
 
 namespace shardopt::comm {
@@ -46,8 +49,6 @@ enum class HopFormat { kExact, kBFloat16, kInt8 };
 
 // "exact" | "bfloat16" | "int8"
 HopFormat parse_hop_format(const std::string& name);
-
-constexpr int64_t kInt8Block = 256;  // keep equal to shardopt/mesh_plan.py INT8_BLOCK
 
 // Encodes float32 `x` (1-D, contiguous) into one message: int8 = [fp32 scale per
 // block][int8 values] as bytes; bfloat16 = x in bf16; exact = x in `exact_dtype`.

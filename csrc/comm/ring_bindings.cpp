@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "../module.h"
+#include "int8_codec.h"
 #include "replica_hop.h"
 #include "ring.h"
 
@@ -52,6 +53,22 @@ void init_ring_bindings(py::module& m) {
           return comm::hop_decode(payload, comm::parse_hop_format(format), numel);
         },
         py::arg("payload"), py::arg("format"), py::arg("numel"), "Decodes hop_encode's message (for tests).");
+  m.def("int8_encode",
+        [](const at::Tensor& x, std::optional<at::Tensor> residual, std::optional<at::Tensor> decoded) {
+          auto payload = at::empty({comm::int8_message_bytes(x.numel())}, x.options().dtype(at::kByte));
+          comm::int8_encode(x, residual.value_or(at::Tensor()), payload, decoded.value_or(at::Tensor()));
+          return payload;
+        },
+        py::arg("x"), py::arg("residual") = py::none(), py::arg("decoded") = py::none(), nogil,
+        "The int8 hop's fused encode (Note [Fused int8 codec] in csrc/comm/int8_codec.h): returns the\n"
+        "message of x + residual; updates `residual` (error feedback) and writes the decoded message\n"
+        "into `decoded` (may be x) when given. For tests and benchmarks/bench_codec.py.");
+  m.def("int8_decode",
+        [](const at::Tensor& payload, const at::Tensor& out, std::optional<at::Tensor> base) {
+          comm::int8_decode(payload, out, base.value_or(at::Tensor()));
+        },
+        py::arg("payload"), py::arg("out"), py::arg("base") = py::none(), nogil,
+        "Decodes an int8 message into float32 `out`: out = decoded, or base + decoded (base may be out).");
   m.def("ring_piece_bytes", &comm::ring_piece_bytes);
   m.def("set_ring_piece_bytes", &comm::set_ring_piece_bytes, py::arg("bytes"),
         "Ring message size; must be equal on all ranks. For benchmarks.");

@@ -13,6 +13,8 @@ Note [Checkpoint layout]
         manifest.json           written last; everything needed to interpret the rest, with checksums
         rank-00000.bin          rank 0's pieces: master values and optimizer state, as record files
         rank-00001.bin          ...one per rank of the world that saved
+        hop-residual-r000-s00000.bin   int8 hop only: each rank's error-feedback residual
+                                (every replica's; Note [Hop residual in checkpoints] in checkpoint/hop_residual.py)
         model.bin               frozen parameters and buffers (rank 0; every rank holds them anyway)
         extra.pt                the user's `extra` (torch.save), if any
       .partial-ckpt-000002/     a save in progress, or one that crashed (ignored; removed on retry)
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardopt.checkpoint import hop_residual
 from shardopt.checkpoint.files import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
                               atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
                               read_manifest, to_json)
@@ -286,13 +289,21 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     if not sharding.shape.hybrid:
         return _save(path, model, opt, extra, tag)
     # Hybrid sharding: the replicas hold equal shards, so the first replica's
-    # ranks write the checkpoint and the others learn how it went.
+    # ranks write the checkpoint and the others learn how it went; with the
+    # int8 hop every rank adds its residual (Note [Hop residual in checkpoints]).
+    residual = hop_residual.live(opt)
     out = [None]
     if sharding.replica == 0:
+        share = hop_residual.Share(opt, residual) if residual is not None else None
         try:
-            out = [("ok", _save(path, model, opt, extra, tag))]
+            out = [("ok", _save(path, model, opt, extra, tag, share))]
         except Exception as e:  # noqa: BLE001 - the other replicas must learn of it
             out = [("error", f"{type(e).__name__}: {e}")]
+        finally:
+            if share is not None:
+                share.abandon()  # the peers wait for a directory: tell them there is none
+    elif residual is not None:
+        hop_residual.contribute(opt, residual)
     dist.broadcast_object_list(out, group=sharding.replicate, group_src=0)
     status, value = out[0]
     if status == "error":
@@ -302,13 +313,17 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     return value
 
 
-def _save(path: str, model, opt, extra, tag: str | None) -> str:
-    """save_checkpoint over one shard group (all of the ranks without hybrid sharding)."""
+def _save(path: str, model, opt, extra, tag: str | None, share=None) -> str:
+    """save_checkpoint over one shard group (all of the ranks without hybrid sharding).
+
+    `share` (hybrid sharding with the int8 hop): called with the new directory, it returns the
+    files the other replicas wrote into it (hop_residual.Share)."""
     info = describe_model(_unwrap(model), opt)
     partial, final, tag = _on_rank0(opt, lambda: _prepare_dir(path, tag))
     try:
+        others = share(partial) if share is not None else {}
         name, entry, steps = _write_rank_file(partial, opt, info)
-        mine = {"files": {name: entry}, "steps": steps}
+        mine = {"files": {name: entry, **others}, "steps": steps}
         if opt.rank == 0:
             mine["rank0"] = _write_rank0_files(partial, info, extra)
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
@@ -422,6 +437,19 @@ class NativeSource(Source):
     def extra(self):
         return read_extra(self._reader, self.body, self.weights_only)
 
+    def _residual_entries(self):
+        return [(file, e["hop_residual"]) for file, e in self.body["files"].items() if "hop_residual" in e]
+
+    def hop_residual_signature(self):
+        entries = self._residual_entries()
+        return entries[0][1]["signature"] if entries else None
+
+    def hop_residual(self, replica: int, shard: int):
+        for file, h in self._residual_entries():
+            if (h["replica"], h["shard"]) == (replica, shard):
+                return self._reader.read(file, h["ref"])
+        return None
+
     def close(self) -> None:
         self._cache.clear()
         self._reader.close()
@@ -476,6 +504,7 @@ class _Staged:
     hyper: list
     scaler: object
     extra: object
+    residual: object   # hop_residual.Staged, or None
 
 
 def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
@@ -496,8 +525,9 @@ def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
         states[i] = {**slices, **scalars}
     others = {n: src.model_tensor(n) for n in src.model_state}
     extra = src.extra()
+    residual = hop_residual.stage(src, opt)
     swap.apply(states, hyper)  # last: the only change, and undoable
-    return _Staged(masters, others, hyper, src.scaler, extra)
+    return _Staged(masters, others, hyper, src.scaler, extra, residual)
 
 
 def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_only: bool = True):
@@ -514,7 +544,9 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     Refuses, on every rank and changing nothing, a damaged checkpoint or one
     of a different model (naming missing / unexpected / mis-shaped
     parameters). Restores master weights (and so the model's), optimizer state
-    and hyper-parameters, frozen parameters, buffers and the loss scaler.
+    and hyper-parameters, frozen parameters, buffers and the loss scaler; with
+    the int8 inter-node hop, each rank's error-feedback residual at the same
+    mesh and buckets (elsewhere it restarts from zero, with one warning).
     `weights_only` is passed to torch.load for `extra`.
     """
     opt = _check_pair(model, optimizer)
@@ -546,5 +578,6 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
         scaler.load_state_dict(staged.scaler)
     forget_consolidated(opt)
     opt.zero_grad()  # gradients accumulated before the load belong to other weights
+    hop_residual.install(opt, staged.residual)  # or zeros, said once (Note [Hop residual in checkpoints])
     opt._publish_params()
     return staged.extra

@@ -47,5 +47,13 @@ class Source:
     def extra(self):
         return None
 
+    def hop_residual_signature(self) -> dict | None:
+        """The signature of the int8 hop residuals saved (checkpoint/hop_residual.py), or None if none were."""
+        return None
+
+    def hop_residual(self, replica: int, shard: int) -> torch.Tensor | None:
+        """The residual saved by that rank of the mesh, read and verified, or None."""
+        return None
+
     def close(self) -> None:
         pass

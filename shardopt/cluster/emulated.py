@@ -22,7 +22,8 @@ ours, started into a namespace that did not exist before this cluster.
 `close()` touches only the namespaces of its own plan, by exact name, and
 is idempotent. A SIGKILL of the process that owns the cluster is the one case
 nothing can clean up; `ip netns list` then shows `<prefix>-<pid>-...` names
-whose pid is gone, which `ip netns delete` removes.
+whose pid is gone, which `python -m shardopt.cluster --sweep` removes (sweep();
+Note [Sweeping namespaces of dead runs] in cluster/plan.py).
 """
 from __future__ import annotations
 
@@ -240,6 +241,45 @@ def existing_namespaces() -> set[str]:
     """Names of every network namespace on the machine (for leak checks)."""
     r = _run(["ip", "netns", "list"], check=False)
     return {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed child its parent has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; it is someone else's
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to ask: it exists
+    return state != "Z"
+
+
+def sweep(prefix: str = "shardopt") -> list[str]:
+    """Deletes the namespaces left by clusters whose owning process is dead; returns their names.
+
+    Note [Sweeping namespaces of dead runs] in cluster/plan.py: only names this module makes
+    (`<prefix>-<pid>-<token>-<role>`) with a dead <pid>; processes still inside one (a dead run's
+    orphaned ranks) are killed first, as close() does. Deleting a namespace deletes its links.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise ClusterUnavailable(reason)
+    removed = []
+    for ns in cp.stale_namespaces(existing_namespaces(), pid_alive, prefix):
+        r = _run(["ip", "netns", "pids", ns], check=False)
+        for pid in (int(x) for x in r.stdout.split()) if r.returncode == 0 else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if _run(["ip", "netns", "delete", ns], check=False).returncode == 0:
+            removed.append(ns)
+    return removed
 
 
 def hold(nodes: int, rate) -> None:

@@ -28,6 +28,19 @@ kernel has no `netem`, so there is no added delay: the link is slow, not far.
 Names: every namespace is `<prefix>-<pid>-<random>-<role>`, unique per run;
 teardown deletes exactly the namespaces the plan names (deleting a namespace
 deletes its veth ends and bridge with it), never one found by a pattern.
+
+Note [Sweeping namespaces of dead runs]
+---------------------------------------
+A SIGKILL of the process that owns a cluster leaves its namespaces behind
+(nothing can run in a killed process). `python -m shardopt.cluster --sweep`
+removes them, and only them: a name is a candidate when it is exactly
+`<prefix>-<pid>-<6 hex>-<sw | n<i>>` (what new_run_id and plan_cluster make;
+prefix "shardopt" unless told), and it is removed when process <pid> no longer
+exists (or is a zombie). Any other name, and every name whose owner is alive,
+is left alone, so a sweep never breaks a running cluster nor touches anyone
+else's namespaces. Pids are this machine's: sweep where the clusters were
+made. A pid reused by an unrelated process keeps a stale cluster until that
+process exits, which errs on the safe side.
 """
 from __future__ import annotations
 
@@ -117,6 +130,19 @@ def plan_cluster(nodes: int, rate=None, *, run_id: str) -> ClusterPlan:
 def new_run_id(prefix: str, pid: int, token: str) -> str:
     """`<prefix>-<pid>-<token>`: the pid tells whose namespaces they are, the random token makes them unique."""
     return f"{prefix}-{pid}-{token}"
+
+
+def namespace_owner(name: str, prefix: str = "shardopt") -> int | None:
+    """The owner's pid in a namespace name this module makes with `prefix`, or None for any other name."""
+    m = re.fullmatch(re.escape(prefix) + r"-(\d+)-[0-9a-f]{6}-(?:sw|n\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def stale_namespaces(names, alive, prefix: str = "shardopt") -> list[str]:
+    """The names a sweep removes (Note [Sweeping namespaces of dead runs]): ours whose owner is dead,
+    as `alive(pid) -> bool` says. Sorted, each run's nodes before its switch (the teardown order)."""
+    stale = [n for n in names if (pid := namespace_owner(n, prefix)) is not None and not alive(pid)]
+    return sorted(stale, key=lambda n: (n.rsplit("-", 1)[0], n.endswith("-sw"), n))
 
 
 def setup_commands(plan: ClusterPlan) -> list[list[str]]:

@@ -40,7 +40,8 @@ import dataclasses
 
 # What the inter-node hop carries: None (the reduction dtype, exact), or a compressed format.
 HOP_DTYPES = ("bfloat16", "int8")
-# int8 hop: one fp32 scale per this many elements (Note [Compressed inter-node hop]).
+# int8 hop: one fp32 scale per this many elements (Note [Compressed inter-node hop]); the same as
+# kInt8Block in csrc/comm/int8_kernel.h.
 INT8_BLOCK = 256
 
 

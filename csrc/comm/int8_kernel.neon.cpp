@@ -1,0 +1,15 @@
+// NEON variant (aarch64): the same loops, vectorised 4 floats wide.
+// The loops are int8_element.h's; only this file's compiler flags differ.
+#include "int8_element.h"
+
+namespace shardopt::comm {
+
+void int8_encode_neon(const Int8EncodeArgs* a, int64_t block_begin, int64_t block_end) {
+  int8_encode_range(a, block_begin, block_end);
+}
+
+void int8_decode_neon(const Int8DecodeArgs* a, int64_t block_begin, int64_t block_end) {
+  int8_decode_range(a, block_begin, block_end);
+}
+
+}  // namespace shardopt::comm

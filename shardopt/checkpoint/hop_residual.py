@@ -1,0 +1,156 @@
+"""The int8 inter-node hop's error-feedback residual in checkpoints.
+
+Note [Hop residual in checkpoints]
+----------------------------------
+With inter_node_dtype="int8" every rank keeps what its hop's rounding lost
+(Note [Compressed inter-node hop] in csrc/comm/replica_hop.h): chunk + chunk / R
+fp32 values per bucket, in the bucket engine, added back at the next hop. It
+is training state: a resume without it differs from an uninterrupted run by
+the rounding errors in flight (tests/test_hybrid.py measures by how much).
+Unlike the rest of a checkpoint it belongs to a *rank*, not to parameters:
+every replica's differs, and it is laid out by the engine's buckets, so it
+means something only at the same mesh with the same buckets.
+
+Save: the first replica writes the checkpoint (save_checkpoint), and every rank
+of every replica writes its residual into the same `.partial-<tag>/`, as
+`hop-residual-r<replica>-s<shard>.bin`. Rank s of replica 0, once its shard
+group has made the directory, hands it to its replicate peers (or tells them
+the save failed before there was one); each writes its file and sends back
+the file's entry, and rank s adds those entries to its own files. So the
+manifest, written last, lists every residual file with its checksum, and the
+crash-safety argument of Note [Checkpoint layout] is unchanged. Each entry
+carries the residual's signature: hop format, mesh and bucket layout.
+
+Load: a rank whose signature equals the saved one reads its own file (same
+replica, same shard; the crc is verified like every record's) and installs it
+once every rank has staged the load (load_checkpoint's two phases). Otherwise
+its residual restarts from zero, and world rank 0 says so once, with the
+reason: another mesh, other buckets, or a checkpoint that holds no residual
+(another hop, flat sharding, DeepSpeed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from shardopt.checkpoint.files import RecordWriter
+
+FILE = "hop-residual-r{replica:03d}-s{shard:05d}.bin"
+
+
+def live(opt) -> torch.Tensor | None:
+    """This rank's residual (the engine's own tensor), or None when it keeps none."""
+    engine = getattr(opt, "engine", None)
+    return None if engine is None else engine.hop_residual
+
+
+def signature(opt) -> dict:
+    """What must be equal for a saved residual to mean the same here."""
+    shape = opt.sharding.shape
+    return {"format": opt.config.hop_format(), "mesh": [shape.replicas, shape.shards],
+            "buckets": [[b.group, b.start, b.numel] for b in opt.layout.buckets]}
+
+
+def _write(partial: str, opt, residual: torch.Tensor) -> dict:
+    """Writes this rank's residual file; returns {"files": {name: entry}} or {"error": why}."""
+    replica, shard = opt.sharding.replica, opt.rank
+    try:
+        name = FILE.format(replica=replica, shard=shard)
+        w = RecordWriter(os.path.join(partial, name))
+        try:
+            ref = w.add(residual)
+        except BaseException:
+            w.abort()
+            raise
+        entry = w.close()
+        entry["hop_residual"] = {"replica": replica, "shard": shard, "ref": ref, "signature": signature(opt)}
+        return {"files": {name: entry}}
+    except Exception as e:  # noqa: BLE001 - the first replica must learn of it and abandon the save
+        return {"error": f"replica {replica} shard {shard}: writing the hop residual: {type(e).__name__}: {e}"}
+
+
+class Share:
+    """Replica 0's side of the save (rank s of replica 0 for its replicate group); see the Note.
+
+    Called with the save's directory once it exists; returns every replica's residual file entries,
+    or raises, after the exchange, if any replica failed. `abandon()` tells the peers there is no
+    directory if the save failed before calling it."""
+
+    def __init__(self, opt, residual: torch.Tensor):
+        self.opt, self.residual, self.started = opt, residual, False
+
+    def __call__(self, partial: str | None) -> dict:
+        from shardopt.checkpoint.files import CheckpointError
+
+        self.started = True
+        group = self.opt.sharding.replicate
+        dist.broadcast_object_list([partial], group=group, group_src=0)
+        if partial is None:
+            return {}
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.gather_object(_write(partial, self.opt, self.residual), everyone, group=group, group_dst=0)
+        if errors := [m["error"] for m in everyone if "error" in m]:
+            raise CheckpointError("; ".join(errors))
+        return {name: entry for m in everyone for name, entry in m["files"].items()}
+
+    def abandon(self) -> None:
+        if not self.started:
+            self(None)
+
+
+def contribute(opt, residual: torch.Tensor) -> None:
+    """The other replicas' side of the save: their residual file, into the directory replica 0 made."""
+    group = opt.sharding.replicate
+    box = [None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    if box[0] is not None:
+        dist.gather_object(_write(box[0], opt, residual), None, group=group, group_dst=0)
+
+
+@dataclasses.dataclass
+class Staged:
+    values: torch.Tensor | None
+    """The saved residual, read and verified; None: it restarts from zero."""
+    reason: str | None
+    """Why it restarts from zero."""
+
+
+def stage(src, opt) -> Staged | None:
+    """Reads this rank's saved residual if it applies here; None when this rank keeps no residual."""
+    here = live(opt)
+    if here is None:
+        return None
+    mine = signature(opt)
+    saved = src.hop_residual_signature()
+    if saved is None:
+        return Staged(None, f"{src.directory} holds none (it was not saved by an int8 hop)")
+    if saved["mesh"] != mine["mesh"]:
+        return Staged(None, f"it was saved at mesh {tuple(saved['mesh'])} (replicas, shards) and this run's is "
+                            f"{tuple(mine['mesh'])}")
+    if saved != mine:
+        return Staged(None, "it was saved with other buckets (another reduce_bucket_size, parameters or param "
+                            "groups), and it is laid out by bucket")
+    values = src.hop_residual(opt.sharding.replica, opt.rank)
+    if values is None or values.shape != here.shape or values.dtype != here.dtype:
+        got = "none" if values is None else f"{values.dtype} {tuple(values.shape)}"
+        return Staged(None, f"the saved one of replica {opt.sharding.replica} shard {opt.rank} is {got}, this "
+                            f"rank's is {here.dtype} {tuple(here.shape)}")
+    return Staged(values, None)
+
+
+def install(opt, staged: Staged | None) -> None:
+    """After the ranks agreed: the saved residual, or zeros and one warning (world rank 0)."""
+    if staged is None:
+        return
+    if staged.values is not None:
+        live(opt).copy_(staged.values)
+        return
+    opt.engine.reset_hop_residual()  # it held the error of other weights
+    if dist.get_rank(opt.world_group) == 0:
+        warnings.warn("load_checkpoint: the int8 inter-node hop's error-feedback residual restarts from zero: "
+                      f"{staged.reason}. Training goes on; only the rounding errors in flight at the save are "
+                      "lost (Note [Hop residual in checkpoints])", stacklevel=3)
