@@ -11,6 +11,7 @@ computed. tests/README.md has the table (idiom -> behaviour -> test).
 
 All idioms of one stage run in one launch of 2 ranks (cached), one test each.
 """
+import contextlib
 import copy
 import functools
 import traceback
@@ -281,7 +282,7 @@ def ema_in_full_params(rank, stage):
         pair.loss(wrapper, step).backward()
         opt.step()
         opt.zero_grad()
-        ctx = opt.full_params(writeback=False) if opt is pair.opt else _nothing()
+        ctx = opt.full_params(writeback=False) if opt is pair.opt else contextlib.nullcontext()
         with ctx, torch.no_grad():
             for e, p in zip(emas[int(opt is pair.opt)], module.parameters()):
                 e.mul_(0.5).add_(p, alpha=0.5)
@@ -293,14 +294,6 @@ def compile_model(rank, stage):
     pair = Pair(rank, stage)
     pair.sharded = torch.compile(pair.sharded)
     return _standard(pair)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # Idioms that cannot work: the shardopt loop must raise (checked on every rank).
