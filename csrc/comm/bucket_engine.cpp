@@ -1,6 +1,7 @@
 #include "bucket_engine.h"
 
 #include <chrono>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
@@ -157,20 +158,33 @@ at::Tensor BucketEngine::chunk_view(int64_t b) const {
 // a reduce-scatter that rank B has not launched yet, while B waits for an
 // all-gather that only A's backward would go on to issue, neither would move:
 // the two streams' orders differ between ranks as soon as ranks run different
-// modules. So with wait_for_staging=false this never blocks: a staging buffer
-// whose reduce-scatter has finished is taken back, and if none has, the pool
-// grows by one (it stays grown; what a backward needs at most is then bounded
-// by how far its computation outruns the link, never by a deadlock).
+// modules. So with wait_for_staging=false this never blocks for long: a
+// staging buffer whose reduce-scatter finishes within kStagingPatience is taken
+// back, and if none does, the pool grows by one (it stays grown; what a
+// backward needs at most is then bounded by how far its computation outruns
+// the link, never by a deadlock). The patience keeps the pool near its size
+// when reductions keep up, which they do unless the link is slow.
+constexpr auto kStagingPatience = std::chrono::milliseconds(20);
+
 bool BucketEngine::oldest_is_done() const {
   const auto& f = inflight_.front();
   return (!f.work || f.work->isCompleted()) && (!f.hop || f.hop->isCompleted());
+}
+
+bool BucketEngine::oldest_done_soon() const {
+  const auto until = std::chrono::steady_clock::now() + kStagingPatience;
+  while (!oldest_is_done()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
 }
 
 int64_t BucketEngine::acquire_slot() {
   if (wait_for_staging_) {
     while (free_slots_.empty() && !inflight_.empty()) free_a_slot();
   } else {
-    while (free_slots_.empty() && !inflight_.empty() && oldest_is_done()) finish_oldest();
+    while (free_slots_.empty() && !inflight_.empty() && oldest_done_soon()) finish_oldest();
   }
   if (free_slots_.empty()) {
     // Every buffer belongs to a bucket that waits for an earlier one in the

@@ -176,6 +176,7 @@ class BucketEngine {
   void launch_ready_buckets();
   void finish_oldest();
   bool oldest_is_done() const;
+  bool oldest_done_soon() const;
   void free_a_slot();
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
