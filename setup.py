@@ -129,6 +129,12 @@ def _extension():
     return ext
 
 
+# ShardedTrainer's floors, each tested: .ci/run runs tests/test_hf_trainer.py on exactly these
+# (.venv-oldest) after the main suite, which gets the newest. transformers 5.0's Trainer needs
+# accelerate 1.3 (1.1 and 1.2 lack get_module_size_with_ties and unwrap_model(keep_torch_compile=)),
+# though 5.0 itself asks for >=1.1.0. Note [One ShardedTrainer for every transformers 5.x].
+TRANSFORMERS = ["transformers>=5.0.0", "accelerate>=1.3.0"]
+
 setup(
     name="shardopt",
     version="0.1.0",
@@ -145,9 +151,9 @@ setup(
     # interop: DeepSpeed, whose ZeRO-1/2 checkpoints load_checkpoint reads (without it too); the
     # tests resume real DeepSpeed runs. Its install pulls no torch when torch is already there (pin it).
     extras_require={"lightning": ["lightning>=2.6"], "bench": ["matplotlib"], "interop": ["deepspeed>=0.19,<0.20"],
-                    "transformers": ["transformers>=5", "accelerate>=1"],
-                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "deepspeed>=0.19,<0.20",
-                             "transformers>=5", "accelerate>=1"]},
+                    "transformers": TRANSFORMERS,
+                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "deepspeed>=0.19,<0.20"]
+                    + TRANSFORMERS},
     entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

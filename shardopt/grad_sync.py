@@ -62,6 +62,7 @@ class GradSync:
         self.stage = stage
         self.grad_views = grad_views  # stage 1: each parameter's .grad, a view of the flat gradient buffer
         self.shard = grad_shard
+        grad_shard.flat = shard_grad  # its pieces are views of it (Note [Foreach over a shard])
         self.world_group = world_group
         self.replicas = replicas
         self.nonfinite = nonfinite
@@ -186,11 +187,11 @@ class GradSync:
             self.zero(set_to_none=True)  # model.zero_grad(): the same as opt.zero_grad()
             return
         used = self.engine.used()  # the engine's own flags: cleared in place
-        for i in cleared:
-            self.shard.zero(i)
-            used[i] = 0
-            self.last_used[i] = False
-            self.shard.kept[i] = False
+        self.shard.zero(cleared)
+        idx = torch.tensor(cleared, dtype=torch.long)
+        used[idx] = 0
+        self.last_used[idx] = False
+        self.shard.kept[idx] = False
 
     # ----------------------------------------------------------------- step
     def finish(self) -> torch.Tensor:

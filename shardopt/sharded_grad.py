@@ -24,8 +24,13 @@ would give:
     must ask then;
   * in-place mul_/div_ by a scalar, clamp_ (clip_grad_value_), zero_: applied
     to the pieces, exactly, since they are elementwise;
+  * the foreach forms of all of these, which torch's own loops over
+    parameters call once per list (Note [Foreach over a shard]): the cost of
+    clip_grad_norm_ & co. does not grow with the number of parameters beyond
+    a Python pass over the list, and no value is read on the host;
   * torch._amp_foreach_non_finite_check_and_unscale_ (GradScaler.unscale_):
-    unscales the pieces; found_inf is agreed over ranks (one all-reduce);
+    unscales the pieces; found_inf is agreed over ranks (one all-reduce) and
+    stays on the device;
   * `full_tensor()`: the whole gradient (an all-reduce), for tools that need
     the values; a collective too;
   * anything else raises, naming what works. Casting or moving the model
@@ -42,10 +47,12 @@ stage 1) before AccumulateGrad runs (GradSync.before_accumulate in grad_sync.py)
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils import _foreach_utils
 
 aten = torch.ops.aten
 
@@ -96,13 +103,12 @@ def _owner(g: ShardedGrad) -> "GradShard":
     return shard
 
 
-def _scalar(x, what: str) -> float:
-    if torch.is_tensor(x):
-        if x.numel() != 1:
-            raise RuntimeError(f"{what} of a sharded p.grad takes a scalar, got a tensor of shape "
-                               f"{tuple(x.shape)}; {_HOW}")
-        return float(x.item())
-    return float(x)
+def _check_scalar(x, what: str):
+    """A Python number or a one-element tensor, kept as it is: reading a tensor's value would stall a GPU."""
+    if torch.is_tensor(x) and x.numel() != 1:
+        raise RuntimeError(f"{what} of a sharded p.grad takes a scalar, got a tensor of shape {tuple(x.shape)}; "
+                           f"{_HOW}")
+    return x
 
 
 def _detach(g, *_):
@@ -112,45 +118,110 @@ def _detach(g, *_):
 def _norm(g, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dim not in (None, [], ()):
         raise RuntimeError(f"a norm over dims {dim} of a sharded p.grad is not supported; {_HOW}")
-    out = _owner(g).norms(float(ord))[g._index]
-    return out.to(dtype or g.dtype).to(g.device)
+    return _owner(g).norm_list([g._index], float(ord), dtype or g.dtype, g.device)[0]
 
 
 def _mul(g, factor):
-    _owner(g).scale(g._index, _scalar(factor, "mul_"))
+    _owner(g).scale([g._index], _check_scalar(factor, "mul_"))
     return g
 
 
 def _div(g, divisor):
-    _owner(g).scale(g._index, 1.0 / _scalar(divisor, "div_"))
+    divisor = _check_scalar(divisor, "div_")
+    _owner(g).scale([g._index], torch.reciprocal(divisor) if torch.is_tensor(divisor) else 1.0 / divisor)
     return g
 
 
 def _clamp(g, min=None, max=None):
-    lo = None if min is None else _scalar(min, "clamp_")
-    hi = None if max is None else _scalar(max, "clamp_")
-    _owner(g).clamp(g._index, lo, hi)
+    _owner(g).clamp([g._index], _check_scalar(min, "clamp_"), _check_scalar(max, "clamp_"))
     return g
 
 
 def _zero(g):
     # nn.Module.zero_grad(set_to_none=False): a zero gradient is still a gradient.
     owner = _owner(g)
-    owner.zero(g._index)
-    owner.keep(g._index)
+    owner.zero([g._index])
+    owner.keep([g._index])
     return g
 
 
-def _unscale(grads, found_inf, inv_scale):
-    """GradScaler.unscale_: unscale each gradient, flag inf/nan anywhere (agreed over ranks)."""
-    plain = [t for t in grads if not isinstance(t, ShardedGrad)]
-    sharded = [t for t in grads if isinstance(t, ShardedGrad)]
+# ------------------------------------------------------------------- foreach
+# Note [Foreach over a shard]
+# torch's own loops over model.parameters() (clip_grad_norm_, clip_grad_value_,
+# get_total_norm, GradScaler.unscale_) group the gradients by device and dtype
+# and make one foreach call per group when every gradient's type is in
+# torch.utils._foreach_utils._foreach_supported_types; otherwise one call per
+# gradient. ShardedGrad is added to that list (as DTensor adds itself), so such
+# a loop reaches __torch_dispatch__ once with the whole list, and the handlers
+# below act on the shard once: a norm per parameter is one lookup in the norms
+# cached at the end of backward; scaling, clamping and zeroing touch the whole
+# gradient shard in one kernel when the list holds every parameter whose p.grad
+# is its ShardedGrad (a Trainer's model.parameters()), else the listed
+# parameters' pieces in one foreach call. Scale factors stay tensors (torch's
+# clip coefficient, GradScaler's inv_scale): no value is read on the host, so
+# nothing waits for the device. A list may mix ShardedGrads (of one or several
+# optimizers) with plain tensors (parameters no ShardedOptimizer manages):
+# those get the plain op.
+def _split(tensors):
+    """(positions of plain tensors, {GradShard: (positions, parameter indices)}) of a foreach op's list."""
+    # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each.
+    if set(map(type, tensors)) == {ShardedGrad} and len(set(map(_SHARD, tensors))) == 1:
+        return [], {_owner(tensors[0]): (range(len(tensors)), list(map(_INDEX, tensors)))}
+    plain, shards = [], {}
+    for pos, t in enumerate(tensors):
+        if isinstance(t, ShardedGrad):
+            positions, indices = shards.setdefault(_owner(t), ([], []))
+            positions.append(pos)
+            indices.append(t._index)
+        else:
+            plain.append(pos)
+    return plain, shards
+
+
+_SHARD, _INDEX = operator.attrgetter("_shard"), operator.attrgetter("_index")
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    out = [None] * len(tensors)
+    plain, shards = _split(tensors)
     if plain:
-        torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
-    if sharded:
-        owner = _owner(sharded[0])
-        if owner.unscale([t._index for t in sharded], float(inv_scale.item())):
-            found_inf.fill_(1.0)
+        for pos, n in zip(plain, aten._foreach_norm.Scalar([tensors[i] for i in plain], ord, dtype=dtype)):
+            out[pos] = n
+    for owner, (positions, indices) in shards.items():
+        first = tensors[positions[0]]
+        for pos, n in zip(positions, owner.norm_list(indices, float(ord), dtype or first.dtype, first.device)):
+            out[pos] = n
+    return out
+
+
+def _foreach_update(op, update):
+    """A foreach in-place op: `op` on the plain tensors, update(owner, indices, *args) on each shard."""
+    def handler(tensors, *args):
+        plain, shards = _split(tensors)
+        if plain:
+            op([tensors[i] for i in plain], *args)
+        for owner, (_, indices) in shards.items():
+            update(owner, indices, *args)
+    return handler
+
+
+def _foreach_zero(owner, indices):
+    owner.zero(indices)
+    owner.keep(indices)
+
+
+def _foreach_div(owner, indices, divisor):
+    owner.scale(indices, torch.reciprocal(divisor) if torch.is_tensor(divisor) else 1.0 / divisor)
+
+
+def _unscale(grads, found_inf, inv_scale):
+    """GradScaler.unscale_: unscale each gradient, flag inf/nan anywhere (agreed over ranks, kept on device)."""
+    plain, shards = _split(grads)
+    if plain:
+        torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in plain], found_inf, inv_scale)
+    for owner, (_, indices) in shards.items():
+        found = owner.unscale(indices, inv_scale)
+        found_inf.copy_(torch.maximum(found_inf, found.to(found_inf.device, found_inf.dtype).reshape(found_inf.shape)))
 
 
 _HANDLERS = {
@@ -164,14 +235,28 @@ _HANDLERS = {
     aten.clamp_.default: _clamp,
     aten.clamp_.Tensor: _clamp,
     aten.clamp_min_.default: lambda g, lo: _clamp(g, min=lo),
+    aten.clamp_min_.Tensor: lambda g, lo: _clamp(g, min=lo),
     aten.clamp_max_.default: lambda g, hi: _clamp(g, max=hi),
+    aten.clamp_max_.Tensor: lambda g, hi: _clamp(g, max=hi),
     aten.zero_.default: _zero,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten._foreach_mul_.Scalar: _foreach_update(torch._foreach_mul_, lambda o, i, f: o.scale(i, f)),
+    aten._foreach_mul_.Tensor: _foreach_update(torch._foreach_mul_, lambda o, i, f: o.scale(i, f)),
+    aten._foreach_div_.Scalar: _foreach_update(torch._foreach_div_, _foreach_div),
+    aten._foreach_div_.Tensor: _foreach_update(torch._foreach_div_, _foreach_div),
+    aten._foreach_clamp_min_.Scalar: _foreach_update(torch._foreach_clamp_min_, lambda o, i, lo: o.clamp(i, lo, None)),
+    aten._foreach_clamp_max_.Scalar: _foreach_update(torch._foreach_clamp_max_, lambda o, i, hi: o.clamp(i, None, hi)),
+    aten._foreach_zero_.default: _foreach_update(torch._foreach_zero_, _foreach_zero),
     aten._amp_foreach_non_finite_check_and_unscale_.default: _unscale,
 }
 
+# Note [Foreach over a shard]: torch's loops over parameters take the foreach path for ShardedGrad.
+if ShardedGrad not in _foreach_utils._foreach_supported_types:
+    _foreach_utils._foreach_supported_types.append(ShardedGrad)
+
 
 class GradShard:
-    """Per-parameter operations on this rank's gradient shard, for ShardedGrad (and its reconciling)."""
+    """Operations on this rank's gradient shard for ShardedGrad, on lists of parameters (and its reconciling)."""
 
     def __init__(self, params, pieces, piece_grads, param_offsets, process_group, world_size: int, had_grad,
                  shapes=None):
@@ -183,8 +268,9 @@ class GradShard:
         self._had_grad = had_grad
         # Parameters whose gradient was zeroed, not set to None (zero_grad(set_to_none=False)):
         # torch.optim steps them even when no backward reaches them, since a zero tensor in
-        # p.grad is still a gradient.
-        self.kept = torch.zeros(len(params), dtype=torch.bool)
+        # p.grad is still a gradient. Zeroing only notes the index; `kept` settles the notes.
+        self._kept = torch.zeros(len(params), dtype=torch.bool)
+        self._pending_keep: list[int] = []
         self.world_size = world_size
         self._params = params
         # Per parameter: [(this rank's piece of the averaged gradient, its first element in the param)].
@@ -193,8 +279,26 @@ class GradShard:
             self._pieces[pc.param].append((g, pc.start - param_offsets[pc.param]))
         self._all = list(piece_grads)  # in piece order, as _piece_param
         self._piece_param = torch.tensor([pc.param for pc in pieces], dtype=torch.long)
+        nonempty = [k for k, g in enumerate(self._all) if g.numel()]
+        self._nonempty = [self._all[k] for k in nonempty]
+        self._nonempty_param = self._piece_param[nonempty]
+        # The whole gradient shard, the pieces' storage (GradSync hands it over); None: pieces only.
+        self.flat: torch.Tensor | None = None
         self.handles = [ShardedGrad(p, self, i) for i, p in enumerate(params)]
         self._norms: dict[float, torch.Tensor] = {}
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Per parameter: its gradient was zeroed in place and still counts as one (see __init__)."""
+        if self._pending_keep:
+            idx = torch.tensor(self._pending_keep, dtype=torch.long)
+            self._pending_keep = []
+            self._kept[idx] |= self._had_grad()[idx]
+        return self._kept
+
+    @kept.setter
+    def kept(self, value: torch.Tensor) -> None:
+        self._kept = value
 
     def changed(self) -> None:
         """The shard's values changed: cached norms are stale."""
@@ -212,34 +316,71 @@ class GradShard:
         """Every parameter's global norm of order `ord`, computed by the caller (see the Note)."""
         self._norms = {ord: norms}
 
-    def _scale_norms(self, index, factor: float) -> None:
+    def _select(self, indices):
+        """An index for per-parameter tensors: everything, or the listed parameters."""
+        if len(indices) == len(self._params) and indices == list(range(len(self._params))):
+            return slice(None)
+        return torch.tensor(indices, dtype=torch.long)
+
+    def _scale_norms(self, indices, factor) -> None:
+        """Cached norms of the listed parameters after their gradients were multiplied by `factor`."""
+        if not self._norms:
+            return
+        sel = self._select(indices)
+        if torch.is_tensor(factor):
+            a = factor.detach().to(torch.float64).abs().cpu().reshape(())
+        else:
+            a = abs(float(factor))
         for ord, norms in self._norms.items():
             if ord != 0:
-                norms[index] *= abs(factor)
-            elif factor == 0:
-                norms[index] = 0
+                norms[sel] *= a
+            elif torch.is_tensor(a):
+                norms[sel] = torch.where(a == 0, torch.zeros((), dtype=norms.dtype), norms[sel])
+            elif a == 0:
+                norms[sel] = 0
+
+    def _targets(self, indices, keeps_zero: bool = True) -> list[torch.Tensor]:
+        """What an elementwise update of the listed parameters' gradients touches (Note [Foreach over a shard]).
+
+        The whole shard, one tensor, when the list holds every parameter whose
+        p.grad is its ShardedGrad (and the update keeps zeros zero: the rest of
+        the shard is padding or parameters without a gradient, zeros that a
+        later backward accumulates into); else the listed parameters' pieces.
+        """
+        if self.flat is not None and keeps_zero:
+            listed, n = set(indices), len(self._params)
+            # The scan over every parameter only for lists of at least half of them: O(1) per listed
+            # gradient (a per-parameter loop such as nn.Module.zero_grad must not cost O(n) each).
+            if len(listed) == n or (2 * len(listed) >= n and all(
+                    i in listed for i, (p, h) in enumerate(zip(self._params, self.handles)) if p.grad is h)):
+                return [self.flat] if self.flat.numel() else []
+        return [g for i in indices for g, _ in self._pieces[i]]
 
     # ---------------------------------------------------------------- reads
+    def norm_list(self, indices, ord: float, dtype, device) -> list[torch.Tensor]:
+        """The listed parameters' global gradient norms, as 0-d tensors of `dtype` on `device`."""
+        out = self.norms(ord)[self._select(indices)]
+        return list(out.to(dtype).to(device).unbind(0))
+
     def norms(self, ord: float) -> torch.Tensor:
         """Every parameter's global gradient norm of order `ord` (float64), from one all-reduce."""
         if ord in self._norms:
             return self._norms[ord]
         n = len(self._params)
         local = torch.zeros(n, dtype=torch.float64)
+        pieces, owner = self._nonempty, self._nonempty_param
         if ord == float("inf"):
-            if self._all:
-                maxes = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in self._all])
-                local.scatter_reduce_(0, self._piece_param, maxes.double(), reduce="amax")
+            if pieces:
+                maxes = torch.stack(torch._foreach_norm(pieces, ord)).double()
+                local.scatter_reduce_(0, owner, maxes, reduce="amax")
             op = dist.ReduceOp.MAX
         elif ord > 0:
-            if self._all:
-                part = torch.stack([torch.linalg.vector_norm(g, ord, dtype=torch.float64) for g in self._all])
-                local.index_add_(0, self._piece_param, part ** ord)
+            if pieces:
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord, dtype=torch.float64)) ** ord)
             op = dist.ReduceOp.SUM
         elif ord == 0:
-            if self._all:
-                local.index_add_(0, self._piece_param,
-                                 torch.stack([(g != 0).sum().double() for g in self._all]))
+            if pieces:
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, 0)).double())
             op = dist.ReduceOp.SUM
         else:
             raise RuntimeError(f"a norm of order {ord} of a sharded p.grad is not supported; use 0, p > 0 or inf")
@@ -261,28 +402,41 @@ class GradShard:
         return flat.view(shape).to(dtype=p.dtype, device=p.device)
 
     # -------------------------------------------------------------- updates
-    def scale(self, i: int, factor: float) -> None:
-        for g, _ in self._pieces[i]:
-            g.mul_(factor)
-        self._scale_norms(i, factor)
+    # Each takes a list of parameter indices (Note [Foreach over a shard]); factors and bounds may be
+    # Python numbers or one-element tensors, used as they are.
+    def scale(self, indices, factor) -> None:
+        targets = self._targets(indices)
+        if targets:
+            f = factor.to(targets[0].device).reshape(()) if torch.is_tensor(factor) else factor
+            torch._foreach_mul_(targets, f)
+        self._scale_norms(indices, factor)
 
-    def scale_all(self, factor: torch.Tensor) -> None:
+    def scale_all(self, factor) -> None:
         """The whole shard was multiplied by `factor` (ShardedOptimizer.clip_grad_norm)."""
-        self._scale_norms(slice(None), float(factor))
+        self._scale_norms(list(range(len(self._params))), factor)
 
-    def clamp(self, i: int, lo: float | None, hi: float | None) -> None:
-        for g, _ in self._pieces[i]:
-            g.clamp_(min=lo, max=hi)
+    def clamp(self, indices, lo, hi) -> None:
+        if torch.is_tensor(lo) or torch.is_tensor(hi):  # tensor bounds (rare): piece by piece
+            for t in self._targets(indices, keeps_zero=False):
+                t.clamp_(min=None if lo is None else torch.as_tensor(lo).to(t.device),
+                         max=None if hi is None else torch.as_tensor(hi).to(t.device))
+        else:
+            targets = self._targets(indices, keeps_zero=(lo is None or lo <= 0) and (hi is None or hi >= 0))
+            if targets and lo is not None:
+                torch._foreach_clamp_min_(targets, lo)
+            if targets and hi is not None:
+                torch._foreach_clamp_max_(targets, hi)
         self.changed()
 
-    def zero(self, i: int) -> None:
-        for g, _ in self._pieces[i]:
-            g.zero_()
-        self._scale_norms(i, 0.0)
+    def zero(self, indices) -> None:
+        targets = self._targets(indices)
+        if targets:
+            torch._foreach_zero_(targets)
+        self._scale_norms(indices, 0.0)
 
-    def keep(self, i: int) -> None:
-        """Parameter i's gradient was zeroed in place: it still has one if it had one."""
-        self.kept[i] |= bool(self._had_grad()[i])
+    def keep(self, indices) -> None:
+        """The listed parameters' gradients were zeroed in place: each still has one if it had one."""
+        self._pending_keep.extend(indices)
 
     def assign(self, i: int, grad: torch.Tensor) -> None:
         """A full gradient the user put in p.grad becomes parameter i's pieces."""
@@ -291,18 +445,18 @@ class GradShard:
             g.copy_(flat[at:at + g.numel()])
         self.changed()
 
-    def unscale(self, indices, inv_scale: float) -> bool:
-        """Multiplies the parameters' pieces by inv_scale; True if any rank saw inf/nan (all-reduce)."""
-        pieces = [g for i in indices for g, _ in self._pieces[i]]
-        if pieces:
-            torch._foreach_mul_(pieces, inv_scale)
-        # One flag from all pieces, no host sync per piece.
-        found = torch.stack([~torch.isfinite(g).all() for g in pieces]).any().float().reshape(1) if pieces \
-            else torch.zeros(1)
+    def unscale(self, indices, inv_scale: torch.Tensor) -> torch.Tensor:
+        """Multiplies the listed gradients by inv_scale; returns a one-element tensor, 1 if some rank saw inf/nan.
+
+        One all-reduce; nothing is read on the host. The cached norms scale with
+        the gradients (an inf or nan stays one, as in the unscaled gradient).
+        """
+        targets = self._targets(indices)
+        device = targets[0].device if targets else torch.device("cpu")
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if targets:
+            torch._amp_foreach_non_finite_check_and_unscale_(targets, found, inv_scale.to(device))
         if self.world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
-        if found.item():
-            self.changed()
-        else:
-            self._scale_norms(torch.tensor(indices, dtype=torch.long), inv_scale)
-        return bool(found.item())
+        self._scale_norms(indices, inv_scale)
+        return found

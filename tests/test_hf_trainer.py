@@ -17,6 +17,10 @@ import transformers  # noqa: E402  (the [test] extra installs it)
 
 SEQ = 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# transformers 5.23 renamed gradient_checkpointing* to activation_checkpointing* (the old names are
+# deprecated aliases there); 5.0 to 5.22 know only the old ones. CI runs this file on both ends.
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing_kwargs" in
+                 transformers.TrainingArguments.__dataclass_fields__ else "gradient_checkpointing")
 
 
 class TextDataset(torch.utils.data.Dataset):
@@ -112,7 +116,7 @@ def _parity(rank, world_size, tmp):
     # test_idioms.py's grad_scaler.
     for what, kw, tol in (("fp32", {}, 1e-5), ("bf16", dict(bf16=True), 1e-5), ("fp16", dict(fp16=True), 1e-5),
                           # ... and DDP's bucket cap becomes the reduce bucket size (0.01 MB = 2621 floats).
-                          ("checkpointing", dict(gradient_checkpointing=True, ddp_bucket_cap_mb=0.01), 1e-5),
+                          ("checkpointing", {CHECKPOINTING: True, "ddp_bucket_cap_mb": 0.01}, 1e-5),
                           # aot_eager: dynamo and AOTAutograd as with inductor, without its compile time.
                           ("torch_compile", dict(torch_compile=True, torch_compile_backend="aot_eager"), 1e-5)):
         ref = _fit(False, _args(f"{tmp}/ddp-{what}", **kw))
@@ -134,14 +138,16 @@ def test_matches_trainer_with_ddp(tmp_path):
 
 
 # ------------------------------------------------------------------- resume
-# The global batch stays 12 samples per optimizer step at every process count (per-device batch
-# x processes x accumulation 2), so the runs see the same data in the same steps.
-PER_DEVICE = {1: 6, 2: 3, 3: 2}
+# The global batch stays 12 samples per optimizer step at every process count (per-device batch 2
+# x processes x accumulation), so the runs see the same data in the same steps. The accumulation
+# changes, not the per-device batch: transformers 5.0 resumes with the checkpoint's per-device
+# batch whatever the arguments say (5.5 on, only under auto_find_batch_size).
+ACCUMULATION = {1: 6, 2: 3, 3: 2}
 
 
 def _resume_args(tmp, world_size, **kw):
-    return _args(tmp, per_device_train_batch_size=PER_DEVICE[world_size], save_strategy="steps", save_steps=3,
-                 save_total_limit=1, **kw)
+    return _args(tmp, per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATION[world_size],
+                 save_strategy="steps", save_steps=3, save_total_limit=1, **kw)
 
 
 def _train_and_save(rank, world_size, tmp):
@@ -242,8 +248,7 @@ def test_deepspeed_config_with_auto_values(tmp_path):
 # ---------------------------------------------------------- refused at once
 REFUSED = [
     (dict(optim="adafactor"), {}, "not known to be elementwise"),
-    (dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}), {},
-     "use_reentrant=False"),
+    ({CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}}, {}, "use_reentrant=False"),
     ({}, dict(shardopt_config={"zero_optimization": {"stage": 3}}), "parameter sharding (stage 3) is not supported"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, optimizer={"type": "Lamb", "params": {"lr": "auto"}})), "Lamb"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, gradient_clipping=2.0)), "gradient_clipping is 2.0 in the config"),
@@ -269,3 +274,16 @@ def test_refuses_a_plain_torch_optimizer(tmp_path):
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
         ShardedTrainer(model=model, args=_args(str(tmp_path)), train_dataset=TextDataset(8),
                        optimizers=(torch.optim.AdamW(model.parameters()), None))
+
+
+def test_ci_tests_the_floors_setup_py_admits():
+    """.ci/run's second venv installs exactly the oldest transformers and accelerate that setup.py admits."""
+    import re
+
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    floors = dict(re.findall(r'"(transformers|accelerate)>=([0-9.]+)"', setup))
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    line = next(ln for ln in ci.splitlines() if ".venv-oldest/bin/pip install" in ln and "transformers==" in ln)
+    pins = dict(re.findall(r"\b(transformers|accelerate)==([0-9.]+)", line))
+    assert floors.keys() == {"transformers", "accelerate"} and pins == floors, (floors, pins)
+    assert 'PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest -q tests/test_hf_trainer.py' in ci

@@ -88,10 +88,10 @@ class ShardedTrainer(Trainer):
         if user_opt is not None and not isinstance(user_opt, ShardedOptimizer):
             refused.append(f"optimizers=({type(user_opt).__name__}, ...): pass optimizer_cls_and_kwargs=(cls, "
                            "kwargs), or a ShardedOptimizer, so that the state is sharded")
-        ck = a.activation_checkpointing_kwargs or a.gradient_checkpointing_kwargs or {}
+        name, ck = checkpointing_kwargs(a)
         if isinstance(ck, dict) and ck.get("use_reentrant"):
-            refused.append("activation_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing runs "
-                           "nested backward passes that would reduce gradients early; use use_reentrant=False")
+            refused.append(f"{name}={{'use_reentrant': True}}: reentrant checkpointing runs nested backward "
+                           "passes that would reduce gradients early; use use_reentrant=False")
         if self._shardopt_config is None or "optimizer" not in resolve_auto(
                 self._shardopt_config, a, a.world_size):
             cls, _ = self._optimizer_cls_and_kwargs()
@@ -171,15 +171,22 @@ class ShardedTrainer(Trainer):
                                     mode=self.args.torch_compile_mode)
         return wrapped
 
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        # accelerate wraps only the optimizer here (the model is ours), without device placement: it
-        # would round-trip the whole optimizer state through state_dict() (Note above).
+    def create_accelerator_and_postprocess(self):
+        # The Trainer makes its accelerator here (at construction, and again for each hyper-parameter
+        # trial). accelerate then wraps only the optimizer (the model is ours), and must do so without
+        # device placement: that would round-trip the whole optimizer state through state_dict()
+        # (Note above). Asked of prepare_optimizer, which every transformers 5.x reaches.
+        super().create_accelerator_and_postprocess()
         acc = self.accelerator
-        old, acc.device_placement = acc.device_placement, False
-        try:
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        finally:
-            acc.device_placement = old
+        prepare_optimizer = acc.prepare_optimizer
+
+        @functools.wraps(prepare_optimizer)
+        def without_device_placement(optimizer, device_placement=None):
+            if isinstance(optimizer, ShardedOptimizer):
+                device_placement = False
+            return prepare_optimizer(optimizer, device_placement=device_placement)
+
+        acc.prepare_optimizer = without_device_placement
 
     # ------------------------------------------------------------ checkpoints
     def _sharded(self) -> tuple[torch.nn.Module, ShardedOptimizer]:
@@ -209,6 +216,23 @@ class ShardedTrainer(Trainer):
         sched = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+# Note [One ShardedTrainer for every transformers 5.x]
+# setup.py admits transformers>=5 (and the accelerate>=1.3 that its Trainer needs: 1.1 and 1.2 lack
+# functions transformers 5.0 imports or calls); CI runs tests/test_hf_trainer.py on the oldest
+# (.ci/run, .venv-oldest) and the newest. Fields and hooks that later releases added are read only
+# when present, and hooks are ones every 5.x has: activation_checkpointing_kwargs is new in 5.23
+# (5.0 to 5.22 have only gradient_checkpointing_kwargs); Trainer._prepare_for_training is absent in
+# 5.0 (present in 5.18 to 5.23), so the optimizer is kept from device placement at
+# create_accelerator_and_postprocess, which 5.0 and 5.23 both call.
+def checkpointing_kwargs(args) -> tuple[str, object]:
+    """(the argument's name, its value): the activation-checkpointing keyword arguments the Trainer passes."""
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if value:
+            return name, value
+    return "gradient_checkpointing_kwargs", None
 
 
 def _autocast_forward(model: torch.nn.Module, accelerator) -> None:
