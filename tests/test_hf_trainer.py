@@ -41,7 +41,8 @@ class TextDataset(torch.utils.data.Dataset):
 def tiny_gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=24, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)  # within the 256-byte vocabulary
     return transformers.GPT2LMHeadModel(cfg)
 
 
