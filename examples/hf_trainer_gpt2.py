@@ -90,8 +90,11 @@ def main():
         gradient_accumulation_steps=1, logging_steps=max(1, a.steps // 10), save_strategy="no", bf16=a.bf16,
         disable_tqdm=True, deepspeed=config if a.mode == "deepspeed" else None)
     torch.manual_seed(0)
+    # Byte-level: 256 tokens. GPT2Config's bos/eos ids (50256) are outside that vocabulary; byte 0, which
+    # source text never holds, stands in for both.
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=256, n_positions=a.seq, n_embd=a.embd, n_layer=a.layers, n_head=max(1, a.embd // 64)))
+        vocab_size=256, n_positions=a.seq, n_embd=a.embd, n_layer=a.layers, n_head=max(1, a.embd // 64),
+        bos_token_id=0, eos_token_id=0))
     timer = StepTimer()
     kw = dict(model=model, args=args, train_dataset=SourceText(a.seq), callbacks=[timer])
     if a.mode == "shardopt":

@@ -374,9 +374,14 @@ class GradShard:
                 maxes = torch.stack(torch._foreach_norm(pieces, ord)).double()
                 local.scatter_reduce_(0, owner, maxes, reduce="amax")
             op = dist.ReduceOp.MAX
+        elif ord == 2:
+            local = self.local_square_norms()  # as at the end of backward
+            op = dist.ReduceOp.SUM
         elif ord > 0:
+            # Per piece in the pieces' dtype (a float64 _foreach_norm copies every piece first: 5x slower
+            # at 8000 pieces), summed over pieces and ranks in float64.
             if pieces:
-                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord, dtype=torch.float64)) ** ord)
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord)).double() ** ord)
             op = dist.ReduceOp.SUM
         elif ord == 0:
             if pieces:

@@ -29,6 +29,8 @@ def test_demo_launches_ranks_and_reports_loss_memory_and_time():
     assert re.search(r"ZeRO-1 \[#+\]\s+4/4 loss", out), out  # the progress bar reached the end
     assert "loss after 4 steps" in out and "largest difference over those steps" in out
     assert "ZeRO-1 rank 1" in out and "DDP + AdamW (every rank)" in out and "median step time" in out
+    # The ratio from turns in the same processes, with its range (Note [Demo step ratio]).
+    assert re.search(r"ZeRO-1 / DDP: [0-9.]+x \(range [0-9.]+-[0-9.]+ over 1 rounds: the two take turns", out), out
     # 2 ranks of ZeRO-1 with AdamW: 4 + 4 + (4 + 8) / 2 = 14 bytes per parameter against DDP's 16.
     ratio = float(re.search(r"ZeRO-1 holds ([0-9.]+)x DDP's bytes", out).group(1))
     assert 0.8 < ratio < 0.95, out

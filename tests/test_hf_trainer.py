@@ -41,7 +41,8 @@ class TextDataset(torch.utils.data.Dataset):
 def tiny_gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=24, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)  # within the 256-byte vocabulary
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -287,3 +288,23 @@ def test_ci_tests_the_floors_setup_py_admits():
     pins = dict(re.findall(r"\b(transformers|accelerate)==([0-9.]+)", line))
     assert floors.keys() == {"transformers", "accelerate"} and pins == floors, (floors, pins)
     assert 'PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest -q tests/test_hf_trainer.py' in ci
+
+
+def test_example_trains_without_warnings_of_its_own(tmp_path):
+    """docs/integrations.md's command (smaller): examples/hf_trainer_gpt2.py under torchrun, 2 processes. Its
+    GPT-2 config keeps bos/eos inside the 256-byte vocabulary, so transformers has nothing to warn about it."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         os.path.join(ROOT, "examples", "hf_trainer_gpt2.py"), "--mode", "shardopt", "--steps", "3", "--embd", "32",
+         "--layers", "1", "--seq", "32", "--batch", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["mode"] == "shardopt" and result["final_loss"] > 0 and len(result["peak_rss_MiB_per_rank"]) == 2
+    for text in ("bos_token_id", "eos_token_id", "Model config"):
+        assert text not in proc.stderr, proc.stderr[-3000:]

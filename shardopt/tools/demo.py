@@ -1,5 +1,6 @@
-"""`shardopt demo`: CPU ranks train a small GPT with ZeRO and print loss, memory per rank next to DDP's,
-and step time. Runs on every rank of an initialized gloo group (the CLI launches torchrun)."""
+"""`shardopt demo`: CPU ranks train a small GPT with ZeRO and with DDP, taking turns in the same processes, and
+print loss, memory per rank next to DDP's, and the step-time ratio with its spread (Note [Demo step ratio]).
+Runs on every rank of an initialized gloo group (the CLI launches torchrun)."""
 from __future__ import annotations
 
 import os
@@ -10,32 +11,63 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:8.1f} MiB"
 
 
-def _train(wrapper, opt, cfg, args, rank, steps, label):
-    """Trains `steps` steps with a progress bar on rank 0; returns (losses, median step time)."""
+# Note [Demo step ratio]
+# Step times swing 20-30% on a shared machine, and a run of one variant followed by a run of the other
+# puts the swing into the ratio. So, as benchmarks/bench_step.py does (Note [Turns] there), both
+# variants live in the same processes and take turns of TURN steps; each round's ratio compares
+# neighbouring turns, the first round is warm-up, and the demo prints the median ratio over rounds
+# with its range. Times are the slowest rank's.
+TURN = 5
+
+
+def _step(wrapper, opt, cfg, args, rank, step, loss_fn):
+    """One training step (as a user writes it); returns (loss, seconds)."""
     import torch
 
     from shardopt.tools.gpt import synthetic_batch
+
+    x, y = synthetic_batch(cfg, args.batch, args.seq, step, rank)
+    t0 = time.perf_counter()
+    loss = loss_fn(wrapper(x).reshape(-1, cfg.vocab), y.reshape(-1))
+    loss.backward()
+    if hasattr(opt, "clip_grad_norm"):
+        opt.clip_grad_norm(1.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), time.perf_counter() - t0
+
+
+def _train_interleaved(sides, cfg, args, rank, label):
+    """Trains both (wrapper, opt) sides args.steps steps in turns (Note [Demo step ratio]).
+
+    Returns per side: losses, and per round the mean step time (slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
     from shardopt.tools.progress import ProgressBar
 
     loss_fn = torch.nn.CrossEntropyLoss()
-    bar = ProgressBar(steps, label, enabled=rank == 0)
-    times, losses = [], []
-    for step in range(steps):
-        x, y = synthetic_batch(cfg, args.batch, args.seq, step, rank)
-        t0 = time.perf_counter()
-        loss_t = loss_fn(wrapper(x).reshape(-1, cfg.vocab), y.reshape(-1))
-        loss_t.backward()
-        if hasattr(opt, "clip_grad_norm"):
-            opt.clip_grad_norm(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss_t.item())
-        bar.update(step + 1, f"loss {losses[-1]:7.4f}  {times[-1] * 1e3:7.1f} ms/step")
-    times = sorted(times[2:] or times)
-    return losses, times[len(times) // 2]
+    bar = ProgressBar(args.steps, label, enabled=rank == 0)
+    losses = [[] for _ in sides]
+    rounds = [[] for _ in sides]
+    done = 0
+    while done < args.steps:
+        turn = min(TURN, args.steps - done)
+        for k, (wrapper, opt) in enumerate(sides):
+            dist.barrier()
+            spent = 0.0
+            for step in range(done, done + turn):
+                loss, dt = _step(wrapper, opt, cfg, args, rank, step, loss_fn)
+                losses[k].append(loss)
+                spent += dt
+            rounds[k].append(spent / turn)
+        done += turn
+        bar.update(done, f"loss {losses[0][-1]:7.4f} (DDP {losses[1][-1]:7.4f})")
+    times = torch.tensor(rounds, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return losses, times
 
 
 def _sharded(model, args):
@@ -78,15 +110,13 @@ def run(args) -> int:
         f"batch {args.batch}x{args.seq} per rank, {args.steps} steps")
     opt = _sharded(model, args)
     wrapper = shardopt.ShardedDDP(model, opt)
-    losses, step_time = _train(wrapper, opt, cfg, args, rank, args.steps, name)
-    mem = opt.memory_stats()
-
-    # The same model under DDP + AdamW(fused=True) for a few steps, for the comparison.
+    # The same model under DDP + AdamW(fused=True), trained in turns with it (Note [Demo step ratio]).
     torch.manual_seed(0)
     ref_model = GPT(cfg)
     ref = DDP(ref_model)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
-    ref_losses, ref_time = _train(ref, ref_opt, cfg, args, rank, min(args.steps, 10), "DDP")
+    (losses, ref_losses), times = _train_interleaved([(wrapper, opt), (ref, ref_opt)], cfg, args, rank, name)
+    mem = opt.memory_stats()
     params = list(ref_model.parameters())
     ddp_mem = {
         "params": sum(p.numel() * p.element_size() for p in params),
@@ -97,10 +127,9 @@ def run(args) -> int:
     everyone = [None] * ws
     dist.all_gather_object(everyone, mem)
     if rank == 0:
-        k = len(ref_losses)
         diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        print(f"\nloss after {k} steps: {name} {losses[k - 1]:.5f}, DDP {ref_losses[-1]:.5f} "
-              f"(largest difference over those steps {diff:.1e}); after {args.steps}: {losses[-1]:.5f}")
+        print(f"\nloss after {args.steps} steps: {name} {losses[-1]:.5f}, DDP {ref_losses[-1]:.5f} "
+              f"(largest difference over those steps {diff:.1e})")
         # What holds memory (memory_stats' other keys, offloaded / on_device, say where it is).
         keys = ["params", "master", "grads", "optimizer_state", "staging"]
 
@@ -116,6 +145,11 @@ def run(args) -> int:
               + f"{_mib(total(ddp_mem)):>14}")
         ratio = total(everyone[0]) / total(ddp_mem)
         print(f"  {name} holds {ratio:.2f}x DDP's bytes per rank")
-        print(f"\nmedian step time: {name} {step_time * 1e3:.1f} ms, DDP {ref_time * 1e3:.1f} ms "
-              f"({step_time / ref_time:.2f}x) on {os.cpu_count()} CPU cores, 1 thread per rank")
+        timed = times[:, 1:] if times.shape[1] > 1 else times  # the first round is warm-up
+        ratios = sorted((timed[0] / timed[1]).tolist())
+        ours, theirs = timed[0].median().item(), timed[1].median().item()
+        print(f"\nmedian step time: {name} {ours * 1e3:.1f} ms, DDP {theirs * 1e3:.1f} ms on {os.cpu_count()} CPU "
+              f"cores, 1 thread per rank")
+        print(f"  {name} / DDP: {ratios[len(ratios) // 2]:.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f} over "
+              f"{len(ratios)} rounds: the two take turns of up to {TURN} steps in the same processes)")
     return 0
