@@ -254,6 +254,7 @@ REFUSED = [
     ({}, dict(shardopt_config=dict(DS_ZERO2, optimizer={"type": "Lamb", "params": {"lr": "auto"}})), "Lamb"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, gradient_clipping=2.0)), "gradient_clipping is 2.0 in the config"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, scheduler={"type": "OneCycle", "params": {}})), "lr_scheduler_type"),
+    ({}, dict(shardopt_kwargs={"stage": 3}), "stage 3 under ShardedTrainer is not built yet"),
 ]
 
 
@@ -262,7 +263,7 @@ def test_refused_at_construction(tmp_path, args_kw, trainer_kw, expected):
     """What cannot work fails in ShardedTrainer(...), naming the fix, before any training."""
     from shardopt.integrations.transformers import ShardedTrainer
 
-    with pytest.raises((ValueError, TypeError)) as err:
+    with pytest.raises((ValueError, TypeError, NotImplementedError)) as err:
         ShardedTrainer(model=tiny_gpt2(), args=_args(str(tmp_path), **args_kw), train_dataset=TextDataset(8),
                        **trainer_kw)
     assert expected in str(err.value)

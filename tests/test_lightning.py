@@ -240,7 +240,9 @@ def test_registry_precision_and_bad_options():
         pl.Trainer(strategy="shardopt", accelerator="cpu", devices=2, logger=False, precision="64-true")
     with pytest.raises(ValueError, match="no separate '-true' half mode"):
         ShardedPrecision("bf16-true")
-    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        ShardedStrategy(stage=4)
+    with pytest.raises(NotImplementedError, match="stage 3 under the Lightning strategy is not built yet"):
         ShardedStrategy(stage=3)
     with pytest.raises(TypeError, match=r"unknown options \['bucket_size'\]"):
         ShardedStrategy(bucket_size=10)

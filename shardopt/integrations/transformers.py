@@ -65,6 +65,10 @@ class ShardedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._shardopt_config = shardopt_config
         self._shardopt_kwargs = dict(shardopt_kwargs or {})
+        if self._shardopt_kwargs.get("stage") == 3:
+            raise NotImplementedError("stage 3 under ShardedTrainer is not built yet (evaluation, generate() and "
+                                      "save_model() read whole weights): use stage 1 or 2 here, or "
+                                      "shardopt.ShardedOptimizer(stage=3) with shardopt.ShardedDDP in your own loop")
         self._check_arguments(optimizers)
         # Validated now, not at train(): a config that cannot work fails at construction.
         self._resolved = None
