@@ -36,6 +36,7 @@ VARIANTS = {
     "FSDP2 (fully_shard)": "fsdp2",
     "FSDP2 (fully_shard, reshard after forward: ZeRO-3)": "fsdp2-3",
     "FSDP2 HSDP (replicate across nodes, shard within)": "fsdp2-hsdp",
+    "FSDP2 HSDP, reshard after forward (ZeRO-3 within the node)": "fsdp2-hsdp-3",
     "DeepSpeed ZeRO-2": "deepspeed",
     "DeepSpeed ZeRO-2 + CPU Adam offload": "deepspeed-offload",
     "DeepSpeed ZeRO-3": "deepspeed-3",
@@ -50,6 +51,9 @@ VARIANTS = {
     "shardopt hybrid (fp32 hop) + overlap_gather": "shardopt-hybrid-fp32-gather",
     "shardopt hybrid + bf16 hop + overlap_gather": "shardopt-hybrid-bf16-gather",
     "shardopt hybrid + int8 hop + overlap_gather": "shardopt-hybrid-int8-gather",
+    # Stage 3 on the same mesh: parameters sharded and gathered inside the node (as HSDP).
+    "shardopt ZeRO-3 hybrid (fp32 hop)": "shardopt-hybrid-fp32-s3",
+    "shardopt ZeRO-3 hybrid + bf16 hop": "shardopt-hybrid-bf16-s3",
     # Smaller buckets start the slow link sooner in backward and leave a shorter tail after it
     # (benchmarks/results/2026-11-23-hybrid.md); -b500 = reduce_bucket_size 500k elements.
     "shardopt ZeRO-2 + overlap_gather, 500k buckets": "shardopt-2-gather-b500",
@@ -133,7 +137,7 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
                                       weight_decay=WD, fused=True)
         return _torch_style(DDP(model), opt)
-    if kind in ("fsdp2", "fsdp2-hsdp", "fsdp2-3"):
+    if kind in ("fsdp2", "fsdp2-hsdp", "fsdp2-3", "fsdp2-hsdp-3"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -144,7 +148,7 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
         else:  # HSDP: a 2D mesh, replicas across nodes, shards within one (torchrun's LOCAL_WORLD_SIZE)
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
-        reshard = kind == "fsdp2-3"  # ZeRO-3: parameters freed after forward, gathered again for backward
+        reshard = kind.endswith("-3")  # ZeRO-3: parameters freed after forward, gathered again for backward
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -168,8 +172,8 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
 
 def _shardopt_kwargs(kind: str) -> dict:
     """ShardedOptimizer's arguments for a kind: shardopt-{1,2}[-gather|-offload] or
-    shardopt-hybrid-{fp32,bf16,int8}[-gather] (ZeRO-2 sharded inside a node, the gradient's
-    inter-node hop in that format)."""
+    shardopt-hybrid-{fp32,bf16,int8}[-gather|-s3] (ZeRO-2, or ZeRO-3 with -s3, sharded inside a node,
+    the gradient's inter-node hop in that format)."""
     import shardopt
 
     parts = kind.split("-")[1:]
@@ -181,7 +185,9 @@ def _shardopt_kwargs(kind: str) -> dict:
         kw["stage"] = int(parts[0])
         options = parts[1:]
     for option in options:
-        if option == "gather":  # the all-gather finishes during the next forward
+        if option == "s3":  # stage 3: parameters too sharded inside the node
+            kw["stage"] = 3
+        elif option == "gather":  # the all-gather finishes during the next forward
             kw["overlap_gather"] = True
         elif option == "offload":  # the library's own fused CPU Adam over host master chunks
             del kw["fused"]
@@ -206,7 +212,8 @@ def _shardopt_kwargs(kind: str) -> dict:
 # - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
 #   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
-#   256 elements.
+#   256 elements. Stage 3 on the mesh (and HSDP with reshard after forward)
+#   gathers parameters twice per step, but inside the node: the same bytes.
 # - Others (torch ZeRO's broadcasts, FSDP2 flat and DeepSpeed over gloo, whose
 #   reduce-scatter is an all-reduce): not derived here; the column stays empty.
 def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -> float | None:
@@ -218,7 +225,7 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)
     shape = MeshShape(world // per_node, per_node)
-    if kind == "fsdp2-hsdp":
+    if kind in ("fsdp2-hsdp", "fsdp2-hsdp-3"):
         return hop_link_bytes(shape, grad_bytes)
     if kind.startswith("shardopt-hybrid-"):
         fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[HOP_DTYPES[kind.split("-")[2]]]

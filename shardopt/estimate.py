@@ -112,8 +112,6 @@ class EstimateConfig:
             raise ValueError(f"shards must divide world_size ({self.world_size}), got {self.shards}")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage}")
-        if self.stage == 3 and self.shards not in (None, self.world_size):
-            raise ValueError("stage 3 with hybrid sharding is not built yet: estimate it flat (no shards)")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
         if self.optimizer not in STATE_PER_ELEMENT:

@@ -92,13 +92,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_group = self.sharding.world
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
-        if self.config.stage == 3 and self.sharding.shape.hybrid:
-            raise NotImplementedError("stage 3 with a mesh / shard_group='node' (parameters gathered inside the "
-                                      "node) is not built yet: use stage 3 flat, or stage 2 with the mesh")
-        if self.sharding.shape.hybrid and self._params[0].device.type != "cpu":
+        where = _device_ops.materialization_device(self._params[0].device)  # a meta model's too
+        if self.sharding.shape.hybrid and where.type != "cpu":
             raise NotImplementedError(
                 f"hybrid sharding's inter-node hop runs on CPU tensors (gloo) in this release; the model is on "
-                f"{self._params[0].device}. Shard flat (process_group=...) for now.")
+                f"{where}. Shard flat (process_group=...) for now.")
         if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid:
             if mesh is None and shard_group is None:
                 raise ValueError("inter_node_dtype compresses the inter-node hop of hybrid sharding: pass "

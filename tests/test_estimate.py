@@ -88,5 +88,3 @@ def test_bad_estimate_input_names_the_fix():
         meta_model("shardopt.tools.gpt:GPT")
     with pytest.raises(ValueError, match="stage"):
         EstimateConfig(stage=4)
-    with pytest.raises(ValueError, match="stage 3 with hybrid"):
-        EstimateConfig(stage=3, world_size=4, shards=2)

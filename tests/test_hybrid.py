@@ -264,19 +264,25 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     # A compressed hop is held to the loss only: Adam normalizes every element's update, so
     # the rounding of tiny gradients moves single weights further than it moves the loss.
     tol = 1e-5 if dtype == torch.float32 and hop is None else 2e-2 if hop is None else float("inf")
-    for (name, p), q in zip(((n, p) for n, p in ref.model.named_parameters()), model.parameters()):
-        err = ((p.float() - q.float()).abs().max() / p.float().abs().max().clamp_min(1e-12)).item()
-        if err > tol:
-            failures.append(f"{what}: final {name} relative error {err:.2e}")
+    with opt.full_params(writeback=False):  # stage 3: parameters are whole only inside
+        for (name, p), q in zip(((n, p) for n, p in ref.model.named_parameters()), model.parameters()):
+            err = ((p.float() - q.float()).abs().max() / p.float().abs().max().clamp_min(1e-12)).item()
+            if err > tol:
+                failures.append(f"{what}: final {name} relative error {err:.2e}")
     # Replicas must hold bit-equal parameters (their shards took the same hop results).
     if opt.sharding.replicate is not None:
-        copies = [torch.empty_like(opt.flat_param) for _ in range(shape[0])]
-        dist.all_gather(copies, opt.flat_param, group=opt.sharding.replicate)
+        mine = opt.flat_param if opt.param_shard is None else opt.param_shard.shard
+        copies = [torch.empty_like(mine) for _ in range(shape[0])]
+        dist.all_gather(copies, mine, group=opt.sharding.replicate)
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: replicas hold different parameters")
-    # Memory is that of flat sharding over the shard group.
+    # Memory is that of flat sharding over the shard group (stage 3: the parameters' too).
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
+    if stage == 3 and (opt.param_shard.shard.numel() * shape[1] != opt.layout.total_numel
+                       or opt.param_shard.live_bytes()):
+        failures.append(f"{what}: parameter shard has {opt.param_shard.shard.numel()} elements (not 1/{shape[1]}) "
+                        f"and {opt.param_shard.live_bytes()} bytes gathered between steps")
     return failures
 
 
@@ -293,7 +299,9 @@ class _null:
 _CONFIGS = [("adamw", 2, 300, torch.float32, 0.5, True, False),
             ("sgd", 1, 1000, torch.float32, None, False, True),
             ("sgd", 2, 10**6, torch.float32, 0.3, False, False),
-            ("adamw", 2, 1000, torch.bfloat16, None, False, False)]
+            ("adamw", 2, 1000, torch.bfloat16, None, False, False),
+            ("adamw", 3, 300, torch.float32, 0.5, True, False),
+            ("sgd", 3, 1000, torch.float32, None, False, False)]
 
 
 def _parity(rank, world_size, shapes):
@@ -318,7 +326,10 @@ def _compressed(rank, world_size):
 
     out = []
     for hop in (torch.bfloat16, "int8"):
-        out += _train(rank, world_size, (2, 2), "adamw", 2, 1000, torch.float32, 0.5, False, False, hop=hop)
+        for stage in (2, 3):
+            out += _train(rank, world_size, (2, 2), "adamw", stage, 1000, torch.float32, 0.5, False, False,
+                          hop=hop)
+    out += _meta_on_a_mesh(rank)
     torch.manual_seed(0)
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-2, reduce_bucket_size=1000, mesh=_mesh((2, 2)),
@@ -343,54 +354,79 @@ def _compressed(rank, world_size):
     return out
 
 
+def _meta_on_a_mesh(rank):
+    """Stage 3 on a 2 x 2 mesh builds a meta-device model shard by shard: the eager build's values, and
+    each rank holds 1/K of them."""
+    import shardopt
+
+    torch.manual_seed(0)
+    eager = AwkwardNet()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(lazy.parameters(), lr=1e-2, stage=3, reduce_bucket_size=300,
+                                    mesh=_mesh((2, 2)))
+    wrapper = shardopt.ShardedDDP(lazy, opt)
+    out = []
+    if opt.param_shard.peak_live >= opt.layout.total_numel * 4:
+        out.append(f"meta on a mesh: {opt.param_shard.peak_live} bytes gathered at once while building")
+    got = wrapper.module.state_dict()  # whole weights (a collective)
+    out += [f"meta on a mesh: {k} differs from the eager build" for k, v in eager.state_dict().items()
+            if not torch.equal(v, got[k])]
+    return out
+
+
 def test_compressed_hops_train_close_to_exact():
     for rank, failures in enumerate(run_ranks(_compressed, 4, timeout=300)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
 
 
 # ------------------------------------------------------------------ checkpoints across meshes
-def _ckpt_save(rank, world_size, path, shape):
+def _ckpt_save(rank, world_size, path, shape, stage=2):
     import shardopt
 
     torch.manual_seed(0)
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                    reduce_bucket_size=300, **({"mesh": _mesh(shape)} if shape else {}))
+                                    reduce_bucket_size=300, stage=stage,
+                                    **({"mesh": _mesh(shape)} if shape else {}))
     wrapper = shardopt.ShardedDDP(model, opt)
     for step in range(3):
         _loss(wrapper, step, rank).backward()
         opt.step()
         opt.zero_grad()
-    shardopt.save_checkpoint(path, wrapper, opt, tag=f"from-{shape}")
+    shardopt.save_checkpoint(path, wrapper, opt, tag=f"from-{shape}-{stage}")
     opt.consolidate_state_dict(to=0)
+    weights = {k: v.clone() for k, v in wrapper.module.state_dict().items()}  # whole (a collective at stage 3)
     if rank == 0:
-        torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()},
-                   os.path.join(path, f"want-{shape}.pt"))
+        torch.save({"model": weights, "optim": opt.state_dict()}, os.path.join(path, f"want-{shape}-{stage}.pt"))
     dist.barrier()
-    return sorted(os.listdir(os.path.join(path, f"from-{shape}")))
+    return sorted(os.listdir(os.path.join(path, f"from-{shape}-{stage}")))
 
 
-def _ckpt_load(rank, world_size, path, saved_shape, shape):
+def _ckpt_load(rank, world_size, path, saved_shape, shape, saved_stage=2, stage=2):
     import shardopt
 
     torch.manual_seed(1)  # other weights: the load must replace them
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                    reduce_bucket_size=1000, **({"mesh": _mesh(shape)} if shape else {}))
+                                    reduce_bucket_size=1000, stage=stage,
+                                    **({"mesh": _mesh(shape)} if shape else {}))
     wrapper = shardopt.ShardedDDP(model, opt)
-    shardopt.load_checkpoint(path, wrapper, opt, tag=f"from-{saved_shape}")
+    shardopt.load_checkpoint(path, wrapper, opt, tag=f"from-{saved_shape}-{saved_stage}")
     opt.consolidate_state_dict(to=0)
+    weights = wrapper.module.state_dict()  # whole (a collective at stage 3)
     out = []
     if rank == 0:
-        want = torch.load(os.path.join(path, f"want-{saved_shape}.pt"))
-        for k, v in model.state_dict().items():
+        want = torch.load(os.path.join(path, f"want-{saved_shape}-{saved_stage}.pt"))
+        for k, v in weights.items():
             if not torch.equal(v, want["model"][k]):
-                out.append(f"{saved_shape} -> {shape}: {k} differs")
+                out.append(f"{saved_shape} stage {saved_stage} -> {shape} stage {stage}: {k} differs")
         got = opt.state_dict()
         for i, s in want["optim"]["state"].items():
             for k, v in s.items():
                 if not torch.equal(torch.as_tensor(v), torch.as_tensor(got["state"][i][k])):
-                    out.append(f"{saved_shape} -> {shape}: state {i} {k} differs")
+                    out.append(f"{saved_shape} stage {saved_stage} -> {shape} stage {stage}: state {i} {k} differs")
     # Training goes on (a step over the loaded state, every replica alike).
     _loss(wrapper, 5, rank).backward()
     opt.step()
@@ -408,6 +444,13 @@ def test_checkpoints_move_between_meshes_and_flat(tmp_path):
             assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
     for rank, failures in enumerate(run_ranks(_ckpt_load, 2, path, (2, 2), (2, 1), timeout=120)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+    # Stage 3 on a mesh: its checkpoint is the same format (one file per shard), read at any stage and shape.
+    files = run_ranks(_ckpt_save, 4, path, (2, 2), 3, timeout=120)[0]
+    assert [f for f in files if f.startswith("rank-")] == ["rank-00000.bin", "rank-00001.bin"], files
+    for n, saved, shape, stages in ((4, (2, 2), None, (3, 2)), (4, None, (2, 2), (2, 3)),
+                                    (2, (2, 2), (2, 1), (3, 3))):
+        for rank, failures in enumerate(run_ranks(_ckpt_load, n, path, saved, shape, *stages, timeout=120)):
+            assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
 
 
 # ------------------------------------------------------------------ the int8 residual in checkpoints
@@ -607,5 +650,9 @@ def test_estimate_counts_state_per_shard_group():
     int8 = estimate(shapes, EstimateConfig(world_size=8, shards=2, inter_node_dtype="int8"))
     assert int8.hop_residual == pytest.approx(4 * 1_001_000 / 2 * (1 + 1 / 4), rel=1e-3)
     assert int8.total == hybrid.total + int8.hop_residual
+    # Stage 3 on a mesh: parameters too are 1/K per rank (plus the buckets gathered at once).
+    s3 = estimate(shapes, EstimateConfig(world_size=8, shards=2, stage=3, reduce_bucket_size=10**6))
+    s3_flat2 = estimate(shapes, EstimateConfig(world_size=2, stage=3, reduce_bucket_size=10**6))
+    assert s3.params == s3_flat2.params and s3.params - s3.gathered == pytest.approx(4 * 1_001_000 / 2, rel=1e-3)
     with pytest.raises(ValueError, match="shards must divide"):
         EstimateConfig(world_size=6, shards=4)
