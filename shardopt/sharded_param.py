@@ -93,6 +93,7 @@ class ParamShard:
         self.state = [FREE] * len(layout.buckets)
         self.handles: dict[int, object] = {}
         self.schedule: Stage3Schedule | None = None  # set when ShardedDDP attaches (it knows the modules)
+        self._seam: frozenset = frozenset()  # Note [The seam between forward and backward]
         self.round: _Round | None = None
         self.backwards_owed = 0  # grad-enabled forwards whose backward round has not run on this rank
         self.num_gathers = 0
@@ -284,13 +285,16 @@ class ParamShard:
         """The root module's forward returned (or raised): the rest of the round, then frees.
 
         With reshard_after_forward=False a forward whose backward will follow keeps
-        everything gathered for it (its backward round gathers nothing)."""
+        everything gathered for it (its backward round gathers nothing); with True it
+        keeps the buckets that backward needs first (Note [The seam between forward
+        and backward])."""
         if self.round is None or self.round.kind != "forward":
             return
         self._finish_round_gathers()
-        keep = grad_enabled and not self.reshard_after_forward
+        keep_all = grad_enabled and not self.reshard_after_forward
+        seam = self._seam if grad_enabled else ()
         for b in range(len(self.full)):
-            if keep:
+            if keep_all or b in seam:
                 if self.state[b] == GATHERING:
                     self._wait(b)
             else:
@@ -385,9 +389,10 @@ class ParamShard:
         if r is None or r.kind != "forward" or module_id in r.ran:
             return
         r.ran.add(module_id)
+        seam = self._seam if torch.is_grad_enabled() else ()
         for b in buckets:
             r.users[b] -= 1
-            if r.users[b] == 0 and self.reshard_after_forward:
+            if r.users[b] == 0 and self.reshard_after_forward and b not in seam:
                 self._free(b)
 
     def grad_ready(self, index: int) -> None:
@@ -405,8 +410,22 @@ class ParamShard:
                     self._free(b)
 
     # ------------------------------------------------------------- attaching
+    # Note [The seam between forward and backward]
+    # ---------------------------------------------
+    # With reshard_after_forward the forward frees a bucket once its modules have
+    # returned, and the backward gathers it again. The buckets the backward round
+    # starts with (the root's own layers and the last block: the first entries
+    # of schedule.backward, as many as the backward's first wait plus its
+    # prefetch would gather) are the last the forward used, and nothing runs
+    # between the two passes that could hide their gather: freeing them only to
+    # wait for them again at once costs a whole exposed gather per step and
+    # saves no peak memory (the backward holds them right away). So a forward
+    # whose backward will follow keeps them (FSDP2 likewise does not reshard the
+    # root after forward); a no-grad forward (evaluation) frees everything.
     def attach(self, schedule: Stage3Schedule) -> None:
         self.schedule = schedule
+        depth = 1 + self.prefetch if self.max_live is None else min(1 + self.prefetch, self.max_live)
+        self._seam = frozenset(schedule.backward[:depth])
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a bucket's full storage (memory that a free gives back)."""

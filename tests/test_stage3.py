@@ -142,16 +142,34 @@ def _one_rank_branches(rank, world_size):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return opt.param_shard.num_gathers
+    shard = opt.param_shard
+    gathers = shard.num_gathers
+    # Note [The seam between forward and backward]: a forward whose backward follows keeps the buckets
+    # the backward starts with, and the backward does not gather them again; a no-grad forward keeps none.
+    seam = sorted(shard.schedule.backward[:1 + shard.prefetch])
+    x, y = batch(9, rank)
+    with torch.no_grad():
+        wrapper(x, None)
+    after_eval = [b for b, st in enumerate(shard.state) if st != "free"]
+    loss = torch.nn.functional.cross_entropy(wrapper(x, None).reshape(-1, VOCAB), y.reshape(-1))
+    after_forward = [b for b, st in enumerate(shard.state) if st != "free"]
+    loss.backward()
+    opt.step()
+    n = len(shard.schedule.forward)
+    return gathers, dict(seam=seam, after_eval=after_eval, after_forward=after_forward,
+                         eval_and_step=shard.num_gathers - gathers, want=n + 2 * n - len(seam))
 
 
 def test_a_rank_that_skips_a_module_does_not_hang():
     # If gathers followed module calls, rank 0 would wait in expert 0's gather for a rank that never
     # issues it (DeepSpeed stage 3's hang): with the fixed schedule both ranks issue the same gathers.
     t0 = time.perf_counter()
-    gathers = run_ranks(_one_rank_branches, 2, timeout=120, collective_timeout=20)
-    assert gathers[0] == gathers[1] > 0
+    results = run_ranks(_one_rank_branches, 2, timeout=120, collective_timeout=20)
+    assert results[0][0] == results[1][0] > 0
     assert time.perf_counter() - t0 < 60
+    for gathers, seam in results:
+        assert len(seam["seam"]) == 2 and seam["after_eval"] == [] and seam["after_forward"] == seam["seam"], seam
+        assert seam["eval_and_step"] == seam["want"], seam
 
 
 # ------------------------------------------------- state dicts, full_params, memory
