@@ -53,13 +53,13 @@ def _env(rank, world_size):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
 
 
-def _args(out, **kw):
+def _args(out, cls=None, **kw):
     base = dict(output_dir=out, report_to="none", use_cpu=True, seed=0, logging_steps=1, save_strategy="no",
                 per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=6, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=0.5,
                 ddp_find_unused_parameters=False, disable_tqdm=True, dataloader_num_workers=0)
     base.update(kw)
-    return transformers.TrainingArguments(**base)
+    return (cls or transformers.TrainingArguments)(**base)
 
 
 def _fit(sharded, args, resume=None, dataset=48, cls=None, **kw):
@@ -217,7 +217,7 @@ GENERATED = 5
 
 
 def _seq2seq_args(out, **kw):
-    return transformers.Seq2SeqTrainingArguments(**_args(out, **kw).to_dict() | dict(predict_with_generate=True))
+    return _args(out, cls=transformers.Seq2SeqTrainingArguments, predict_with_generate=True, **kw)
 
 
 class Prompts(torch.utils.data.Dataset):
