@@ -404,6 +404,25 @@ def test_refused_at_construction(tmp_path, args_kw, trainer_kw, expected):
     assert expected in str(err.value)
 
 
+def test_zero3_config_builds_and_sets_what_save_model_writes(tmp_path):
+    """DS_ZERO2 made ZeRO-3 the way the Trainer's DeepSpeed docs write one ("auto" stage-3 sizes included):
+    accepted at construction; stage3_gather_16bit_weights_on_model_save decides what save_model() writes
+    (absent: DeepSpeed's false), and the argument overrides it."""
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    zero = {k: v for k, v in DS_ZERO2["zero_optimization"].items() if k not in ("allgather_partitions", "reduce_scatter",
+                                                                               "allgather_bucket_size")}
+    zero.update(stage=3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
+                stage3_param_persistence_threshold="auto", stage3_max_live_parameters=1e9,
+                stage3_max_reuse_distance=1e9, sub_group_size=1e9)
+    for key, kw, expected in ((True, {}, True), (None, {}, False), (False, dict(gather_weights_on_save=True), True)):
+        cfg = dict(DS_ZERO2, zero_optimization=dict(zero, **(
+            {} if key is None else {"stage3_gather_16bit_weights_on_model_save": key})))
+        trainer = ShardedTrainer(model=tiny_gpt2(), args=_args(str(tmp_path)), train_dataset=TextDataset(8),
+                                 shardopt_config=cfg, **kw)
+        assert trainer.gather_weights_on_save is expected, (key, kw)
+
+
 def test_refuses_a_plain_torch_optimizer(tmp_path):
     from shardopt.integrations.transformers import ShardedTrainer
 
