@@ -105,7 +105,27 @@ class ShardedDDP(nn.Module):
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
-        weakref.finalize(self, _detach, handles, optimizer, module)
+        self._finalizer = weakref.finalize(self, _detach, handles, optimizer, module)
+
+    def detach(self) -> nn.Module:
+        """Removes every hook this wrapper installed and returns the module, a plain nn.Module again with its
+        whole weights (as DDP leaves a model after training).
+
+        At stage 3 the parameters are gathered first (a collective: every rank calls it) and keep their
+        values in tensors of their own; the rank holds the whole model from then on. The optimizer is done
+        with this model: it refuses to step, and its full_params() no longer reaches the module.
+        """
+        opt = self.optimizer
+        whole = None
+        if opt.param_shard is not None:
+            with opt.full_params(writeback=False), torch.no_grad():
+                whole = [p.detach().clone() for p in opt._params]
+        self._finalizer()
+        if whole is not None:
+            with torch.no_grad():
+                for p, value in zip(opt._params, whole):
+                    p.data = value
+        return self.module
 
     def _install_gather_waits(self, waits) -> list:
         """Hooks that wait for parameters still being gathered (Note [Gathering in the next forward])."""

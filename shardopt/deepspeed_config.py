@@ -12,8 +12,8 @@ refused, and all refused keys are reported together in one error (a user
 fixing a config should not discover problems one run at a time):
 
 * translated: `zero_optimization` (stage, bucket sizes, overlap_comm, optimizer
-  offload), `optimizer`, `gradient_clipping`, `fp16`, `bf16`,
-  `communication_data_type`;
+  offload, the stage-3 keys of Note [DeepSpeed's stage-3 keys]), `optimizer`,
+  `gradient_clipping`, `fp16`, `bf16`, `communication_data_type`;
 * accepted without effect, because shardopt always behaves that way or the key
   only concerns DeepSpeed's own bookkeeping: e.g. `contiguous_gradients` (our
   gradients are always in one flat buffer), `prescale_gradients` (we always
@@ -47,6 +47,39 @@ numbers, so that the same config means the same training:
 Bucket sizes and overlap_comm only change speed and memory; when absent,
 shardopt's own defaults apply (Note [Default bucket sizes] in config.py), not
 DeepSpeed's 5e8-element single bucket.
+
+Note [DeepSpeed's stage-3 keys]
+-------------------------------
+At stage 3 (DeepSpeed 0.19 reads them only there; at 1 and 2 they are accepted
+and ignored, as DeepSpeed does):
+* stage3_prefetch_bucket_size, stage3_max_live_parameters,
+  stage3_param_persistence_threshold -> prefetch_bucket_size,
+  max_live_parameters, param_persistence_threshold (elements, as DeepSpeed
+  counts them; docs/zero3.md). Absent: shardopt's defaults (they change memory
+  and speed, never the numbers). stage3_allgather_sequential = true ->
+  prefetch_bucket_size = 0 (what DeepSpeed makes of it: no prefetch).
+* stage3_max_reuse_distance: accepted without effect. DeepSpeed keeps a
+  parameter after a module's forward if the trace says it is used again within
+  that many elements; shardopt's schedule keeps a bucket until the last module
+  of the pass that waits for it has run, however far (Note [Stage-3 schedule]
+  in prefetch.py), which is DeepSpeed's behaviour at its default 1e9. A smaller
+  distance only frees earlier (memory, not results); the schedule has no such
+  knob, so the value does not change what happens.
+* stage3_gather_16bit_weights_on_model_save (and its older fp16 spelling): not
+  an optimizer option. ShardedTrainer reads it (`Translation.gather_weights_on_save`):
+  true -> save_model() writes whole weights from rank 0; false (DeepSpeed's
+  default) -> it writes shardopt's sharded checkpoint instead. In a loop of
+  one's own it has no role: model.state_dict() at stage 3 is always whole.
+* allgather_bucket_size: DeepSpeed's stage 3 does not read it, and a stage-3
+  bucket is always gathered whole (the gather unit is reduce_bucket_size):
+  accepted without effect.
+* offload_param with device "cpu" / "nvme" is refused: a rank keeps its 1/N of
+  the parameters on the model's device (offload_optimizer "cpu" moves the
+  fp32 masters, the gradient shard and the optimizer state, 14 of AdamW's 16
+  bytes per parameter). Device "none" is accepted.
+* stage3_model_persistence_threshold, stage3_module_granularity_threshold,
+  stage3_use_all_reduce_for_fetch_params, MiCS and quantized-weight keys: only
+  at their defaults (what shardopt does); any other value is refused by name.
 """
 from __future__ import annotations
 
@@ -54,6 +87,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -68,6 +102,29 @@ _LOOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 _ZERO_NO_EFFECT = {
     "contiguous_gradients", "ignore_unused_parameters", "round_robin_gradients", "elastic_checkpoint",
     "load_from_fp32_weights", "sub_group_size",
+    # DeepSpeed's own implementation details at stage 3 (its autograd function for linear layers, its
+    # patch of Module.apply under zero.Init, its trace-cache logging): the numbers do not depend on them.
+    "memory_efficient_linear", "override_module_apply", "log_trace_cache_warnings",
+}
+# Stage-3 keys, DeepSpeed's spelling -> ShardedOptimizer's (Note [DeepSpeed's stage-3 keys]).
+_STAGE3_SIZES = {"stage3_prefetch_bucket_size": "prefetch_bucket_size", "prefetch_bucket_size": "prefetch_bucket_size",
+                 "stage3_max_live_parameters": "max_live_parameters", "max_live_parameters": "max_live_parameters",
+                 "stage3_param_persistence_threshold": "param_persistence_threshold",
+                 "param_persistence_threshold": "param_persistence_threshold"}
+_STAGE3_NO_EFFECT = {"stage3_max_reuse_distance", "max_reuse_distance", "allgather_bucket_size"}
+_STAGE3_GATHER_ON_SAVE = {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                          "gather_16bit_weights_on_model_save"}
+_STAGE3_ONLY_VALUE = {
+    "stage3_model_persistence_threshold": (sys.maxsize, "shardopt has no bound on all persistent parameters "
+                                           "together; use stage3_param_persistence_threshold"),
+    "model_persistence_threshold": (sys.maxsize, "shardopt has no bound on all persistent parameters together; "
+                                    "use stage3_param_persistence_threshold"),
+    "stage3_module_granularity_threshold": (0, "shardopt gathers by bucket, never by module group; set "
+                                            "reduce_bucket_size to change the gather unit"),
+    "stage3_use_all_reduce_for_fetch_params": (False, "parameters are always fetched with an all-gather"),
+    "mics_shard_size": (-1, "MiCS is not supported; shardopt's hybrid sharding is shard_group='node' / mesh= "
+                        "(stage 1/2)"),
+    "mics_hierarchical_params_gather": (False, "MiCS is not supported"),
 }
 # Accepted only at the value that describes what shardopt does.
 _ZERO_ONLY_VALUE = {"reduce_scatter": True, "allgather_partitions": True, "zero_hpz_partition_size": 1,
@@ -112,6 +169,9 @@ class Translation:
     """Keys accepted without effect on the optimizer (training-loop keys and no-op keys)."""
     gradient_accumulation_steps: int = 1
     """The config's accumulation, which the training loop must now do itself."""
+    gather_weights_on_save: bool | None = None
+    """Stage 3: the config's stage3_gather_16bit_weights_on_model_save (None: absent), for trainers that save
+    models (Note [DeepSpeed's stage-3 keys])."""
 
 
 def load_config(config) -> dict:
@@ -179,20 +239,19 @@ def _zero(r: _Reader, z: dict, out: dict) -> str:
         r.refuse("zero_optimization", z, "must be an object")
         return "none"
     stage = z.get("stage", 0)
-    if stage in (1, 2) and not isinstance(stage, bool):
+    if stage in (1, 2, 3) and not isinstance(stage, bool):
         out["stage"] = stage
     elif stage == 0:
         r.refuse("zero_optimization.stage", stage, "stage 0 is plain data parallelism: use torch's "
-                 "DistributedDataParallel, or set stage 1 or 2")
-    elif stage == 3:
-        r.refuse("zero_optimization.stage", stage, "parameter sharding (stage 3) is not supported: use stage 2, "
-                 "or torch FSDP2 (torch.distributed.fsdp.fully_shard)")
+                 "DistributedDataParallel, or set stage 1, 2 or 3")
     else:
-        r.refuse("zero_optimization.stage", stage, "must be 1 or 2")
+        r.refuse("zero_optimization.stage", stage, "must be 1, 2 or 3")
     offload, pin = "none", None
     for key, value in z.items():
         path = f"zero_optimization.{key}"
         if key == "stage":
+            continue
+        if stage == 3 and _stage3_key(r, path, key, value, out):
             continue
         if key in ("reduce_bucket_size", "allgather_bucket_size"):
             n = r.whole(path, value)
@@ -227,6 +286,37 @@ def _zero(r: _Reader, z: dict, out: dict) -> str:
         if pin is not None:
             out["pin_memory"] = pin
     return offload
+
+
+def _stage3_key(r: _Reader, path: str, key: str, value, out: dict) -> bool:
+    """A zero_optimization key read the stage-3 way (Note [DeepSpeed's stage-3 keys]); False: not one of them."""
+    if key in _STAGE3_SIZES:
+        n = r.whole(path, value, minimum=0)
+        if n is not None:
+            out[_STAGE3_SIZES[key]] = n
+    elif key in _STAGE3_NO_EFFECT:
+        if key != "allgather_bucket_size" or _is_auto(value) or r.whole(path, value) is not None:
+            r.ignored.append(path)
+    elif key in _STAGE3_GATHER_ON_SAVE:
+        if r.flag(path, value) is not None:
+            out["gather_weights_on_save"] = value
+    elif key in ("stage3_allgather_sequential", "allgather_sequential"):
+        if r.flag(path, value):
+            out["prefetch_bucket_size"] = 0
+    elif key in ("offload_param", "cpu_offload_param"):
+        device = value.get("device", "none") if isinstance(value, dict) else ("cpu" if value else "none")
+        if value is not None and device not in ("none", None):
+            r.refuse(path, value, "parameter offload is not supported: a rank keeps its 1/N of the parameters on "
+                     "the model's device; offload_optimizer.device = \"cpu\" moves the fp32 master weights, the "
+                     "gradient shard and the optimizer state (14 of AdamW's 16 bytes per parameter). Remove "
+                     "offload_param (or set its device to \"none\")")
+    elif key in _STAGE3_ONLY_VALUE:
+        want, why = _STAGE3_ONLY_VALUE[key]
+        if value != want or isinstance(value, bool) != isinstance(want, bool):
+            r.refuse(path, value, f"only {json.dumps(want)}: {why}")
+    else:
+        return False
+    return True
 
 
 def _offload(r: _Reader, path: str, value, offload, pin):
@@ -393,7 +483,7 @@ def translate(config) -> Translation:
     if "zero_optimization" in config:
         offload = _zero(r, config["zero_optimization"], out)
     else:
-        r.refuse("zero_optimization", None, "missing: add {\"stage\": 2} (or 1)")
+        r.refuse("zero_optimization", None, "missing: add {\"stage\": 2} (or 1 or 3)")
     optim, optim_kwargs = None, {}
     if "optimizer" in config:
         optim, optim_kwargs = _optimizer(r, config["optimizer"], offload)
@@ -422,8 +512,10 @@ def translate(config) -> Translation:
     if r.problems:
         raise ValueError("this DeepSpeed config cannot be used as is:\n" + "\n".join(r.problems)
                          + "\n(see Note [DeepSpeed keys: translated, accepted, refused] in shardopt/deepspeed_config.py)")
+    gather_on_save = out.pop("gather_weights_on_save", None)
     return Translation(optim=optim, optim_kwargs=optim_kwargs, kwargs=out, param_dtype=dtype,
-                       ignored=tuple(r.ignored), gradient_accumulation_steps=gas)
+                       ignored=tuple(r.ignored), gradient_accumulation_steps=gas,
+                       gather_weights_on_save=gather_on_save)
 
 
 def _first_param(params: list):

@@ -17,7 +17,12 @@ gets an obvious shape error instead of freed memory; `opt.full_params()`
 gathers everything for such code. Autograd saves weights for backward
 (x @ W saves W); saved views of a bucket are packed as (bucket, size, stride,
 offset) and unpacked by asking for the bucket again, which is what moves the
-backward round forward. Gathers write through a second tensor on the same
+backward round forward. A gradient is laid out like its parameter when
+autograd accumulates it (AccumulateGrad copies it into the parameter's shape
+and strides), so a parameter whose weight no backward formula saves (an
+embedding's weight, a bias that is only added) asks for its bucket just
+before its gradient lands (`before_grad`); the bucket is in the backward
+round's order, so this only moves its gather earlier. Gathers write through a second tensor on the same
 storage (`_comm`), so autograd's version counter of the parameters' views is
 not bumped by the collective that refills them.
 """
@@ -382,6 +387,13 @@ class ParamShard:
                     self._advance(at)
             self._wait(b)
         self._advance(None)
+
+    def before_grad(self, index: int) -> None:
+        """Parameter `index`'s gradient is about to be accumulated: its bucket must be whole (Note [Parameters
+        between gathers])."""
+        buckets = [b for b in self._bucket_of_param[index] if self.state[b] != LIVE]
+        if buckets:
+            self.need(buckets)
 
     def forward_done(self, module_id: int, buckets) -> None:
         """A module's forward returned: buckets every waiting module has now used may go."""

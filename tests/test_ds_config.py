@@ -108,7 +108,7 @@ def test_every_unsupported_key_and_auto_value_in_one_error():
     assert msg.count("\n  ") == 7  # one line per problem, the "auto" values together
 
 
-@pytest.mark.parametrize("zero, needle", [({"stage": 3}, "FSDP2"), ({"stage": 0}, "DistributedDataParallel"),
+@pytest.mark.parametrize("zero, needle", [({"stage": 4}, "must be 1, 2 or 3"), ({"stage": 0}, "DistributedDataParallel"),
                                           ({"stage": 2, "reduce_bucket_size": 0}, "whole number >= 1")])
 def test_bad_zero_values_name_the_fix(zero, needle):
     with pytest.raises(ValueError, match=needle):
@@ -136,7 +136,7 @@ def test_json_path_dtype_checks_and_accumulation_warning(tmp_path):
 
 
 # --------------------------------------------------------------- 2-rank parity
-def _run_both(rank, world_size, config, kwargs, steps=4):
+def _run_both(rank, world_size, config, kwargs, steps=4, overrides=None):
     """Trains AwkwardNet once from the config and once from kwargs; returns both losses and params."""
     import copy
 
@@ -146,7 +146,7 @@ def _run_both(rank, world_size, config, kwargs, steps=4):
     for build in ("config", "kwargs"):
         model = copy.deepcopy(base)
         if build == "config":
-            opt = shardopt.ShardedOptimizer.from_config(model.parameters(), config)
+            opt = shardopt.ShardedOptimizer.from_config(model.parameters(), config, **(overrides or {}))
         else:
             opt = shardopt.ShardedOptimizer(model.parameters(), **kwargs)
         wrapper = shardopt.ShardedDDP(model, opt)
@@ -159,8 +159,9 @@ def _run_both(rank, world_size, config, kwargs, steps=4):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        out.append((losses, [p.detach().clone() for p in model.parameters()],
-                    type(opt.inner).__name__, opt.layout.bucket_numel, opt.config.stage))
+        with opt.full_params(writeback=False):  # whole weights at stage 3 (a no-op at 1 and 2)
+            params = [p.detach().clone() for p in model.parameters()]
+        out.append((losses, params, type(opt.inner).__name__, opt.layout.bucket_numel, opt.config))
     return out
 
 
@@ -180,7 +181,7 @@ def test_config_run_matches_kwargs_run():
                   reduce_bucket_size=1000, allgather_bucket_size=500, overlap_comm=True)
     results = run_ranks(_run_both, 2, config, kwargs)
     _assert_same(results)
-    assert results[0][0][2] == "AdamW" and results[0][0][4] == 2
+    assert results[0][0][2] == "AdamW" and results[0][0][4].stage == 2
 
 
 def test_config_run_with_clipping_and_offload_matches_kwargs_run():
@@ -191,3 +192,98 @@ def test_config_run_with_clipping_and_offload_matches_kwargs_run():
     kwargs = dict(optim=shardopt.CPUAdam, lr=1e-2, weight_decay=0.1, adamw=True, stage=2, reduce_bucket_size=1000,
                   offload="cpu", pin_memory=False, max_grad_norm=0.5)
     _assert_same(run_ranks(_run_both, 2, config, kwargs))
+
+
+# ---------------------------------------------------------------- stage 3
+# DeepSpeed's ZeRO-3 example, verbatim from its ZeRO tutorial (deepspeedai/DeepSpeed docs/_tutorials/zero.md,
+# "Offloading to CPU and NVMe with ZeRO-Infinity", commit 0101896a), sizes in elements cut down to AwkwardNet
+# (2,574 trainable elements): 1e7 -> 1000 (buckets of ~1/3 of the model), the persistence threshold 1e5 -> 60
+# (biases and norms stay whole), max_live 1e9 -> 2000 (two buckets), max_reuse_distance and sub_group_size
+# kept as written.
+DS_ZERO3_TUTORIAL = json.loads("""
+{
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": true,
+        "stage3_max_live_parameters": 2000,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_prefetch_bucket_size": 1000,
+        "stage3_param_persistence_threshold": 60,
+        "reduce_bucket_size": 1000,
+        "sub_group_size": 1e9,
+        "offload_optimizer": {
+            "device": "cpu"
+         },
+        "offload_param": {
+            "device": "cpu"
+       }
+   }
+}
+""")
+
+
+def test_zero3_tutorial_config_refuses_only_offload_param_and_translates_the_rest():
+    with pytest.raises(ValueError) as e:
+        translate(DS_ZERO3_TUTORIAL)
+    msg = str(e.value)
+    assert msg.count("\n  ") == 1 and "zero_optimization.offload_param" in msg, msg  # the one key we do not do
+    assert "offload_optimizer" in msg.split("offload_param", 1)[1]  # ... and what to use instead
+    cfg = json.loads(json.dumps(DS_ZERO3_TUTORIAL))
+    del cfg["zero_optimization"]["offload_param"]
+    t = translate(cfg)
+    assert t.kwargs == dict(stage=3, max_live_parameters=2000, prefetch_bucket_size=1000,
+                            param_persistence_threshold=60, reduce_bucket_size=1000, offload="cpu", max_grad_norm=1.0)
+    assert set(t.ignored) == {"zero_optimization.contiguous_gradients", "zero_optimization.sub_group_size",
+                              "zero_optimization.stage3_max_reuse_distance"}
+    assert t.gather_weights_on_save is None
+    # offload_param with device "none" is what we do; so is a plain cpu_offload_param=false.
+    cfg["zero_optimization"].update(offload_param={"device": "none"}, cpu_offload_param=False)
+    assert translate(cfg).kwargs["offload"] == "cpu"
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("stage3_gather_16bit_weights_on_model_save", True, ("gather", True)),
+    ("stage3_gather_fp16_weights_on_model_save", False, ("gather", False)),   # DeepSpeed's older spelling
+    ("stage3_allgather_sequential", True, ("kwargs", {"prefetch_bucket_size": 0})),
+    ("allgather_bucket_size", 500, ("ignored", "zero_optimization.allgather_bucket_size")),  # DeepSpeed ignores it
+    ("stage3_model_persistence_threshold", 10, ("refused", "stage3_param_persistence_threshold")),
+    ("stage3_module_granularity_threshold", 100, ("refused", "gathers by bucket")),
+    ("stage3_use_all_reduce_for_fetch_params", True, ("refused", "all-gather")),
+    ("mics_shard_size", 8, ("refused", "MiCS")),
+    ("cpu_offload_param", True, ("refused", "parameter offload is not supported")),
+    ("offload_param", {"device": "nvme", "nvme_path": "/x"}, ("refused", "parameter offload is not supported")),
+    ("stage3_max_live_parameters", -1, ("refused", "whole number >= 0")),
+    ("stage3_prefetch_bucket_size", "auto", ("refused", "Hugging Face")),
+])
+def test_stage3_keys(key, value, expect):
+    cfg = _minimal(zero_optimization={"stage": 3, key: value})
+    kind, want = expect
+    if kind == "refused":
+        with pytest.raises(ValueError, match=want) as e:
+            translate(cfg)
+        assert key in str(e.value)
+        return
+    t = translate(cfg)
+    if kind == "gather":
+        assert t.gather_weights_on_save is want and "gather" not in str(t.kwargs)
+    elif kind == "kwargs":
+        assert t.kwargs == dict(stage=3, **want)
+    else:
+        assert want in t.ignored and t.kwargs == dict(stage=3)
+    # At stages 1 and 2 DeepSpeed ignores every stage-3 key, whatever its value.
+    if key.startswith("stage3_"):
+        assert translate(_minimal(zero_optimization={"stage": 2, key: value})).kwargs == dict(stage=2)
+
+
+def test_zero3_tutorial_config_trains_as_the_kwargs_run():
+    """The tutorial's config (without offload_param) builds the same stage-3 run as the keyword arguments."""
+    cfg = json.loads(json.dumps(DS_ZERO3_TUTORIAL))
+    del cfg["zero_optimization"]["offload_param"]
+    overrides = dict(optim=shardopt.CPUAdam, lr=1e-2, weight_decay=0.1, adamw=True)  # it has no "optimizer" block
+    kwargs = dict(overrides, stage=3, max_live_parameters=2000, prefetch_bucket_size=1000,
+                  param_persistence_threshold=60, reduce_bucket_size=1000, offload="cpu", max_grad_norm=1.0)
+    results = run_ranks(_run_both, 2, cfg, kwargs, 4, overrides)
+    _assert_same(results)
+    config = results[0][0][4]
+    assert (config.stage, config.offload, config.prefetch_bucket_size, config.max_live_parameters,
+            config.param_persistence_threshold) == (3, "cpu", 1000, 2000, 60)

@@ -5,6 +5,7 @@ sequences cut from this repository's own source files, on real gloo ranks.
 Both trainers see the same seed, data and arguments; logged losses, grad
 norms, learning rates and final weights must agree within 1e-5.
 """
+import contextlib
 import glob
 import os
 
@@ -52,28 +53,31 @@ def _env(rank, world_size):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
 
 
-def _args(out, **kw):
+def _args(out, cls=None, **kw):
     base = dict(output_dir=out, report_to="none", use_cpu=True, seed=0, logging_steps=1, save_strategy="no",
                 per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=6, learning_rate=3e-3,
                 weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=0.5,
                 ddp_find_unused_parameters=False, disable_tqdm=True, dataloader_num_workers=0)
     base.update(kw)
-    return transformers.TrainingArguments(**base)
+    return (cls or transformers.TrainingArguments)(**base)
 
 
-def _fit(sharded, args, resume=None, dataset=48, **kw):
+def _fit(sharded, args, resume=None, dataset=48, cls=None, **kw):
     from accelerate.state import AcceleratorState
 
     from shardopt.integrations.transformers import ShardedTrainer
 
     AcceleratorState._reset_state()  # each Trainer its own mixed-precision settings
     model = kw.pop("model", None) or tiny_gpt2()
-    cls = ShardedTrainer if sharded else transformers.Trainer
+    cls = cls or (ShardedTrainer if sharded else transformers.Trainer)
     trainer = cls(model=model, args=args, train_dataset=TextDataset(dataset), **kw)
     trainer.train(resume_from_checkpoint=resume)
-    logs = [{k: v for k, v in entry.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
-            for entry in trainer.state.log_history if "loss" in entry]
-    return logs, {n: p.detach().float().clone() for n, p in model.named_parameters()}, trainer
+    logs = [{k: v for k, v in entry.items() if k in ("loss", "grad_norm", "learning_rate", "step", "eval_loss")}
+            for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
+    # At stage 3 the parameters are empty between uses: full_params gathers them (a no-op at stages 1-2).
+    with trainer._sharded()[1].full_params(writeback=False) if sharded else contextlib.nullcontext():
+        weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return logs, weights, trainer
 
 
 def _compare(ref, ours, tol, what):
@@ -147,8 +151,8 @@ ACCUMULATION = {1: 6, 2: 3, 3: 2}
 
 
 def _resume_args(tmp, world_size, **kw):
-    return _args(tmp, per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATION[world_size],
-                 save_strategy="steps", save_steps=3, save_total_limit=1, **kw)
+    return _args(tmp, **dict(dict(per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATION[world_size],
+                                  save_strategy="steps", save_steps=3, save_total_limit=1), **kw))
 
 
 def _train_and_save(rank, world_size, tmp):
@@ -204,6 +208,136 @@ def _train_and_save_until(rank, world_size, tmp, steps):
     _fit(True, _resume_args(tmp, world_size), dataset=96, callbacks=[StopAt(steps)])
 
 
+# ------------------------------------------------------------------ stage 3
+# Buckets of ~2,000 elements (the model has ~21,000: about ten gathers per pass); biases and layer norms
+# (<= 100 elements) stay whole (param_persistence_threshold).
+STAGE3 = {"stage": 3, "reduce_bucket_size": 2000, "param_persistence_threshold": 100}
+PROMPT = 6        # tokens of a generate() prompt; + GENERATED new ones stay inside n_positions (16)
+GENERATED = 5
+
+
+def _seq2seq_args(out, **kw):
+    return _args(out, cls=transformers.Seq2SeqTrainingArguments, predict_with_generate=True, **kw)
+
+
+class Prompts(torch.utils.data.Dataset):
+    """Rows of the corpus cut to PROMPT tokens, no labels: what predict() generates from."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def _stage3_parity(rank, world_size, tmp):
+    """Seq2SeqTrainer + DDP vs ShardedSeq2SeqTrainer at stage 3, with activation checkpointing and an evaluation
+    every 3 steps; then predict() with generate(), where rank 0's sequence ends after one token and rank 1's
+    runs on (only synced_gpus keeps rank 0 in the gathers of rank 1's forwards)."""
+    from shardopt.integrations.transformers import ShardedSeq2SeqTrainer
+
+    _env(rank, world_size)
+    kw = {CHECKPOINTING: True, "eval_strategy": "steps", "eval_steps": 3, "per_device_eval_batch_size": 4}
+    evaluation = TextDataset(16)
+    ref = _fit(False, _seq2seq_args(f"{tmp}/ddp", **kw), cls=transformers.Seq2SeqTrainer, eval_dataset=evaluation)
+    ours = _fit(True, _seq2seq_args(f"{tmp}/so", **kw), cls=ShardedSeq2SeqTrainer, eval_dataset=evaluation,
+                shardopt_kwargs=STAGE3)
+    failures = _compare(ref, ours, 1e-5, "stage 3") + _is_sharded(ours[2], "stage 3")
+    opt = ours[2]._sharded()[1]
+    if opt.config.stage != 3 or opt.param_shard.live_bytes() != sum(
+            b.numel * 4 for b in opt.layout.buckets if b.persistent):
+        failures.append(f"stage {opt.config.stage}, {opt.param_shard.live_bytes()} bytes left gathered")
+    if [e["step"] for e in ours[0] if "eval_loss" in e] != [3, 6]:
+        failures.append(f"evaluations at {[e['step'] for e in ours[0] if 'eval_loss' in e]}")
+    # generate(): the end-of-sequence token is the one the trained model puts after rank 0's prompt, so rank 0
+    # is done after one token; rank 1's prompt is one whose greedy continuation never reaches it.
+    model = ref[2].model.eval()
+    rows = TextDataset(40).rows[:, :PROMPT]
+    with torch.no_grad():
+        eos = int(model(rows[:1]).logits[0, -1].argmax())
+        free = [r for r in rows[1:] if eos not in model.generate(r[None], max_new_tokens=GENERATED, do_sample=False,
+                                                                 eos_token_id=-1, pad_token_id=0)[0, PROMPT:]]
+    if not free:
+        return failures + [f"no prompt avoids token {eos}"]
+    prompts = Prompts(torch.stack([rows[0], free[0]]))
+    gen = dict(max_new_tokens=GENERATED, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    outputs = []
+    for trainer in (ref[2], ours[2]):
+        trainer.args.per_device_eval_batch_size = 1
+        trainer.model.config.pad_token_id = eos  # Seq2SeqTrainer pads the generations to one length with it
+        outputs.append(trainer.predict(prompts, **gen).predictions)
+    if not torch.equal(torch.as_tensor(outputs[0]), torch.as_tensor(outputs[1])):
+        failures.append(f"generated {outputs[1].tolist()} vs DDP's {outputs[0].tolist()}")
+    lengths = [int((torch.as_tensor(o)[PROMPT:] != eos).sum()) for o in outputs[0]]
+    if lengths[1] != GENERATED or lengths[0] != 0:
+        failures.append(f"new tokens per rank {lengths}: the ranks did not end at different steps")
+    return failures
+
+
+def test_stage3_with_checkpointing_evaluation_and_generate_matches_ddp(tmp_path):
+    """Stage 3 vs Trainer + DDP at 1e-5 (losses, grad norms, lr, eval losses, weights), and the same generations."""
+    for rank, failures in enumerate(run_ranks(_stage3_parity, 2, str(tmp_path), timeout=400)):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def _stage3_train_and_save(rank, world_size, tmp):
+    import warnings
+
+    _env(rank, world_size)
+    logs, weights, trainer = _fit(True, _resume_args(tmp, world_size, save_total_limit=None), dataset=96,
+                                  shardopt_kwargs=STAGE3)
+    trainer.save_model(os.path.join(tmp, "saved"))            # every rank calls it; rank 0 writes whole weights
+    trainer.gather_weights_on_save = False                    # (a DeepSpeed config without the key)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_model(os.path.join(tmp, "sharded"))      # shardopt's checkpoint instead, and it says so
+    said = [str(w.message) for w in caught if "gather_weights_on_save is False" in str(w.message)]
+    return logs, weights, sorted(os.listdir(tmp)), said
+
+
+def _stage3_resume(rank, world_size, tmp, ckpt):
+    _env(rank, world_size)
+    logs, weights, trainer = _fit(True, _resume_args(tmp, world_size), resume=ckpt, dataset=96,
+                                  shardopt_kwargs=STAGE3)
+    return logs, weights, trainer._sharded()[1].world_size
+
+
+def test_stage3_save_model_and_resume_at_other_process_counts(tmp_path):
+    """Stage 3 at 2 processes: save_model() and the checkpoints' weights load with from_pretrained here (one
+    process) and equal the trained weights; checkpoint-3 resumed at 1 and 3 processes equals the rest of the run."""
+    import shutil
+
+    from shardopt.checkpoint.convert import checkpoint_to_torch
+
+    run = tmp_path / "run"
+    results = run_ranks(_stage3_train_and_save, 2, str(run), timeout=400)
+    logs, weights, kept, said = results[0]
+    assert kept == ["checkpoint-3", "checkpoint-6", "saved", "sharded"], kept
+    assert len(said) == 1 and not results[1][3], (said, results[1][3])  # rank 0 warns, once
+    for folder in ("saved", "checkpoint-6"):
+        model = transformers.GPT2LMHeadModel.from_pretrained(str(run / folder))
+        for n, p in model.named_parameters():
+            assert torch.equal(p, weights[n]), f"{folder}: {n}"
+    assert not (run / "sharded" / "model.safetensors").exists()
+    whole = checkpoint_to_torch(str(run / "sharded" / "shardopt"))["model"]
+    assert all(torch.equal(whole[n], w) for n, w in weights.items())
+    for world_size in (1, 3):
+        out = tmp_path / f"resumed-{world_size}"
+        shutil.copytree(run / "checkpoint-3", out / "checkpoint-3")
+        if world_size == 3:  # as saved with gather_weights_on_save=False: the weights come from shardopt/
+            (out / "checkpoint-3" / "model.safetensors").unlink()
+        r_logs, r_weights, ws = run_ranks(_stage3_resume, world_size, str(out), str(out / "checkpoint-3"),
+                                          timeout=400)[0]
+        assert ws == world_size
+        r_logs = [e for e in r_logs if e["step"] > 3]
+        assert [e["step"] for e in r_logs] == [4, 5, 6]
+        failures = _compare((logs[3:], weights, None), (r_logs, r_weights, None), 1e-5, f"resumed at {world_size}")
+        assert not failures, "\n".join(failures)
+
+
 # --------------------------------------------------------- DeepSpeed config
 # The ZeRO-2 config of the Trainer's DeepSpeed documentation, "auto" values and all.
 DS_ZERO2 = {
@@ -250,11 +384,12 @@ def test_deepspeed_config_with_auto_values(tmp_path):
 REFUSED = [
     (dict(optim="adafactor"), {}, "not known to be elementwise"),
     ({CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}}, {}, "use_reentrant=False"),
-    ({}, dict(shardopt_config={"zero_optimization": {"stage": 3}}), "parameter sharding (stage 3) is not supported"),
+    ({}, dict(shardopt_config={"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
+     "parameter offload is not supported"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, optimizer={"type": "Lamb", "params": {"lr": "auto"}})), "Lamb"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, gradient_clipping=2.0)), "gradient_clipping is 2.0 in the config"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, scheduler={"type": "OneCycle", "params": {}})), "lr_scheduler_type"),
-    ({}, dict(shardopt_kwargs={"stage": 3}), "stage 3 under ShardedTrainer is not built yet"),
+    ({}, dict(gather_weights_on_save="yes"), "gather_weights_on_save must be True, False or None"),
 ]
 
 
@@ -267,6 +402,25 @@ def test_refused_at_construction(tmp_path, args_kw, trainer_kw, expected):
         ShardedTrainer(model=tiny_gpt2(), args=_args(str(tmp_path), **args_kw), train_dataset=TextDataset(8),
                        **trainer_kw)
     assert expected in str(err.value)
+
+
+def test_zero3_config_builds_and_sets_what_save_model_writes(tmp_path):
+    """DS_ZERO2 made ZeRO-3 the way the Trainer's DeepSpeed docs write one ("auto" stage-3 sizes included):
+    accepted at construction; stage3_gather_16bit_weights_on_model_save decides what save_model() writes
+    (absent: DeepSpeed's false), and the argument overrides it."""
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    zero = {k: v for k, v in DS_ZERO2["zero_optimization"].items() if k not in ("allgather_partitions", "reduce_scatter",
+                                                                               "allgather_bucket_size")}
+    zero.update(stage=3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
+                stage3_param_persistence_threshold="auto", stage3_max_live_parameters=1e9,
+                stage3_max_reuse_distance=1e9, sub_group_size=1e9)
+    for key, kw, expected in ((True, {}, True), (None, {}, False), (False, dict(gather_weights_on_save=True), True)):
+        cfg = dict(DS_ZERO2, zero_optimization=dict(zero, **(
+            {} if key is None else {"stage3_gather_16bit_weights_on_model_save": key})))
+        trainer = ShardedTrainer(model=tiny_gpt2(), args=_args(str(tmp_path)), train_dataset=TextDataset(8),
+                                 shardopt_config=cfg, **kw)
+        assert trainer.gather_weights_on_save is expected, (key, kw)
 
 
 def test_refuses_a_plain_torch_optimizer(tmp_path):

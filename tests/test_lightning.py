@@ -56,6 +56,7 @@ class AwkwardModule(pl.LightningModule):
         # Lightning itself refuses several optimizers under automatic optimization.
         self.automatic_optimization = not two_optimizers
         self.losses = []
+        self.val_losses = []
         self.dtypes = set()
 
     def training_step(self, batch, batch_idx):
@@ -71,7 +72,9 @@ class AwkwardModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self.net(x, False).reshape(-1, VOCAB), y.reshape(-1))
+        loss = F.cross_entropy(self.net(x, False).reshape(-1, VOCAB), y.reshape(-1))
+        self.val_losses.append(loss.item())
+        return loss
 
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.ndim >= 2]
@@ -224,6 +227,67 @@ def test_fp32_matches_lightning_ddp():
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
+# ------------------------------------------------------------------ stage 3
+def _stage3(rank, world_size, root):
+    """Stage 3 against Lightning's DDP with validation every epoch, sharded checkpoints and a weights-only
+    file saved during fit, trainer.save_checkpoint after it; then fit(ckpt_path=...) continues exactly."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    fails = []
+
+    def fit(strategy, callbacks=(), ckpt_path=None, seed=0):
+        model = AwkwardModule("adamw", "warmup", seed=seed, same_data_split=True)
+        trainer = _trainer(world_size, strategy, max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2,
+                           callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+        trainer.fit(model, _loader(SAMPLES), _loader(4 * BATCH), ckpt_path=ckpt_path)
+        return model, trainer
+
+    ref, _ = fit(DDPStrategy(find_unused_parameters=True))
+    sharded = ModelCheckpoint(dirpath=os.path.join(root, "sharded"), filename="e{epoch}", every_n_epochs=1,
+                              save_top_k=-1, auto_insert_metric_name=False)
+    weights = ModelCheckpoint(dirpath=os.path.join(root, "weights"), filename="w{epoch}", every_n_epochs=2,
+                              save_top_k=-1, auto_insert_metric_name=False, save_weights_only=True)
+    strategy = ShardedStrategy(stage=3, reduce_bucket_size=300, param_persistence_threshold=30)
+    model, trainer = fit(strategy, [sharded, weights])
+    opt = trainer.optimizers[0]
+    if opt.config.stage != 3 or opt.param_shard.num_gathers == 0:
+        fails.append(f"trained at stage {opt.config.stage} with {opt.param_shard.num_gathers} gathers")
+    for what, a, b in (("loss", ref.losses, model.losses), ("validation loss", ref.val_losses, model.val_losses)):
+        if len(a) != len(b) or not a or max(_rel_errors(a, b)) > 1e-5:
+            fails.append(f"{what}: {b} vs DDP's {a}")
+    final = model.state_dict()  # after fit: whole weights on every rank, a plain module
+    for name, p in ref.state_dict().items():
+        if p.is_floating_point() and (p - final[name]).abs().max() > 1e-5 * p.abs().max().clamp_min(1.0):
+            fails.append(f"final {name} differs from DDP's")
+    saved = torch.load(os.path.join(root, "weights", "w1.ckpt"), weights_only=True)["state_dict"]
+    if saved.keys() != final.keys() or any(not torch.equal(saved[k], v) for k, v in final.items()):
+        fails.append("the weights-only file of the last epoch is not the trained weights")
+    trainer.save_checkpoint(os.path.join(root, "after.ckpt"))  # after fit (the optimizer still holds the state)
+    # Continue epoch 1 from the sharded checkpoint of epoch 0, at stage 3 (another seed, buckets): the same losses.
+    resumed, _ = fit(ShardedStrategy(stage=3, reduce_bucket_size=1000),
+                     ckpt_path=os.path.join(root, "sharded", "e0.ckpt"), seed=7)
+    half = len(model.losses) // 2
+    if len(resumed.losses) != half or max(_rel_errors(model.losses[half:], resumed.losses)) > 1e-6:
+        fails.append(f"resumed: {resumed.losses} vs {model.losses[half:]}")
+    evaluated = AwkwardModule(seed=7)
+    _trainer(world_size, ShardedStrategy(stage=3)).validate(evaluated, _loader(12),
+                                                            ckpt_path=os.path.join(root, "after.ckpt"))
+    if any(not torch.equal(v, evaluated.state_dict()[k]) for k, v in final.items()):
+        fails.append("validate(ckpt_path=after.ckpt) did not load the trained weights")
+    return fails
+
+
+def test_stage3_matches_lightning_ddp(tmp_path):
+    """ShardedStrategy(stage=3) vs Lightning's DDP at 1e-5, validation_step included; checkpoints during and
+    after fit (sharded and weights-only) hold the trained weights, and fit(ckpt_path=...) continues exactly."""
+    from dist_harness import run_ranks
+
+    for rank, fails in enumerate(run_ranks(_stage3, 2, str(tmp_path), timeout=300)):
+        assert not fails, f"rank {rank}:\n" + "\n".join(fails)
+
+
 # ------------------------------------------------------- construction errors
 def test_registry_precision_and_bad_options():
     """Name registered, Lightning's precision plugins replaced by ours, bad input refused at Trainer(...)."""
@@ -242,8 +306,8 @@ def test_registry_precision_and_bad_options():
         ShardedPrecision("bf16-true")
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         ShardedStrategy(stage=4)
-    with pytest.raises(NotImplementedError, match="stage 3 under the Lightning strategy is not built yet"):
-        ShardedStrategy(stage=3)
+    assert pl.Trainer(strategy="shardopt_stage_3", accelerator="cpu", devices=2,
+                      logger=False).strategy.optimizer_options["stage"] == 3
     with pytest.raises(TypeError, match=r"unknown options \['bucket_size'\]"):
         ShardedStrategy(bucket_size=10)
 

@@ -126,6 +126,42 @@ def test_activation_checkpointing_and_offload_match_ddp():
             assert not res[cfg][0], f"rank {rank} {cfg}: " + "\n".join(res[cfg][0])
 
 
+# ------------------------------------------------- a weight no backward formula saves
+def _unsaved_weights(rank, world_size):
+    """An untied embedding (as GPT-2's position embedding) alone in its bucket: backward never unpacks it (the
+    embedding's backward does not save its weight), yet autograd lays its gradient out like the parameter, so
+    the bucket must be whole when the gradient lands (Note [Parameters between gathers])."""
+    import shardopt
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 24), torch.nn.Linear(24, 53), torch.nn.ReLU(),
+                               torch.nn.Linear(53, VOCAB))
+    ref_model = copy.deepcopy(base)
+    ref, ref_opt = DDP(ref_model), torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    model = copy.deepcopy(base)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
+                                    reduce_bucket_size=900)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    failures = []
+    for step in range(3):
+        x, y = batch(step, rank)
+        for w, o in ((ref, ref_opt), (wrapper, opt)):
+            torch.nn.functional.cross_entropy(w(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+    with opt.full_params(writeback=False):
+        for (n, a), b in zip(ref_model.named_parameters(), model.parameters()):
+            if (a - b).abs().max() > 1e-5 * a.abs().max().clamp_min(1.0):
+                failures.append(n)
+    alone = [b for b in opt.layout.buckets if b.params == (0,)]  # the embedding's bucket holds nothing else
+    return failures, len(alone)
+
+
+def test_a_parameter_whose_weight_backward_does_not_save():
+    for failures, alone in run_ranks(_unsaved_weights, 2, timeout=120):
+        assert not failures and alone == 1, (failures, alone)
+
+
 # ------------------------------------------------------------ a rank that skips
 def _one_rank_branches(rank, world_size):
     """Rank 0 runs expert 0 in every step; rank 1 never does (nor any expert)."""

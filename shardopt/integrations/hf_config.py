@@ -16,8 +16,9 @@ ShardedTrainer, with the same sources:
   scheduler.params warmup_min_lr / warmup_max_lr / warmup_num_steps / total_num_steps
                                  <- 0 / learning_rate / warmup steps / max_steps
   fp16.enabled, bf16.enabled     <- fp16, bf16
-  zero_optimization bucket sizes <- shardopt's own defaults (the Trainer uses hidden_size**2 or 5e8;
-                                    only speed depends on them)
+  zero_optimization bucket sizes, stage3_prefetch_bucket_size, stage3_param_persistence_threshold
+                                 <- shardopt's own defaults (the Trainer uses hidden_size**2, 0.9 x that,
+                                    10 x hidden_size; only speed and memory depend on them)
 What then belongs to the Trainer, not the optimizer, is taken out of the
 config (`split_config`): clipping (done by the Trainer through
 clip_grad_norm_, which logs grad_norm), the batch keys, fp16/bf16 (the
@@ -76,7 +77,8 @@ def resolve_auto(config, args, world_size: int, max_steps: int | None = None) ->
         if isinstance(cfg.get(block), dict):
             fill(cfg[block], "enabled", bool(flag), f"{block}.enabled")
     zero = cfg.get("zero_optimization", {})
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold"):
         if _is_auto(zero.get(key)):
             del zero[key]  # shardopt's default (only speed depends on it)
     if problems:

@@ -20,6 +20,21 @@ launcher, samplers, reductions are DDP's):
   * `trainer.save_checkpoint(path)` writes shardopt's sharded checkpoint (a
     directory; every rank writes its own part) and `fit(ckpt_path=...)` loads
     it at any number of devices.
+
+Note [Lightning at stage 3]
+---------------------------
+During fit a stage-3 module's parameters are empty between uses; training,
+validation, test and predict steps run through the wrapper's hooks on every
+rank (Lightning gives every rank as many batches). Lightning reads the
+weights on every rank before each save (lightning_module_state_dict): at stage
+3 that returns nothing, since the sharded checkpoint holds the weights; a
+weights-only save (ModelCheckpoint(save_weights_only=True)) gathers them in
+save_checkpoint, where every rank is, and rank 0 writes the usual file. When
+fit ends the module gets its whole weights back on every rank
+(ShardedDDP.detach(), a collective at teardown), so what follows fit (reading
+model.state_dict() on rank 0, validate/test/predict, a new fit of a copy) sees
+a plain module, as after DDP; the price is the whole model on every rank from
+then on. A fit that raised leaves them sharded (empty), with a warning.
 """
 from __future__ import annotations
 
@@ -29,6 +44,7 @@ import functools
 import inspect
 import os
 import shutil
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Optional
@@ -43,7 +59,7 @@ try:
     from lightning.pytorch.overrides.distributed import _sync_module_states
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
     from lightning_utilities import apply_to_collection
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("shardopt.integrations.lightning needs the `lightning` package: pip install 'shardopt[lightning]'") from e
@@ -254,7 +270,7 @@ _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 # ------------------------------------------------------------------ strategy
 class ShardedStrategy(DDPStrategy):
-    """ZeRO-1/2 data parallel training: `Trainer(strategy="shardopt")` or `Trainer(strategy=ShardedStrategy(...))`.
+    """ZeRO-1/2/3 data parallel training: `Trainer(strategy="shardopt")` or `Trainer(strategy=ShardedStrategy(...))`.
 
     Args:
         stage, offload, reduce_bucket_size, allgather_bucket_size, overlap_comm:
@@ -288,10 +304,6 @@ class ShardedStrategy(DDPStrategy):
                             f"{sorted(_optimizer_options() | {'broadcast_buffers'})} and DDPStrategy's "
                             "launch arguments")
         # Validate now (at Trainer construction) rather than after processes start.
-        if stage == 3:
-            raise NotImplementedError("stage 3 under the Lightning strategy is not built yet (its checkpoint and "
-                                      "validation paths read whole weights): use stage 1 or 2 here, or "
-                                      "shardopt.ShardedOptimizer(stage=3) with shardopt.ShardedDDP in your own loop")
         fields = {f.name for f in dataclasses.fields(ShardConfig)}
         ShardConfig(**{k: v for k, v in options.items() if k in fields})
         if not isinstance(broadcast_buffers, bool):
@@ -374,9 +386,27 @@ class ShardedStrategy(DDPStrategy):
         # The sharded checkpoint holds the optimizer state; nothing to gather here.
         return {}
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Lightning asks every rank for the weights before each save. At stage 3 that would gather the whole
+        # model on every rank: the sharded checkpoint holds the weights, and a weights-only save gathers
+        # them itself (save_checkpoint). Note [Lightning at stage 3].
+        if self._stage3_attached():
+            return {}
+        return super().lightning_module_state_dict()
+
+    def _stage3_attached(self) -> bool:
+        return isinstance(self.model, ShardedDDP) and self.model.optimizer.param_shard is not None
+
     def teardown(self) -> None:
         if isinstance(self.model, ShardedDDP):
-            self.model = self.lightning_module
+            wrapper, self.model = self.model, self.lightning_module
+            if wrapper.optimizer.param_shard is not None:
+                trainer = self.lightning_module.trainer
+                if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+                    warnings.warn("fit was interrupted: the LightningModule's parameters stay sharded (empty on "
+                                  "every rank); load the last checkpoint to use them", UserWarning, stacklevel=2)
+                else:
+                    wrapper.detach()  # whole weights again, on every rank (Note [Lightning at stage 3])
         super().teardown()
 
     # ---------------------------------------------------------- checkpoints
@@ -391,6 +421,9 @@ class ShardedStrategy(DDPStrategy):
         Lightning's usual single file: every rank holds the full weights.
         """
         if "optimizer_states" not in checkpoint or not self.optimizers:
+            if self._stage3_attached() and not checkpoint.get("state_dict"):
+                # A weights-only save during a stage-3 fit: every rank is here; rank 0 writes whole weights.
+                checkpoint["state_dict"] = self.lightning_module.state_dict()
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError("ShardedStrategy writes shardopt's checkpoint format and takes no storage_options")
@@ -444,6 +477,7 @@ class ShardedStrategy(DDPStrategy):
         entries = (
             ("shardopt", "ZeRO-2 with shardopt (ShardedOptimizer + ShardedDDP)", {}),
             ("shardopt_stage_1", "shardopt ZeRO-1: optimizer state sharded", {"stage": 1}),
+            ("shardopt_stage_3", "shardopt ZeRO-3: parameters sharded too", {"stage": 3}),
             ("shardopt_offload", "shardopt ZeRO-2 with optimizer state and fp32 master weights on the CPU",
              {"offload": "cpu"}),
             ("shardopt_spawn", "shardopt ZeRO-2, processes started with start_method='spawn'",

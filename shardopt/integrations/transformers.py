@@ -1,4 +1,5 @@
-"""Hugging Face Trainer with ZeRO-1/2 from shardopt: `ShardedTrainer`, a drop-in for `transformers.Trainer`.
+"""Hugging Face Trainer with ZeRO-1/2/3 from shardopt: `ShardedTrainer`, a drop-in for `transformers.Trainer`
+(and `ShardedSeq2SeqTrainer` for `Seq2SeqTrainer`, whose evaluation may call generate()).
 
     from shardopt.integrations.transformers import ShardedTrainer
     trainer = ShardedTrainer(model=model, args=args, train_dataset=ds, shardopt_config="ds_config.json")
@@ -26,11 +27,40 @@ The Trainer's loop needs nothing else: it clears gradients with
 model.zero_grad(), clips with clip_grad_norm_ over model.parameters() and
 unscales through GradScaler, all of which act on the shards (Note [Sharded
 p.grad] in shardopt/sharded_grad.py).
+
+Note [ShardedTrainer at stage 3]
+--------------------------------
+Once the optimizer exists, a stage-3 model's parameters are empty between
+uses (Note [Parameters between gathers] in shardopt/sharded_param.py); its
+forward gathers what it uses on every rank. What the Trainer does with the
+model outside training steps, and what changes for it:
+  * evaluation and prediction call the bare model's forward on every rank, the
+    same number of times (accelerate gives every rank as many batches): the
+    stage-3 hooks gather as in training. Nothing changes.
+  * generate() runs a forward per new token; ranks whose sequences end first
+    must keep calling forward while others generate, which is generate()'s
+    `synced_gpus=True` (as with DeepSpeed ZeRO-3 and FSDP). ShardedSeq2SeqTrainer
+    passes it by default at stage 3 with several processes; code of one's own
+    that calls model.generate() on every rank passes it too.
+  * save_model() (also called for every `checkpoint-N` folder) would have rank
+    0 alone read model.state_dict(), which at stage 3 is a collective. Here
+    every rank gathers the whole weights (opt.full_params) and rank 0 writes
+    them with save_pretrained, as DeepSpeed's
+    stage3_gather_16bit_weights_on_model_save does: `gather_weights_on_save`,
+    true by default, and the config key's value (DeepSpeed's default false)
+    when a DeepSpeed config is given. False: save_model() writes shardopt's
+    sharded checkpoint (`shardopt/` in the folder, every rank its part) and no
+    weights file, and says how to get whole weights; checkpoint folders then
+    hold no weights file either (their `shardopt/` has the weights, and resume
+    reads them from there).
+After train() the model stays sharded (the Trainer keeps its ShardedDDP):
+read weights with `with opt.full_params(): ...` on every rank, or save_model().
 """
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -60,23 +90,27 @@ class ShardedTrainer(Trainer):
     ShardedOptimizer arguments (stage=..., overlap_gather=..., ...).
     """
 
-    def __init__(self, *args, shardopt_config=None, shardopt_kwargs: dict | None = None, **kwargs):
+    def __init__(self, *args, shardopt_config=None, shardopt_kwargs: dict | None = None,
+                 gather_weights_on_save: bool | None = None, **kwargs):
         optimizers = kwargs.get("optimizers", (None, None))
         super().__init__(*args, **kwargs)
         self._shardopt_config = shardopt_config
         self._shardopt_kwargs = dict(shardopt_kwargs or {})
-        if self._shardopt_kwargs.get("stage") == 3:
-            raise NotImplementedError("stage 3 under ShardedTrainer is not built yet (evaluation, generate() and "
-                                      "save_model() read whole weights): use stage 1 or 2 here, or "
-                                      "shardopt.ShardedOptimizer(stage=3) with shardopt.ShardedDDP in your own loop")
         self._check_arguments(optimizers)
         # Validated now, not at train(): a config that cannot work fails at construction.
         self._resolved = None
+        from_config = None
         if shardopt_config is not None:
             self._resolved = resolve_auto(shardopt_config, self.args, self.args.world_size)
             opt_cfg, sched = split_config(self._resolved)
-            translate(opt_cfg)  # raises listing every key that cannot be used
+            t = translate(opt_cfg)  # raises listing every key that cannot be used
             check_scheduler(sched)
+            from_config = bool(t.gather_weights_on_save)  # DeepSpeed's default: false
+        if gather_weights_on_save is not None and not isinstance(gather_weights_on_save, bool):
+            raise TypeError(f"gather_weights_on_save must be True, False or None, got {gather_weights_on_save!r}")
+        # Note [ShardedTrainer at stage 3]: what save_model() writes at stage 3.
+        self.gather_weights_on_save = (gather_weights_on_save if gather_weights_on_save is not None
+                                       else from_config if from_config is not None else True)
 
     # ------------------------------------------------------------ validation
     def _check_arguments(self, optimizers) -> None:
@@ -159,8 +193,14 @@ class ShardedTrainer(Trainer):
 
     # ----------------------------------------------------------------- model
     def _wrap_model(self, model, training: bool = True, dataloader=None):
-        if not training or isinstance(model, ShardedDDP) or isinstance(
-                getattr(model, "_orig_mod", None), ShardedDDP):
+        if not training:
+            # Evaluation once the model is ours: through its ShardedDDP, so that the Trainer does not hand
+            # it to accelerate's prepare_model, which gives the parameters new storage (cut loose from the
+            # optimizer's buffers). Before training it is a plain model, and the Trainer's path stays.
+            wrapped = self.model_wrapped
+            inner = getattr(wrapped, "_orig_mod", wrapped)
+            return wrapped if isinstance(inner, ShardedDDP) and inner.module is model else model
+        if isinstance(model, ShardedDDP) or isinstance(getattr(model, "_orig_mod", None), ShardedDDP):
             return model
         if self.optimizer is None:
             self.create_optimizer(model)
@@ -198,6 +238,55 @@ class ShardedTrainer(Trainer):
         while not isinstance(opt, ShardedOptimizer):
             opt = opt.optimizer
         return self.model_wrapped, opt
+
+    def _stage3(self) -> ShardedOptimizer | None:
+        """The optimizer when it shards this model's parameters now (stage 3, attached to the model), else None."""
+        opt = self.optimizer
+        while opt is not None and not isinstance(opt, ShardedOptimizer):
+            opt = getattr(opt, "optimizer", None)
+        if opt is None or opt.param_shard is None or not opt.grads.attached:
+            return None
+        return opt
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """As Trainer.save_model; at stage 3 every rank must call it (Note [ShardedTrainer at stage 3])."""
+        opt = self._stage3()
+        if opt is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        if self.gather_weights_on_save:
+            with opt.full_params(writeback=False):
+                if self.args.should_save:
+                    # Inside full_params the parameters are whole on every rank: rank 0 reads them without a
+                    # collective, and without copies (keep_vars; tied weights stay one tensor).
+                    state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
+                    self._save(output_dir, state_dict=state)
+        elif _internal_call:
+            # A checkpoint folder: its shardopt/ sub-folder (written next) holds the weights.
+            if self.args.should_save and hasattr(self.model, "config"):
+                os.makedirs(output_dir, exist_ok=True)
+                self.model.config.save_pretrained(output_dir)
+        else:
+            path = os.path.join(output_dir, CHECKPOINT_SUBDIR)
+            save_checkpoint(path, self.model_wrapped, opt)
+            if self.args.should_save:
+                warnings.warn(f"save_model() wrote shardopt's sharded checkpoint to {path}, not whole weights, "
+                              "because gather_weights_on_save is False (the DeepSpeed config's "
+                              "stage3_gather_16bit_weights_on_model_save is false or absent): `python -m shardopt "
+                              f"convert {path} model.pt` gives whole weights; set the key to true (or "
+                              "ShardedTrainer(gather_weights_on_save=True)) to write them here", stacklevel=2)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # A stage-3 checkpoint saved with gather_weights_on_save=False has no weights file: load_checkpoint
+        # (at _load_optimizer_and_scheduler) restores the weights from its shardopt/ folder.
+        if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)) and not any(
+                os.path.isfile(os.path.join(resume_from_checkpoint, name))
+                for name in (transformers.utils.SAFE_WEIGHTS_NAME, transformers.utils.WEIGHTS_NAME,
+                             transformers.utils.SAFE_WEIGHTS_INDEX_NAME, transformers.utils.WEIGHTS_INDEX_NAME)):
+            return
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         model, opt = self._sharded()
@@ -256,4 +345,25 @@ def _autocast_forward(model: torch.nn.Module, accelerator) -> None:
     model._shardopt_autocast = True
 
 
-__all__ = ["ShardedTrainer"]
+class ShardedSeq2SeqTrainer(ShardedTrainer, transformers.Seq2SeqTrainer):
+    """`transformers.Seq2SeqTrainer` with shardopt: evaluation and prediction with `predict_with_generate`.
+
+    At stage 3 with several processes generate() gets `synced_gpus=True` unless
+    told otherwise (Note [ShardedTrainer at stage 3]).
+    """
+
+    def _synced(self, gen_kwargs: dict) -> dict:
+        if self._stage3() is not None and self.args.world_size > 1:
+            gen_kwargs.setdefault("synced_gpus", True)
+        return gen_kwargs
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                                **self._synced(gen_kwargs))
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **gen_kwargs):
+        return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                               **self._synced(gen_kwargs))
+
+
+__all__ = ["ShardedSeq2SeqTrainer", "ShardedTrainer"]
