@@ -188,11 +188,14 @@ def _parity_mesh(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     _, failures = _check_parity(world_size, "sgd", "warmup", 0.05, 2,
                                 {"stage": 2, "reduce_bucket_size": 1000, "mesh": mesh})
-    return failures
+    # Stage 3 on the mesh: parameters sharded inside the "node" too.
+    _, more = _check_parity(world_size, "adamw", "warmup", 0.5, 1,
+                            {"stage": 3, "reduce_bucket_size": 300, "mesh": mesh})
+    return failures + more
 
 
 def test_hybrid_mesh_matches_lightning_ddp():
-    """ShardedStrategy(mesh=...) (2 replicas x 2 shards) against Lightning's DDP, 4 ranks."""
+    """ShardedStrategy(mesh=...) (2 replicas x 2 shards, stages 2 and 3) against Lightning's DDP, 4 ranks."""
     from dist_harness import run_ranks
 
     for rank, failures in enumerate(run_ranks(_parity_mesh, 4, timeout=300)):
