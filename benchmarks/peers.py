@@ -208,7 +208,9 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   direction, carrying 2 (W-1)/W S. It does not depend on K, and the DDP rows
 #   of 2026-11-23-multinode.md measured it (25.5 MB for 17.0 MB at 2x2).
 # - Flat ZeRO-3 (shardopt stage 3): the reduce-scatter plus a parameter all-gather
-#   before forward and another before backward, each (W-1)/W S: 3 (W-1)/W S.
+#   before forward and another before backward, each (W-1)/W S: 3 (W-1)/W S, less
+#   the buckets backward starts with, which are not gathered twice (Note [The seam
+#   between forward and backward] in shardopt/sharded_param.py).
 # - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
 #   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
