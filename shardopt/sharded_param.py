@@ -20,6 +20,22 @@ offset) and unpacked by asking for the bucket again, which is what moves the
 backward round forward. Gathers write through a second tensor on the same
 storage (`_comm`), so autograd's version counter of the parameters' views is
 not bumped by the collective that refills them.
+
+Note [Gradients of parameters not gathered]
+-------------------------------------------
+Some weights are never read in backward: an embedding's (its backward needs
+the indices only), a first Linear's on an input without grad (grad_W needs
+the input, not W). Its bucket may then be free (or still gathering) when
+autograd accumulates the gradient, and autograd's AccumulateGrad checks the
+new gradient's layout against the parameter's sizes and strides: against an
+empty placeholder a 2-d gradient fails ("The size of tensor a (0) must match
+the size of tensor b (64)"). Gathering the bucket only for that check would
+cost a collective and the memory of, say, a vocabulary embedding, for
+nothing. Instead the parameter gets a stand-in of its shape that holds one
+element (a zero-stride expansion) just before the accumulation (ShardedDDP's
+pre-hook), which autograd accepts without copying, and the placeholder back
+once the gradient is handed on (`grad_ready`), unless the bucket was
+gathered meanwhile.
 """
 from __future__ import annotations
 
@@ -390,8 +406,18 @@ class ParamShard:
             if r.users[b] == 0 and self.reshard_after_forward:
                 self._free(b)
 
+    def before_accumulate(self, index: int) -> None:
+        """Autograd is about to accumulate parameter `index`'s gradient (Note [Gradients of parameters not
+        gathered]): a parameter whose bucket is not live gets a one-element stand-in of its shape."""
+        p = self.params[index]
+        if p.untyped_storage()._cdata == self._empty_storage:
+            shape = self.layout.params[index].shape
+            p.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+
     def grad_ready(self, index: int) -> None:
         """Parameter `index` has its gradient of this backward: its bucket may go once all have."""
+        if all(self.state[b] != LIVE for b in self._bucket_of_param[index]):
+            self.params[index].data = self.placeholder  # the stand-in goes (before_accumulate)
         if self.round is None:
             self._begin_backward()
         r = self.round
