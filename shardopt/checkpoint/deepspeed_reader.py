@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO-1/2 checkpoint folders, read as shardopt checkpoint chunks (no DeepSpeed needed).
 
+ZeRO-3 folders: deepspeed_zero3.py, which builds on this module.
+
     shardopt.load_checkpoint("ds_ckpt", model, opt)       # the folder given to engine.save_checkpoint
     python -m shardopt convert ds_ckpt out.pt             # one plain torch file
 
@@ -51,8 +53,10 @@ every chunk's `step`. DeepSpeed's CPU Adam (optimizer offload) keeps it as an
 int, torch's Adam as a tensor, DeepSpeed's FusedAdam in the param group.
 
 What is refused, and why (each a CheckpointError naming the fix):
-* stage 3 (parameters partitioned too; the file naming and mapping differ):
-  use DeepSpeed's zero_to_fp32 for weights, or FSDP2;
+* stage 3 folders (parameters partitioned too; the file naming and layout
+  differ) are not this class's: deepspeed_zero3.DeepSpeedZero3Source reads
+  them (open_deepspeed there picks the reader; load_checkpoint and convert
+  use it);
 * pipeline parallelism (layer_* files) or tensor/model parallelism
   (mp_world_size > 1): the weights are split along a dimension that ZeRO-1/2
   here does not describe;
