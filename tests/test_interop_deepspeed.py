@@ -72,8 +72,9 @@ def _engine(seed, dtype, world_size, offload=False, stage=2, fp32_accum=False):
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     if stage == 3 and dtype == torch.float32:
         # Every parameter partitioned (DeepSpeed's default keeps parameters under 1e5 elements whole on
-        # every rank, as the bf16 run does; the saved partitions are the same either way).
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        # every rank, as the bf16 run does; the saved partitions are the same either way), and the
+        # decay group split into two sub-groups (flat partitions with Adam state of their own).
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, sub_group_size=40)
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     if fp32_accum:  # ZeRO-1 + bf16 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, bf16_* files
