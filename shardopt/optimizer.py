@@ -259,9 +259,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------- gradients
     # ShardedDDP's hooks call these (the work is grad_sync.py's).
     def _before_accumulate(self, index: int) -> None:
-        if self.param_shard is not None:
-            self.param_shard.before_grad(index)
         self.grads.before_accumulate(index)
+        if self.param_shard is not None:
+            self.param_shard.before_accumulate(index)
 
     def _end_backward(self) -> None:
         if self.param_shard is not None:

@@ -17,14 +17,26 @@ gets an obvious shape error instead of freed memory; `opt.full_params()`
 gathers everything for such code. Autograd saves weights for backward
 (x @ W saves W); saved views of a bucket are packed as (bucket, size, stride,
 offset) and unpacked by asking for the bucket again, which is what moves the
-backward round forward. A gradient is laid out like its parameter when
-autograd accumulates it (AccumulateGrad copies it into the parameter's shape
-and strides), so a parameter whose weight no backward formula saves (an
-embedding's weight, a bias that is only added) asks for its bucket just
-before its gradient lands (`before_grad`); the bucket is in the backward
-round's order, so this only moves its gather earlier. Gathers write through a second tensor on the same
+backward round forward (a weight backward never reads: Note [Gradients of
+parameters not gathered]). Gathers write through a second tensor on the same
 storage (`_comm`), so autograd's version counter of the parameters' views is
 not bumped by the collective that refills them.
+
+Note [Gradients of parameters not gathered]
+-------------------------------------------
+Some weights are never read in backward: an embedding's (its backward needs
+the indices only), a first Linear's on an input without grad (grad_W needs
+the input, not W). Its bucket may then be free (or still gathering) when
+autograd accumulates the gradient, and autograd's AccumulateGrad checks the
+new gradient's layout against the parameter's sizes and strides: against an
+empty placeholder a 2-d gradient fails ("The size of tensor a (0) must match
+the size of tensor b (64)"). Gathering the bucket only for that check would
+cost a collective and the memory of, say, a vocabulary embedding, for
+nothing. Instead the parameter gets a stand-in of its shape that holds one
+element (a zero-stride expansion) just before the accumulation (ShardedDDP's
+pre-hook), which autograd accepts without copying, and the placeholder back
+once the gradient is handed on (`grad_ready`), unless the bucket was
+gathered meanwhile.
 """
 from __future__ import annotations
 
@@ -388,13 +400,6 @@ class ParamShard:
             self._wait(b)
         self._advance(None)
 
-    def before_grad(self, index: int) -> None:
-        """Parameter `index`'s gradient is about to be accumulated: its bucket must be whole (Note [Parameters
-        between gathers])."""
-        buckets = [b for b in self._bucket_of_param[index] if self.state[b] != LIVE]
-        if buckets:
-            self.need(buckets)
-
     def forward_done(self, module_id: int, buckets) -> None:
         """A module's forward returned: buckets every waiting module has now used may go."""
         r = self.round
@@ -407,8 +412,18 @@ class ParamShard:
             if r.users[b] == 0 and self.reshard_after_forward and b not in seam:
                 self._free(b)
 
+    def before_accumulate(self, index: int) -> None:
+        """Autograd is about to accumulate parameter `index`'s gradient (Note [Gradients of parameters not
+        gathered]): a parameter whose bucket is not live gets a one-element stand-in of its shape."""
+        p = self.params[index]
+        if p.untyped_storage()._cdata == self._empty_storage:
+            shape = self.layout.params[index].shape
+            p.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+
     def grad_ready(self, index: int) -> None:
         """Parameter `index` has its gradient of this backward: its bucket may go once all have."""
+        if all(self.state[b] != LIVE for b in self._bucket_of_param[index]):
+            self.params[index].data = self.placeholder  # the stand-in goes (before_accumulate)
         if self.round is None:
             self._begin_backward()
         r = self.round

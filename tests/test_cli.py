@@ -36,10 +36,18 @@ def test_demo_launches_ranks_and_reports_loss_memory_and_time():
     assert 0.8 < ratio < 0.95, out
 
 
-def test_demo_offload_flag():
-    proc = _run_cli("demo", "--model", "tiny", "--steps", "3", "--offload", "cpu")
+def test_demo_offload_flag_and_stage3_memory():
+    proc = _run_cli("demo", "--model", "small", "--steps", "2", "--batch", "2", "--seq", "16", "--offload", "cpu",
+                    "--stage", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ZeRO-2+offload" in proc.stdout and "median step time" in proc.stdout
+    out = proc.stdout
+    assert "ZeRO-3+offload" in out and "median step time" in out
+    # The weights fall per rank at stage 3: each rank's params column is about half of DDP's at 2 ranks.
+    ours = float(re.search(r"ZeRO-3\+offload rank 0\s+([0-9.]+) MiB", out).group(1))
+    ddp = float(re.search(r"DDP \+ AdamW \(every rank\)\s+([0-9.]+) MiB", out).group(1))
+    assert 0.4 * ddp < ours < 0.6 * ddp, out
+    peak = float(re.search(r"this rank's 1/2 of the weights between steps .* peaked at ([0-9.]+) MiB", out).group(1))
+    assert 0 < peak < ddp, out   # buckets of 500,000 elements: never the whole model at once
 
 
 def test_estimate_prints_a_table_and_refuses_bad_counts(capsys):
@@ -66,16 +74,27 @@ def test_grid_and_recommendation_are_plain_functions():
 
 
 def _tune_rank(rank, world_size, out_dir):
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = cli.main(["tune", "shardopt.tools.gpt:tiny_model", "--reduce-sizes", "1000,20000,200000",
-                         "--steps", "2", "--rounds", "1", "--out-dir", out_dir])
-    return code, buf.getvalue()
+    out = []
+    for stage in (2, 3):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = cli.main(["tune", "shardopt.tools.gpt:tiny_model", "--reduce-sizes", "1000,20000,200000",
+                             "--steps", "2", "--rounds", "1", "--stage", str(stage),
+                             "--out-dir", os.path.join(out_dir, str(stage))])
+        out += [code, buf.getvalue()]
+    return out
 
 
 def test_tune_measures_the_grid_and_recommends_the_measured_best(tmp_path):
-    (code, out), (code1, out1) = run_ranks(_tune_rank, 2, str(tmp_path))
+    (code, out, code3, out3), (code1, out1, *_) = run_ranks(_tune_rank, 2, str(tmp_path))
+    tmp_path = tmp_path / "2"
     assert code == code1 == 0 and out1 == ""  # rank 0 reports
+    # Stage 3: reduce sizes only (the unit of gathering); what each costs in gathered memory.
+    rows3 = re.findall(r"^\| ([\d,]+) \| ([\d.]+) \| (\d+) \| [\d.]+ \| [\d.]+ \| [\d.]+( \*\*best\*\*)? \|$", out3, re.M)
+    assert code3 == 0 and "gathered MiB (peak)" in out3 and len(rows3) == 3, out3
+    assert 0 < float(rows3[0][1]) < float(rows3[2][1])  # bigger buckets, more gathered at once
+    assert '"stage": 3, "reduce_bucket_size"' in out3 and "allgather" not in out3.split("Recommended")[1]
+    assert cli.main(["tune", "shardopt.tools.gpt:tiny_model", "--stage", "3", "--allgather-sizes", "1000"]) == 2
     row = r"^\| ([\d,]+) \| ([\d,]+) \| (\d+) \| [\d.]+ \| ([\d.]+) \| [\d.]+( \*\*best\*\*)? \|$"
     rows = re.findall(row, out, re.M)
     assert len(rows) == 3, out

@@ -1,4 +1,5 @@
-"""torch.distributed.checkpoint both ways: FSDP2 at 2 ranks -> shardopt at 3, shardopt at 2 -> FSDP2 at 3.
+"""torch.distributed.checkpoint both ways: FSDP2 at 2 ranks -> shardopt at 3, shardopt at 2 -> FSDP2 at 3;
+and with shardopt at stage 3: FSDP2 at 2 -> shardopt stage 3 at 3, shardopt stage 3 at 3 -> FSDP2 at 2.
 
 One 2-rank run trains K steps with FSDP2 (fully_shard) and, in the same
 processes, with shardopt; each saves with dcp.save from its get_state_dict,
@@ -7,8 +8,11 @@ into the other library (shardopt from FSDP2's, FSDP2 from shardopt's), checks
 that what was loaded equals what was saved bit for bit (weights, exp_avg,
 exp_avg_sq, step, frozen parameters, buffers) and trains K more: both must
 end within 1e-5 of the run they came from (AdamW either way; sums in another
-order). Every run sees the same global batch, so world size does not change
-the averaged gradient.
+order). The 3-rank run also loads FSDP2's checkpoint into a stage-3 shardopt
+(parameters sharded too), and trains a stage-3 run of its own that saves to
+DCP and goes on; a third run, FSDP2 at 2 ranks, loads that and must end
+within 1e-5 of it. Every run sees the same global batch, so world size does
+not change the averaged gradient.
 """
 import os
 
@@ -72,24 +76,25 @@ def _fsdp2_full(model, opt):
 
 
 # --------------------------------------------------------------- shardopt
-def _shardopt(seed):
+def _shardopt(seed, stage=2):
     import shardopt
 
     model = _model(seed)
-    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, reduce_bucket_size=150)
+    opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, reduce_bucket_size=150,
+                                    stage=stage)
     return model, shardopt.ShardedDDP(model, opt), opt
 
 
 def _shardopt_full(model, opt):
     """The same as _fsdp2_full, from shardopt's pieces (fp32 masters)."""
     opt.consolidate_state_dict(to=0)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # a collective at stage 3
     if opt.rank != 0:
         return None
     names = {id(p): n for n, p in model.named_parameters()}
     sd = opt.state_dict()
     order = [p for g in opt.param_groups for p in g["params"]]
-    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "state": {names[id(order[i])]: st for i, st in sd["state"].items()}}
+    return {"model": weights, "state": {names[id(order[i])]: st for i, st in sd["state"].items()}}
 
 
 def _save(path, msd, osd):
@@ -141,11 +146,40 @@ def _three_ranks(rank, world_size, root):
     out["shardopt continued"] = _shardopt_full(model, opt)
     out["shardopt hyper"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
+    # FSDP2's checkpoint into shardopt at stage 3 (parameters sharded too: nothing whole between uses).
+    model, wrapper, opt = _shardopt(2, stage=3)
+    msd, osd = _load(os.path.join(root, "fsdp2"), *shardopt.dcp.get_state_dict(wrapper, opt))
+    shardopt.dcp.set_state_dict(wrapper, opt, model_state_dict=msd, optim_state_dict=osd)
+    out["shardopt-3 loaded"] = _shardopt_full(model, opt)
+    _train(wrapper, opt, range(K, 2 * K), rank, world_size)
+    out["shardopt-3 continued"] = _shardopt_full(model, opt)
+
+    # A stage-3 run of its own saves to DCP (for FSDP2 at 2 ranks: _fsdp2_from_stage3), and goes on.
+    model, wrapper, opt = _shardopt(0, stage=3)
+    _train(wrapper, opt, range(K), rank, world_size)
+    out["shardopt-3 saved"] = _shardopt_full(model, opt)
+    _save(os.path.join(root, "shardopt-3"), *shardopt.dcp.get_state_dict(wrapper, opt))
+    _train(wrapper, opt, range(K, 2 * K), rank, world_size)
+    out["shardopt-3 own"] = _shardopt_full(model, opt)
+
     # shardopt's checkpoint into FSDP2.
     model, opt = _fsdp2(1, world_size)
     msd, osd = _load(os.path.join(root, "shardopt"), *get_state_dict(model, opt))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     out["fsdp2 loaded"] = _fsdp2_full(model, opt)
+    _train(model, opt, range(K, 2 * K), rank, world_size)
+    out["fsdp2 continued"] = _fsdp2_full(model, opt)
+    return out if rank == 0 else None
+
+
+def _fsdp2_from_stage3(rank, world_size, root):
+    """FSDP2 at 2 ranks loads the checkpoint a shardopt stage-3 run saved at 3 ranks, and goes on."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _fsdp2(1, world_size)
+    msd, osd = _load(os.path.join(root, "shardopt-3"), *get_state_dict(model, opt))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    out = {"fsdp2 loaded": _fsdp2_full(model, opt)}
     _train(model, opt, range(K, 2 * K), rank, world_size)
     out["fsdp2 continued"] = _fsdp2_full(model, opt)
     return out if rank == 0 else None
@@ -166,8 +200,13 @@ def _differences(want, got, rtol):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("dcp"))
+def dcp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.fixture(scope="module")
+def runs(dcp_root):
+    root = dcp_root
     two = run_ranks(_two_ranks, 2, root, timeout=300)[0]
     three = run_ranks(_three_ranks, 3, root, timeout=300)[0]
     return two, three
@@ -178,6 +217,19 @@ def test_fsdp2_checkpoint_resumes_in_shardopt_at_another_world_size(runs):
     assert _differences(two["fsdp2 saved"], three["shardopt loaded"], 0) == []
     assert _differences(two["fsdp2 continued"], three["shardopt continued"], 1e-5) == []
     assert [h["weight_decay"] for h in three["shardopt hyper"]] == [WD, 0.0]
+
+
+def test_fsdp2_checkpoint_resumes_in_shardopt_stage3(runs):
+    two, three = runs
+    assert _differences(two["fsdp2 saved"], three["shardopt-3 loaded"], 0) == []
+    assert _differences(two["fsdp2 continued"], three["shardopt-3 continued"], 1e-5) == []
+
+
+def test_shardopt_stage3_checkpoint_resumes_in_fsdp2(runs, dcp_root):
+    _, three = runs
+    back = run_ranks(_fsdp2_from_stage3, 2, dcp_root, timeout=300)[0]
+    assert _differences(three["shardopt-3 saved"], back["fsdp2 loaded"], 0) == []
+    assert _differences(three["shardopt-3 own"], back["fsdp2 continued"], 1e-5) == []
 
 
 def test_shardopt_checkpoint_resumes_in_fsdp2_at_another_world_size(runs):

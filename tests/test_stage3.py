@@ -208,6 +208,64 @@ def test_a_rank_that_skips_a_module_does_not_hang():
         assert seam["eval_and_step"] == seam["want"], seam
 
 
+# --------------------------------------------- weights that backward never reads
+class _UnreadWeights(torch.nn.Module):
+    """Weights whose backward never needs them, each alone in its bucket (Note [Gradients of parameters
+    not gathered]): an untied embedding (its backward needs the indices), a first Linear on an input
+    without grad (grad_W needs the input only), and nn.MultiheadAttention (reads out_proj directly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.inp = torch.nn.Linear(7, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, idx, feats):
+        h = self.emb(idx) + self.inp(feats)
+        return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+
+def _unread_weights(rank, world_size):
+    import shardopt
+
+    torch.manual_seed(0)
+    base = _UnreadWeights()
+    ref_model = copy.deepcopy(base)
+    ref = DDP(ref_model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    model = copy.deepcopy(base)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
+                                    reduce_bucket_size=200)
+    sharded = shardopt.ShardedDDP(model, opt)
+    losses = {"ddp": [], "stage 3": []}
+    for step in range(3):
+        for key, wrapper, optimizer in (("ddp", ref, ref_opt), ("stage 3", sharded, opt)):
+            micro = 2 if step == 1 else 1   # step 1 accumulates: the gradient waits on a placeholder
+            for m in range(micro):
+                x, y = batch(step, rank, m)
+                feats = torch.randn(*x.shape, 7, generator=torch.Generator().manual_seed(step * 10 + rank + m))
+                with wrapper.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    loss = torch.nn.functional.cross_entropy(wrapper(x, feats).reshape(-1, VOCAB), y.reshape(-1))
+                    loss.backward()
+                losses[key].append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+    with opt.full_params(writeback=False):
+        errors = {n: ((p - q).abs().max() / p.abs().max()).item()
+                  for (n, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters())}
+    return losses, errors, len(opt.layout.buckets), [tuple(p.shape) for p in model.parameters()]
+
+
+def test_weights_backward_never_reads_match_ddp():
+    for losses, errors, buckets, shapes in run_ranks(_unread_weights, 2, timeout=120):
+        assert buckets >= 8                                    # nearly one parameter per bucket
+        for a, b in zip(losses["ddp"], losses["stage 3"]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), losses
+        assert max(errors.values()) < 1e-5, errors
+        assert set(shapes) == {(0,)}                           # the stand-ins went again
+
+
 # ------------------------------------------------- state dicts, full_params, memory
 def _whole_weights(rank, world_size):
     import shardopt

@@ -7,5 +7,6 @@ pieces.py           element ranges of parameters and their optimizer state
 optim_state.py      torch.optim-format state dicts (consolidate_state_dict)
 convert.py          `shardopt convert`: a checkpoint to one torch file
 deepspeed_reader.py DeepSpeed ZeRO-1/2 checkpoint folders in
+deepspeed_zero3.py  DeepSpeed ZeRO-3 checkpoint folders in (and which reader a folder needs)
 dcp.py              torch.distributed.checkpoint state dicts (FSDP2 interop)
 """

@@ -1,7 +1,7 @@
 """`python -m shardopt convert CKPT OUT.pt`: a sharded checkpoint as one plain torch file, offline.
 
-CKPT may also be a DeepSpeed ZeRO-1/2 checkpoint folder (shardopt/checkpoint/deepspeed_reader.py): its
-fp32 masters and Adam state come out in the same format.
+CKPT may also be a DeepSpeed ZeRO-1/2 or ZeRO-3 checkpoint folder (shardopt/checkpoint/deepspeed_reader.py,
+deepspeed_zero3.py): its fp32 masters and Adam state come out in the same format.
 
 The output is {"model": the model's state_dict (every key, tied names included,
 in the model's order and dtype), "optimizer": a torch.optim state dict as
@@ -28,10 +28,10 @@ def checkpoint_to_torch(path, tag: str | None = None, weights_only: bool = True)
     """The checkpoint at `path` (see load_checkpoint) as {"model", "optimizer", "extra"} (module docstring)."""
     directory = resolve_checkpoint_dir(path, tag)
     if not os.path.exists(os.path.join(directory, MANIFEST)):
-        from shardopt.checkpoint import deepspeed_reader
+        from shardopt.checkpoint import deepspeed_reader, deepspeed_zero3
 
         if deepspeed_reader.looks_like_deepspeed(directory):
-            return deepspeed_reader.to_torch(directory, weights_only)
+            return deepspeed_zero3.to_torch(directory, weights_only)
     body = read_manifest(directory)
     reader = RecordReader(directory, body["files"])
     try:

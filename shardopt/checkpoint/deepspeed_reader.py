@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO-1/2 checkpoint folders, read as shardopt checkpoint chunks (no DeepSpeed needed).
 
+ZeRO-3 folders: deepspeed_zero3.py, which builds on this module.
+
     shardopt.load_checkpoint("ds_ckpt", model, opt)       # the folder given to engine.save_checkpoint
     python -m shardopt convert ds_ckpt out.pt             # one plain torch file
 
@@ -51,8 +53,10 @@ every chunk's `step`. DeepSpeed's CPU Adam (optimizer offload) keeps it as an
 int, torch's Adam as a tensor, DeepSpeed's FusedAdam in the param group.
 
 What is refused, and why (each a CheckpointError naming the fix):
-* stage 3 (parameters partitioned too; the file naming and mapping differ):
-  use DeepSpeed's zero_to_fp32 for weights, or FSDP2;
+* stage 3 folders (parameters partitioned too; the file naming and layout
+  differ) are not this class's: deepspeed_zero3.DeepSpeedZero3Source reads
+  them (open_deepspeed there picks the reader; load_checkpoint and convert
+  use it);
 * pipeline parallelism (layer_* files) or tensor/model parallelism
   (mp_world_size > 1): the weights are split along a dimension that ZeRO-1/2
   here does not describe;
@@ -96,6 +100,7 @@ from shardopt.checkpoint.pieces import Chunk, resolve_hyper
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 _OPTIM_FILE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO3_MODEL_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 # Model-states keys DeepSpeed itself writes; any other top-level key is the user's client_state.
 _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
             "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
@@ -171,6 +176,38 @@ def load_file(path: str, weights_only: bool = True):
         raise CheckpointError(f"{path} cannot be read ({e}): the file is damaged or not a torch file") from None
 
 
+def is_zero3(names) -> bool:
+    """Whether a tag folder's file names are a ZeRO-3 checkpoint's (model states per rank, none shared)."""
+    return MODEL_FILE not in names and any(_ZERO3_MODEL_FILE.match(n) for n in names)
+
+
+def refuse_parallel_layouts(directory: str, names) -> None:
+    """Refuses pipeline-parallel and mixture-of-experts folders, which no reader here maps."""
+    if any(n.startswith("layer_") for n in names):
+        raise CheckpointError(f"{directory} is a DeepSpeed pipeline-parallel checkpoint (layer_* files): its model "
+                              "is split into stages; only data-parallel ZeRO checkpoints map onto shardopt")
+    if any("expp_rank" in n or n.startswith("expert_") for n in names):
+        raise CheckpointError(f"{directory} holds mixture-of-experts state (expert-parallel files): experts are "
+                              "partitioned over other groups, which shardopt does not describe")
+
+
+def optimizer_files(directory: str, names) -> list:
+    """The [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt names, by rank; refuses gaps."""
+    files = {}
+    for n in names:
+        m = _OPTIM_FILE.match(n)
+        if m:
+            files[int(m.group(2))] = n
+    if not files:
+        raise CheckpointError(f"{directory} has no *_zero_pp_rank_*_optim_states.pt files: the optimizer "
+                              "state was not saved (save_checkpoint with the ZeRO optimizer)")
+    world = len(files)
+    if sorted(files) != list(range(world)):
+        raise CheckpointError(f"{directory}: optimizer files for ranks {sorted(files)}, expected 0..{world - 1} "
+                              "(some are missing)")
+    return [files[r] for r in range(world)]
+
+
 def _steps_of(state: dict, group: dict, where: str):
     step = state.get("step", group.get("step"))
     if step is None:
@@ -190,12 +227,44 @@ class DeepSpeedSource(Source):
         self.directory = directory
         names = sorted(os.listdir(directory))
         self._refuse_layouts(names)
-        self.meta = meta = load_file(os.path.join(directory, MODEL_FILE), weights_only)
+        self.meta = load_file(os.path.join(directory, MODEL_FILE), weights_only)
+        self._check_meta(self.meta)
+        files = optimizer_files(directory, names)
+        self._ranks = [load_file(os.path.join(directory, f), weights_only) for f in files]
+        self.world_size = len(files)
+        sds = [f["optimizer_state_dict"] for f in self._ranks]
+        self._check_zero(sds[0])
+        self._flat = [sd["single_partition_of_fp32_groups"] for sd in sds]
+        base = sds[0]["base_optimizer_state"]
+        n_groups = len(base["param_groups"]) if isinstance(base, dict) else len(base)
+        if n_groups != len(self.meta["param_shapes"]):
+            raise CheckpointError(f"{self.directory}: {n_groups} optimizer param groups but "
+                                  f"{len(self.meta['param_shapes'])} groups of parameter shapes")
+        self._slot_group = list(range(n_groups))   # one flat partition per param group
+        self._check_adam([s["base_optimizer_state"] for s in sds], [s.get("base_optimizer_state_step") for s in sds])
+        self._build_fragments(sds)
+        self.scaler = self._scaler(sds[0])
+
+    # ----------------------------------------------------------- refusals
+    def _refuse_layouts(self, names):
+        d = self.directory
+        refuse_parallel_layouts(d, names)
+        if is_zero3(names):
+            raise CheckpointError(f"{d} is a DeepSpeed ZeRO stage 3 checkpoint (parameters partitioned too): "
+                                  "open it with shardopt.checkpoint.deepspeed_zero3.DeepSpeedZero3Source "
+                                  "(load_checkpoint and convert do)")
+        if MODEL_FILE not in names:
+            other = [n for n in names if n.endswith("_model_states.pt")]
+            raise CheckpointError(f"{d} has no {MODEL_FILE} ({', '.join(other) or 'no model states'}): written "
+                                  "with tensor/model parallelism, which is not mapped onto shardopt")
+
+    def _check_meta(self, meta: dict):
+        directory = self.directory
         dims = meta.get("checkpoint_parallel_dimensions") or {}
         if (meta.get("mp_world_size") or 1) > 1 or (dims.get("tp_degree") or 1) > 1:
             raise CheckpointError(f"{directory} was written with tensor/model parallelism (degree "
                                   f"{max(meta.get('mp_world_size') or 1, dims.get('tp_degree') or 1)}): its weights "
-                                  "are split inside parameters; only pure data-parallel ZeRO-1/2 checkpoints map "
+                                  "are split inside parameters; only pure data-parallel ZeRO checkpoints map "
                                   "onto shardopt")
         if (dims.get("pp_degree") or 1) > 1:
             raise CheckpointError(f"{directory} was written with pipeline parallelism: not mapped onto shardopt")
@@ -203,44 +272,6 @@ class DeepSpeedSource(Source):
             raise CheckpointError(f"{directory} has no ZeRO optimizer state (DeepSpeed ran without "
                                   "zero_optimization, or saved weights only); load its 'module' weights with "
                                   "model.load_state_dict(torch.load(...)['module'])")
-        files = {}
-        for n in names:
-            m = _OPTIM_FILE.match(n)
-            if m:
-                files[int(m.group(2))] = n
-        if not files:
-            raise CheckpointError(f"{directory} has no *_zero_pp_rank_*_optim_states.pt files: the optimizer "
-                                  "state was not saved (save_checkpoint with the ZeRO optimizer)")
-        world = len(files)
-        if sorted(files) != list(range(world)):
-            raise CheckpointError(f"{directory}: optimizer files for ranks {sorted(files)}, expected 0..{world - 1} "
-                                  "(some are missing)")
-        self._ranks = [load_file(os.path.join(directory, files[r]), weights_only) for r in range(world)]
-        self.world_size = world
-        sds = [f["optimizer_state_dict"] for f in self._ranks]
-        self._check_zero(sds[0])
-        self._check_adam(sds)
-        self._build_fragments(sds)
-        self.scaler = self._scaler(sds[0])
-
-    # ----------------------------------------------------------- refusals
-    def _refuse_layouts(self, names):
-        d = self.directory
-        if any(n.startswith("layer_") for n in names):
-            raise CheckpointError(f"{d} is a DeepSpeed pipeline-parallel checkpoint (layer_* files): its model is "
-                                  "split into stages; only data-parallel ZeRO-1/2 checkpoints map onto shardopt")
-        if any("expp_rank" in n or n.startswith("expert_") for n in names):
-            raise CheckpointError(f"{d} holds mixture-of-experts state (expert-parallel files): experts are "
-                                  "partitioned over other groups, which shardopt does not describe")
-        if any(re.match(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$", n) for n in names) \
-                and MODEL_FILE not in names:
-            raise CheckpointError(f"{d} is a DeepSpeed ZeRO stage 3 checkpoint (parameters partitioned too): "
-                                  "shardopt is ZeRO-1/2; get the weights with DeepSpeed's zero_to_fp32.py, or use "
-                                  "FSDP2 for stage 3")
-        if MODEL_FILE not in names:
-            other = [n for n in names if n.endswith("_model_states.pt")]
-            raise CheckpointError(f"{d} has no {MODEL_FILE} ({', '.join(other) or 'no model states'}): written "
-                                  "with tensor/model parallelism, which is not mapped onto shardopt")
 
     def _check_zero(self, sd: dict):
         stage = sd.get("zero_stage")
@@ -256,8 +287,12 @@ class DeepSpeedSource(Source):
             raise CheckpointError(f"{self.directory}: partition_count {list(counts)} but {self.world_size} rank "
                                   "files (expert or sequence-parallel groups are not mapped onto shardopt)")
 
-    def _check_adam(self, sds: list):
-        """Sets self.decoupled, self._groups (saved param groups or None), self._states(rank, group)."""
+    def _check_adam(self, bases: list, elastic_steps: list):
+        """Sets self.decoupled, self._groups (saved param groups or None), self._state(rank, slot).
+
+        `bases`: per rank the inner optimizer's state over its flat partitions (slots; a
+        state_dict, or elastic checkpoints' list per slot); self._slot_group says whose param group
+        each slot is."""
         cfg = self.meta.get("ds_config") or {}
         if isinstance(cfg, str):  # deepspeed.initialize(config="ds.json") saves the path
             try:
@@ -271,22 +306,15 @@ class DeepSpeedSource(Source):
         if kind and kind not in ("adam", "adamw", "cpuadam", "fusedadam"):
             raise CheckpointError(f"{self.directory} was trained with DeepSpeed's {opt_cfg.get('type')!r} optimizer; "
                                   "only Adam / AdamW state (exp_avg, exp_avg_sq, step) maps onto shardopt's")
-        base = sds[0]["base_optimizer_state"]
-        if isinstance(base, dict):       # optimizer.state_dict() over the flat partitions
-            self._groups = base["param_groups"]
-            n_groups = len(self._groups)
-        else:                            # elastic_checkpoint: per group the state, trailing padding cut
-            self._groups = None
-            n_groups = len(base)
-        if n_groups != len(self.meta["param_shapes"]):
-            raise CheckpointError(f"{self.directory}: {n_groups} optimizer param groups but "
-                                  f"{len(self.meta['param_shapes'])} groups of parameter shapes")
-        self._base = [s["base_optimizer_state"] for s in sds]
-        self._elastic_steps = [s.get("base_optimizer_state_step") for s in sds]
+        base = bases[0]
+        # optimizer.state_dict() over the flat partitions, or (elastic_checkpoint) per group the state
+        self._groups = base["param_groups"] if isinstance(base, dict) else None
+        self._base = bases
+        self._elastic_steps = elastic_steps
         keys = set()
         for r in range(self.world_size):
-            for g in range(n_groups):
-                keys |= {k for k, v in self._state(r, g).items() if torch.is_tensor(v) and v.dim() > 0}
+            for slot in range(len(self._slot_group)):
+                keys |= {k for k, v in self._state(r, slot).items() if torch.is_tensor(v) and v.dim() > 0}
         if not keys:
             raise CheckpointError(f"{self.directory} has no optimizer state (saved before the first step?)")
         if keys - _ADAM_STATE or not {"exp_avg", "exp_avg_sq"} <= keys:
@@ -305,12 +333,12 @@ class DeepSpeedSource(Source):
             raise CheckpointError(f"{self.directory} was trained with bias_correction=false, which torch's and "
                                   "shardopt's Adam always apply")
 
-    def _state(self, rank: int, group: int) -> dict:
+    def _state(self, rank: int, slot: int) -> dict:
         base = self._base[rank]
         if isinstance(base, dict):
-            # torch numbers the flat partitions 0..G-1; an unstepped group has no entry
-            return base["state"].get(group, base["state"].get(str(group), {}))
-        return base[group]
+            # torch numbers the flat partitions 0..S-1; an unstepped one has no entry
+            return base["state"].get(slot, base["state"].get(str(slot), {}))
+        return base[slot]
 
     def _build_fragments(self, sds: list):
         shapes = self.meta["param_shapes"]
@@ -329,11 +357,7 @@ class DeepSpeedSource(Source):
                     lo = covered[name]
                     self._frags.setdefault(name, []).append((lo, lo + numel, r, g, start))
                     covered[name] = lo + numel
-        bad = [f"{n} ({c} of {math.prod(self.params[n]['shape'])} elements)" for n, c in covered.items()
-               if c != math.prod(self.params[n]["shape"])]
-        if bad:
-            raise CheckpointError(f"{self.directory}: the rank files do not tile these parameters: "
-                                  f"{', '.join(bad[:10])}; the checkpoint is incomplete or of another layout")
+        self._check_tiled(covered)
         shared = self.meta.get("shared_params") or {}
         buffers = set(self.meta.get("buffer_names") or ())
         module = self.meta["module"]
@@ -342,6 +366,14 @@ class DeepSpeedSource(Source):
             if k in self.params or k in shared or not torch.is_tensor(v):
                 continue
             self.model_state[k] = ("buffer" if k in buffers else "frozen", tuple(v.shape))
+
+    def _check_tiled(self, covered: dict) -> None:
+        """Every parameter's fragments, put together, are the whole parameter exactly once."""
+        bad = [f"{n} ({c} of {math.prod(self.params[n]['shape'])} elements)" for n, c in covered.items()
+               if c != math.prod(self.params[n]["shape"])]
+        if bad:
+            raise CheckpointError(f"{self.directory}: the rank files do not tile these parameters: "
+                                  f"{', '.join(bad[:10])}; the checkpoint is incomplete or of another layout")
 
     def _scaler(self, sd: dict):
         ls = sd.get("loss_scaler")
@@ -375,21 +407,20 @@ class DeepSpeedSource(Source):
                 raise CheckpointError(f"{self.directory} used amsgrad, which {cls} does not have")
         return resolve_hyper(opt, saved, False, f"DeepSpeed checkpoint {self.directory}")
 
-    def _step(self, rank: int, group: int):
+    def _step(self, rank: int, slot: int):
         if self._elastic_steps[rank] is not None:
             return float(self._elastic_steps[rank])
-        saved_group = self._groups[group] if self._groups else {}
-        return _steps_of(self._state(rank, group), saved_group, f"{self.directory} rank {rank} group {group}")
+        saved_group = self._groups[self._slot_group[slot]] if self._groups else {}
+        return _steps_of(self._state(rank, slot), saved_group, f"{self.directory} rank {rank} partition {slot}")
 
     def chunks(self, name: str, start: int, end: int) -> list:
         out = []
-        for lo, hi, r, g, at in self._frags.get(name, ()):
+        for lo, hi, r, slot, at in self._frags.get(name, ()):
             if lo < end and hi > start:
-                master = self._ranks[r]["optimizer_state_dict"]["single_partition_of_fp32_groups"][g]
                 slices = {k: v.narrow(0, at, hi - lo).float()
-                          for k, v in self._state(r, g).items() if k in _ADAM_STATE}
-                slices[PARAM] = master.narrow(0, at, hi - lo).float()
-                out.append(Chunk(name, lo, hi, slices, {"step": torch.tensor(self._step(r, g))}))
+                          for k, v in self._state(r, slot).items() if k in _ADAM_STATE}
+                slices[PARAM] = self._flat[r][slot].narrow(0, at, hi - lo).float()
+                out.append(Chunk(name, lo, hi, slices, {"step": torch.tensor(self._step(r, slot))}))
         return out
 
     def model_tensor(self, name: str) -> torch.Tensor:
@@ -407,32 +438,42 @@ class DeepSpeedSource(Source):
         self._ranks = []
 
 
-def to_torch(directory: str, weights_only: bool = True) -> dict:
-    """A DeepSpeed ZeRO-1/2 folder as convert.checkpoint_to_torch's {"model", "optimizer", "extra"}.
+def to_torch(src: Source) -> dict:
+    """A DeepSpeed source (ZeRO-1/2 here, or deepspeed_zero3's) as convert.checkpoint_to_torch's
+    {"model", "optimizer", "extra"}; closes `src`.
 
-    Model: DeepSpeed's saved state_dict, trainable parameters replaced by the fp32
+    Model: DeepSpeed's saved state_dict keys, trainable parameters the fp32
     masters cast to the model's dtype. Optimizer: torch.optim numbering in
-    param_shapes order (DeepSpeed's group order; the client's order unless
-    round_robin_gradients reordered it), whole-parameter exp_avg / exp_avg_sq / step.
+    param_shapes order (DeepSpeed's order of its flat partitions: the client's
+    order unless round_robin_gradients reordered it), grouped by param group,
+    whole-parameter exp_avg / exp_avg_sq / step.
     """
     from shardopt.checkpoint.pieces import assemble
 
-    src = DeepSpeedSource(directory, weights_only)
     try:
         shapes = {n: tuple(v["shape"]) for n, v in src.params.items()}
         full = assemble(shapes, (c for n, s in shapes.items() for c in src.chunks(n, 0, math.prod(s))))
         module = src.meta["module"]
         model = {}
         for k, v in module.items():
-            model[k] = full[k].pop(PARAM).to(v.dtype) if k in full else v
+            if k in full:
+                model[k] = full[k].pop(PARAM).to(v.dtype)
+            elif k in src.model_state:
+                model[k] = src.model_tensor(k)
+            else:
+                model[k] = v
         for alias, primary in (src.meta.get("shared_params") or {}).items():
             if primary in model:
                 model[alias] = model[primary]   # one tensor: torch.save keeps the tie
+        hyper = src._groups or [{} for _ in range(max(src._slot_group) + 1)]
+        names = [[] for _ in hyper]
+        for group in src.meta["param_shapes"]:
+            for n in group:
+                names[src.params[n]["group"]].append(n)
         groups, state, index = [], {}, 0
-        hyper = src._groups or [{} for _ in src.meta["param_shapes"]]
-        for g, names in enumerate(src.meta["param_shapes"]):
+        for g, ns in enumerate(names):
             ids = []
-            for n in names:
+            for n in ns:
                 if full.get(n):
                     state[index] = full[n]
                 ids.append(index)

@@ -35,7 +35,8 @@ The directory must be on a file system every rank sees (shared, or one node).
 
 Loading reads through a `Source` (names, shapes, and chunks of any element
 range of a parameter): `NativeSource` for this format, deepspeed_reader.DeepSpeedSource
-for DeepSpeed's ZeRO-1/2 folders; everything after that is one code path.
+for DeepSpeed's ZeRO-1/2 folders, deepspeed_zero3.DeepSpeedZero3Source for
+its ZeRO-3 folders; everything after that is one code path.
 
 Loading happens in two phases so that a bad checkpoint changes nothing: every
 rank first reads and verifies what it needs (manifest checksum, file sizes, a
@@ -456,13 +457,13 @@ class NativeSource(Source):
 
 
 def open_source(path, tag: str | None = None, weights_only: bool = True) -> Source:
-    """The checkpoint at `path` (shardopt's, or a DeepSpeed ZeRO-1/2 folder) as a Source."""
+    """The checkpoint at `path` (shardopt's, or a DeepSpeed ZeRO-1/2/3 folder) as a Source."""
     directory = resolve_checkpoint_dir(path, tag)
     if not os.path.exists(os.path.join(directory, MANIFEST)):
-        from shardopt.checkpoint import deepspeed_reader
+        from shardopt.checkpoint import deepspeed_reader, deepspeed_zero3
 
         if deepspeed_reader.looks_like_deepspeed(directory):
-            return deepspeed_reader.DeepSpeedSource(directory, weights_only)
+            return deepspeed_zero3.open_deepspeed(directory, weights_only)
     return NativeSource(directory, weights_only)
 
 
@@ -535,7 +536,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
 
     Call on every rank (a collective). `path` is the directory given to
     save_checkpoint (its `latest` is loaded, or `tag`) or a tag directory;
-    or a DeepSpeed ZeRO-1/2 checkpoint folder (engine.save_checkpoint's
+    or a DeepSpeed ZeRO-1/2/3 checkpoint folder (engine.save_checkpoint's
     directory or one of its tags): its fp32 masters, Adam moments and step
     counts load the same way, and the returned `extra` is then
     {"client_state", "global_steps", "global_samples", "skipped_steps",

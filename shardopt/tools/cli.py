@@ -1,11 +1,13 @@
 """`python -m shardopt ...` (also installed as `shardopt`).
 
-    demo      CPU ranks train a small GPT with ZeRO-2 (progress bar) and print loss, memory per rank
-              next to DDP's, and step time. `--world-size`, `--steps`, `--stage`, `--offload`.
+    demo      CPU ranks train a small GPT with ZeRO (stage 2 unless `--stage`; progress bar) and print
+              loss, memory per rank next to DDP's, and step time. `--world-size`, `--steps`, `--stage`,
+              `--offload`.
     estimate  memory per rank for a parameter count (7e9, 125M) or a `module:factory` model built on
               the meta device, over world sizes / stages / offload, as a table with DDP's for reference.
-    tune      times the `module:factory` model over a grid of reduce/allgather bucket sizes at the
-              current world size; prints a table, writes a PNG, recommends sizes as a config snippet.
+    tune      times the `module:factory` model over a grid of reduce/allgather bucket sizes (stage 3:
+              reduce sizes, the unit of gathering too) at the current world size; prints a table,
+              writes a PNG, recommends sizes as a config snippet.
     convert   a checkpoint directory (shardopt.save_checkpoint) -> one torch file: model weights and a
               torch.optim state dict (shardopt/checkpoint/convert.py).
     bench     runs scenarios of the source tree's benchmarks/ and writes a dated markdown report with
@@ -156,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="CPU ranks train a small GPT with ZeRO-2")
+    d = sub.add_parser("demo", help="CPU ranks train a small GPT with ZeRO (--stage 1, 2, 3)")
     d.add_argument("--world-size", type=int, default=2, help="ranks to launch when not under torchrun")
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
@@ -192,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
                                                 "(default: example_batch in the factory's module)")
     t.add_argument("--reduce-sizes", type=_list(parse_count), default=[500_000, 2_000_000, 8_000_000, 32_000_000])
     t.add_argument("--allgather-sizes", type=_list(parse_count), default=None,
-                   help="default: the same as each reduce size")
+                   help="default: the same as each reduce size (stage 1/2 only: stage 3 gathers whole buckets)")
     t.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     t.add_argument("--steps", type=int, default=3, help="timed steps per grid point per round")
     t.add_argument("--rounds", type=int, default=2)
@@ -223,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return _on_ranks(_demo, args, argv, timeout_s=120)
     if args.command == "tune":
+        if args.stage == 3 and args.allgather_sizes:
+            from shardopt.tools import tune
+
+            print(f"shardopt tune: error: {tune.STAGE3_ALLGATHER}", file=sys.stderr)
+            return 2
         return _on_ranks(_tune, args, argv, timeout_s=600)
     if args.command == "gpu-check":
         from shardopt.tools import gpu_check

@@ -117,6 +117,9 @@ def run(args) -> int:
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     (losses, ref_losses), times = _train_interleaved([(wrapper, opt), (ref, ref_opt)], cfg, args, rank, name)
     mem = opt.memory_stats()
+    # Stage 3: between steps a rank holds 1/N of the weights ("params"); during forward and backward whole
+    # buckets exist too, this many bytes at most at once.
+    mem["gathered_peak"] = opt.param_shard.peak_live if opt.param_shard is not None else 0
     params = list(ref_model.parameters())
     ddp_mem = {
         "params": sum(p.numel() * p.element_size() for p in params),
@@ -145,6 +148,10 @@ def run(args) -> int:
               + f"{_mib(total(ddp_mem)):>14}")
         ratio = total(everyone[0]) / total(ddp_mem)
         print(f"  {name} holds {ratio:.2f}x DDP's bytes per rank")
+        if args.stage == 3:
+            peak = max(m["gathered_peak"] for m in everyone)
+            print(f"  ZeRO-3 params: this rank's 1/{ws} of the weights between steps (DDP: all of them); whole "
+                  f"buckets gathered during forward and backward peaked at {peak / 2**20:.1f} MiB on top")
         timed = times[:, 1:] if times.shape[1] > 1 else times  # the first round is warm-up
         ratios = sorted((timed[0] / timed[1]).tolist())
         ours, theirs = timed[0].median().item(), timed[1].median().item()

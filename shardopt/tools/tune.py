@@ -8,6 +8,12 @@ the grid is measured in several rounds (every point once per round, in turn)
 and a point's time is its median over all its timed steps, taken on the
 slowest rank. The recommendation is the point with the lowest median
 (`recommend`, pure, tested against a table).
+
+At stage 3 the reduce bucket is also the unit of gathering (a bucket's
+parameters are all-gathered whole before its first module runs), so the grid
+is reduce sizes only (allgather sizes change nothing there and are refused),
+and the table shows what a size costs in memory: the most bytes of whole
+parameters gathered at once (ParamShard.peak_live) next to the staging buffers.
 """
 from __future__ import annotations
 
@@ -19,6 +25,10 @@ import time
 from typing import Callable, Sequence
 
 import torch
+
+
+STAGE3_ALLGATHER = ("at stage 3 a bucket is all-gathered whole before its first module runs: allgather_bucket_size "
+                    "changes nothing there; the reduce bucket is the unit of gathering, so tune --reduce-sizes alone")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +45,8 @@ class GridPoint:
     """Stage-2 staging memory this choice costs per rank."""
     step_time: float
     """Median step time in seconds (slowest rank)."""
+    gathered_bytes: int = 0
+    """Stage 3: the most bytes of whole parameters gathered at once on a rank (0 at stages 1 and 2)."""
 
 
 def grid(reduce_sizes: Sequence[int], allgather_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -51,8 +63,8 @@ def grid(reduce_sizes: Sequence[int], allgather_sizes: Sequence[int] | None) -> 
 
 
 def recommend(points: Sequence[GridPoint]) -> GridPoint:
-    """The measured best (lowest median step time; ties: fewer staging bytes)."""
-    return min(points, key=lambda p: (p.step_time, p.staging_bytes))
+    """The measured best (lowest median step time; ties: fewer staging and gathered bytes)."""
+    return min(points, key=lambda p: (p.step_time, p.staging_bytes + p.gathered_bytes))
 
 
 def load_batch(spec: str | None, factory_spec: str) -> Callable[[], tuple]:
@@ -97,7 +109,8 @@ def _time_point(factory, inputs, stage, rbs, agbs, steps, warmup):
         opt.zero_grad()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    info = (len(opt.layout.buckets), opt.memory_stats()["staging"])
+    gathered = opt.param_shard.peak_live if opt.param_shard is not None else 0
+    info = (len(opt.layout.buckets), opt.memory_stats()["staging"], gathered)
     return times, info
 
 
@@ -113,6 +126,8 @@ def run(factory_spec: str, batch_spec: str | None, reduce_sizes, allgather_sizes
     from shardopt.tools.plotting import require_matplotlib
 
     rank = dist.get_rank()
+    if stage == 3 and allgather_sizes:
+        raise ValueError(STAGE3_ALLGATHER)
     if rank == 0:
         require_matplotlib()  # fail before minutes of measuring, not after
     factory = load_factory(factory_spec)
@@ -132,7 +147,7 @@ def run(factory_spec: str, batch_spec: str | None, reduce_sizes, allgather_sizes
     # A step is as slow as its slowest rank.
     med = torch.tensor([statistics.median(samples[p]) for p in pairs], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    points = [GridPoint(rbs, agbs, info[(rbs, agbs)][0], info[(rbs, agbs)][1], float(t))
+    points = [GridPoint(rbs, agbs, info[(rbs, agbs)][0], info[(rbs, agbs)][1], float(t), info[(rbs, agbs)][2])
               for (rbs, agbs), t in zip(pairs, med.tolist())]
     best = recommend(points)
     result = {"points": points, "best": best, "png": None, "report": None}
@@ -142,6 +157,10 @@ def run(factory_spec: str, batch_spec: str | None, reduce_sizes, allgather_sizes
 
 
 def snippet(best: GridPoint, stage: int) -> str:
+    if stage == 3:
+        return (f"shardopt.ShardedOptimizer(params, stage=3, reduce_bucket_size={best.reduce_bucket_size:_}, ...)\n"
+                f"# or in a DeepSpeed config: \"zero_optimization\": {{\"stage\": 3, "
+                f"\"reduce_bucket_size\": {best.reduce_bucket_size}}}")
     return (f"shardopt.ShardedOptimizer(params, stage={stage}, reduce_bucket_size={best.reduce_bucket_size:_}, "
             f"allgather_bucket_size={best.allgather_bucket_size:_}, ...)\n"
             f"# or in a DeepSpeed config: \"zero_optimization\": {{\"stage\": {stage}, "
@@ -149,12 +168,14 @@ def snippet(best: GridPoint, stage: int) -> str:
             f"\"allgather_bucket_size\": {best.allgather_bucket_size}}}")
 
 
-def table(points: Sequence[GridPoint], best: GridPoint) -> str:
-    lines = ["| reduce_bucket_size | allgather_bucket_size | buckets | staging MiB | step ms | x best |",
+def table(points: Sequence[GridPoint], best: GridPoint, stage: int = 2) -> str:
+    second = "gathered MiB (peak)" if stage == 3 else "allgather_bucket_size"
+    lines = [f"| reduce_bucket_size | {second} | buckets | staging MiB | step ms | x best |",
              "|---|---|---|---|---|---|"]
     for p in points:
         mark = " **best**" if p == best else ""
-        lines.append(f"| {p.reduce_bucket_size:,} | {p.allgather_bucket_size:,} | {p.buckets} | "
+        col = f"{p.gathered_bytes / 2**20:.2f}" if stage == 3 else f"{p.allgather_bucket_size:,}"
+        lines.append(f"| {p.reduce_bucket_size:,} | {col} | {p.buckets} | "
                      f"{p.staging_bytes / 2**20:.1f} | {p.step_time * 1e3:.1f} | "
                      f"{p.step_time / best.step_time:.2f}{mark} |")
     return "\n".join(lines)
@@ -168,17 +189,17 @@ def _write(points, best, factory_spec, stage, world_size, out_dir, log) -> dict:
     png = os.path.join(out_dir, f"tune-{stamp}.png")
     series: dict[str, list] = {}
     for p in points:
-        label = "allgather = reduce" if p.allgather_bucket_size == p.reduce_bucket_size else \
-            f"allgather {p.allgather_bucket_size:,}"
+        label = "ZeRO-3" if stage == 3 else "allgather = reduce" \
+            if p.allgather_bucket_size == p.reduce_bucket_size else f"allgather {p.allgather_bucket_size:,}"
         series.setdefault(label, []).append((p.reduce_bucket_size, p.step_time * 1e3))
     line_chart(png, f"{factory_spec}: ZeRO-{stage}, {world_size} ranks", "reduce_bucket_size (elements)",
                "median step time (ms)", series, logx=True, mark=(best.reduce_bucket_size, best.step_time * 1e3))
     text = (f"# shardopt tune — {factory_spec}, ZeRO-{stage}, {world_size} ranks, "
-            f"{datetime.date.today().isoformat()}\n\n{table(points, best)}\n\nRecommended:\n\n```python\n"
+            f"{datetime.date.today().isoformat()}\n\n{table(points, best, stage)}\n\nRecommended:\n\n```python\n"
             f"{snippet(best, stage)}\n```\n\n![step time]({os.path.basename(png)})\n")
     report = os.path.join(out_dir, f"tune-{stamp}.md")
     with open(report, "w") as f:
         f.write(text)
-    log("\n" + table(points, best) + "\n\nRecommended (lowest median step time):\n" + snippet(best, stage)
+    log("\n" + table(points, best, stage) + "\n\nRecommended (lowest median step time):\n" + snippet(best, stage)
         + f"\n\nwrote {report} and {png}")
     return {"png": png, "report": report}
