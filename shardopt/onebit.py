@@ -30,13 +30,17 @@ every bucket's chunk r (layout.py), and m is the same on every rank that holds i
       every step), so the summing side loses nothing and keeps no residual.
     hybrid mesh (R replicas of S shards, the link between replicas). Inside the shard group the
       increments are reduced exactly (an fp32 all-to-all: the intra-node hop stays exact, as in
-      warm-up); each replica then holds its candidate momentum of the shard,
-          M_k = b1*m + mean over its S ranks of (1-b1)*G_i,
-      and the replicas average M_k exactly as DeepSpeed's compressed all-reduce does: the shard is
-      cut into R parts, part j owned by replica j; every replica sends part j 1-bit with its
-      sending-side residual (n elements), j averages what it receives in rank order in fp32 (its
-      own part exact), encodes the mean with its summing-side residual (n / R elements) and sends
-      it to every replica; every replica, j included, decodes it: m is bit-equal on all replicas.
+      warm-up), giving each replica k its increment of the shard D_k = mean over its S ranks of
+      (1-b1)*G_i; the replicas then average D_k with DeepSpeed's two-phase compressed all-reduce:
+      the shard is cut into R parts, part j owned by replica j; every replica sends part j 1-bit with
+      its sending-side residual (n elements), j averages what it receives in rank order in fp32 (its
+      own part exact), encodes the mean with its summing-side residual (n / R elements) and sends it
+      to every replica; every replica, j included, decodes it and sets m = b1*m + decoded. Every
+      replica adds the same decoded values to the same m: m stays bit-equal on all replicas.
+    Unlike DeepSpeed, which replaces m by its 1-bit reconstruction each step (every worker holds all
+    of m and the all-reduce carries b1*m + (1-b1)*g_i), only the increment is ever rounded here and
+    m itself stays fp32 on its owners; error feedback makes the sum of the decoded increments follow
+    the sum of the true ones within one residual. The bytes are the same.
   Then each rank steps its shard with v frozen at step T = freeze_step (bias corrections as AdamW's:
   bc1 at the current step t, bc2 frozen at T):
       p = p * (1 - lr*wd) - lr / bc1(t) * m / (sqrt(v) / sqrt(bc2(T)) + eps)
@@ -201,7 +205,7 @@ def reduce_rows(rows: torch.Tensor, group, rank: int, residual: torch.Tensor | N
     return total / w
 
 
-def allreduce_momentum(chunk: torch.Tensor, group, replica: int, worker: torch.Tensor, server: torch.Tensor,
+def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tensor, server: torch.Tensor,
                        block: int = ONEBIT_BLOCK) -> torch.Tensor:
     """The replicas' mean of `chunk` (n fp32, n % R == 0), 1-bit both ways with error feedback
     (reference.onebit_allreduce_reference): worker residual n, server residual n / R, in place."""
@@ -246,10 +250,19 @@ class OneBitRoom:
         offsets = layout.chunk_offsets()
         self.piece_at = [offsets[pc.bucket] + pc.start - layout.buckets[pc.bucket].chunk(self.rank)[0]
                          for pc in opt._pieces]
-        # Training state (Note [1-bit Adam in checkpoints]): steps taken, and the residuals.
+        if opt.config.inter_node_dtype is not None:
+            raise ValueError("OneBitAdam brings its own compression of the inter-node hop (1-bit, from freeze_step "
+                             "on; exact during the warm-up): drop inter_node_dtype")
+        # Training state: steps taken (also in the inner optimizer's state) and the residuals, one fp32
+        # tensor, saved per rank like the int8 hop's (Note [Hop residual in checkpoints]).
         self.steps = 0
-        self.worker = None   # flat: [W, n]; hybrid: [n]
-        self.server = None   # hybrid: [n / R]
+        if self.replicas == 1:
+            self.residual = torch.zeros(self.world * self.n if self.world > 1 else 0, dtype=torch.float32)
+            self.worker, self.server = self.residual.view(-1, self.n) if self.world > 1 else None, None
+        else:
+            part = self.n // self.replicas
+            self.residual = torch.zeros(self.n + part, dtype=torch.float32)
+            self.worker, self.server = self.residual[:self.n], self.residual[self.n:]
         self.started_at = None  # the step at which compression started in this run (for logs and tests)
         self.m = self.v = self.denom = None
         self._local = None   # this step's local gradient, fp32 [total] (built once per step)
@@ -335,14 +348,6 @@ class OneBitRoom:
             self.v[at:at + t.numel()].copy_(st["exp_avg_sq"].reshape(-1))
             st["exp_avg"] = self.m[at:at + t.numel()].view_as(t)
             st["exp_avg_sq"] = self.v[at:at + t.numel()].view_as(t)
-        if self.replicas == 1:
-            if self.worker is None:
-                self.worker = torch.zeros(self.world, self.n, dtype=torch.float32)
-        else:
-            if self.worker is None:
-                self.worker = torch.zeros(self.n, dtype=torch.float32)
-            if self.server is None:
-                self.server = torch.zeros(self.n // self.replicas, dtype=torch.float32)
         if self.started_at is None:
             self.started_at = self.steps + 1
             if dist.get_rank(opt.world_group) == 0:
@@ -372,10 +377,10 @@ class OneBitRoom:
             flat = self.replicas == 1
             delta = reduce_rows(rows, opt.process_group, self.rank, self.worker if flat else None, compress=flat,
                                 block=self.config.block)
+            if not flat:  # the replicas' mean of their increments, 1-bit both ways
+                delta = allreduce_1bit(delta, opt.sharding.replicate, opt.sharding.replica, self.worker,
+                                       self.server, self.config.block)
             new_m = self.m.to(torch.float32, copy=True).mul_(b1).add_(delta.to(self.m.device))
-            if not flat:
-                new_m = allreduce_momentum(new_m.cpu(), opt.sharding.replicate, opt.sharding.replica,
-                                           self.worker, self.server, self.config.block).to(self.m.device)
             self._apply(new_m, used)
             self.steps += 1
             return False
@@ -419,6 +424,27 @@ class OneBitRoom:
             torch._foreach_div_(denom, math.sqrt(bc2))
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bc1)
+
+    format_name = "onebit"
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into the inner optimizer: the steps taken come from its state (the
+        largest over every rank's pieces), the momentum and variance are re-viewed at the next step."""
+        opt = self.opt
+        steps = 0
+        if opt.inner is not None:
+            for st in opt.inner.state.values():
+                if "step" in st:
+                    steps = max(steps, int(float(st["step"])))
+        t = torch.tensor([steps], dtype=torch.int64)
+        if dist.get_world_size(opt.world_group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=opt.world_group)
+        self.steps = int(t.item())
+        self.m = self.v = None
+        self.started_at = None
+
+    def reset_residual(self) -> None:
+        self.residual.zero_()
 
     @property
     def _piece_index(self) -> dict:

@@ -195,7 +195,7 @@ def onebit_reduce_scatter_reference(rows, residuals, block=1024):
 
 
 def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024):
-    """The hybrid mesh's compressed momentum all-reduce over R replicas (Note [1-bit Adam under ZeRO]):
+    """The hybrid mesh's compressed all-reduce of the momentum increment over R replicas (Note [1-bit Adam under ZeRO]):
     ``chunks[k]`` replica k's fp32 momentum (n elements, n % R == 0), ``worker_residuals[k]`` (n) and
     ``server_residuals[k]`` (n / R) its residuals, updated in place. Part j is owned by replica j: the
     others send it 1-bit with their worker residual, j averages in rank order in fp32 (its own part

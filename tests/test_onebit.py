@@ -160,7 +160,7 @@ def _exchanges(rank, world_size):
         # The replicas' momentum all-reduce: replica k of this rank's shard column.
         chunks = [torch.randn(n, generator=torch.Generator().manual_seed(7 * call + j + 10 * (rank % 2)))
                   for j in range(2)]
-        got = onebit.allreduce_momentum(chunks[k].clone(), rep, k, worker, server)
+        got = onebit.allreduce_1bit(chunks[k].clone(), rep, k, worker, server)
         want = onebit_allreduce_reference(chunks, ref_worker, ref_server)
         assert torch.equal(got, want), call
         assert torch.equal(worker, ref_worker[k]) and torch.equal(server, ref_server[k]), call
@@ -269,3 +269,117 @@ def test_docs_config_trains_from_config():
     lrs, losses = out[0]
     assert lrs[:2] == [0.0, 0.0] and lrs[-1] == 3e-5, lrs
     assert losses[-1] < losses[1], losses
+
+
+def _lightning(rank, world_size, precision):
+    """The docs' Lightning call with our strategy: Trainer(devices=4, strategy=...(config=deepspeed_config))."""
+    import lightning.pytorch as pl
+    import os
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import shardopt
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)  # run_ranks made the processes and the group: Lightning uses them
+    os.environ["NODE_RANK"] = "0"
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = AwkwardNet()
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opt = self.trainer.strategy._sharded_optimizer()
+            self.seen.append((opt.onebit.steps, opt.onebit.compressing, opt.param_groups[0]["lr"]))
+            return nn.functional.cross_entropy(self.net(x, False).reshape(-1, VOCAB).float(), y.reshape(-1))
+
+        def configure_optimizers(self):
+            return None  # the config's optimizer is used (as with DeepSpeedStrategy)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, VOCAB, (4 * 8 * 3, 5), generator=g),
+                         torch.randint(0, VOCAB, (4 * 8 * 3, 5), generator=g))
+    module = Module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=ShardedStrategy(config=docs_config()),
+                             precision=precision, max_epochs=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, DataLoader(data, batch_size=3))
+    opt = trainer.strategy._sharded_optimizer()
+    assert isinstance(opt.lr_scheduler, shardopt.WarmupLR) and opt.onebit.started_at == 4
+    return module.seen
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_docs_config_trains_under_lightning(precision):
+    seen = run_ranks(_lightning, 4, precision)[0]
+    # 8 steps: warm-up for 3, compressing from step 4; WarmupLR as DeepSpeed steps it.
+    assert [c for _, c, _ in seen] == [False] * 3 + [True] * 5, seen
+    assert [s for s, _, _ in seen][:4] == [0, 1, 2, 3] and seen[0][2] == 0.0 and seen[-1][2] == 3e-5, seen
+
+
+def _resume(rank, world_size, path, shape):
+    """8 steps straight against 5 + save + load into a fresh model and optimizer + 3, compressing from step
+    3: equal bit for bit at the same shape (residuals, frozen variance and step count are restored)."""
+    import shardopt
+
+    def build():
+        torch.manual_seed(0)
+        model = AwkwardNet()
+        kw = {"mesh": _mesh(shape)} if shape else {}
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=1e-2, weight_decay=0.1,
+                                        freeze_step=2, reduce_bucket_size=300, **kw)
+        return model, opt, shardopt.ShardedDDP(model, opt)
+
+    def run(ddp, opt, steps):
+        for step in steps:
+            _loss(ddp, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, ddp = build()
+        run(ddp, opt, range(1, 9))
+        straight = [p.detach().clone() for p in model.parameters()]
+        model, opt, ddp = build()
+        run(ddp, opt, range(1, 6))
+        assert opt.onebit.compressing and opt.onebit.residual.abs().sum() > 0
+        shardopt.save_checkpoint(path, ddp, opt)
+        model, opt, ddp = build()
+        shardopt.load_checkpoint(path, ddp, opt)
+        assert opt.onebit.steps == 5 and opt.onebit.compressing
+        run(ddp, opt, range(6, 9))
+        resumed = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    with warnings.catch_warnings():  # without the residuals the resumed run differs (so the test can tell)
+        warnings.simplefilter("ignore")
+        model, opt, ddp = build()
+        shardopt.load_checkpoint(path, ddp, opt)
+        opt.onebit.reset_residual()
+        run(ddp, opt, range(6, 9))
+    assert not all(torch.equal(a, p.detach()) for a, p in zip(straight, model.parameters()))
+    # Another mesh: the step count, momentum and frozen variance carry over, the residuals restart (said).
+    other = (4, 1) if shape else (2, 2)
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=1e-2, weight_decay=0.1,
+                                    freeze_step=2, reduce_bucket_size=300, mesh=_mesh(other))
+    ddp = shardopt.ShardedDDP(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardopt.load_checkpoint(path, ddp, opt)
+    if rank == 0:
+        assert any("OneBitAdam's error-feedback residuals restart from zero" in str(w.message) for w in caught)
+    assert opt.onebit.steps == 5 and not opt.onebit.residual.any()
+    run(ddp, opt, range(6, 9))
+    return True
+
+
+@pytest.mark.parametrize("shape", [None, (2, 2)])
+def test_resume_in_compression_stage(tmp_path, shape):
+    assert all(run_ranks(_resume, 4, str(tmp_path / "ckpt"), shape))
