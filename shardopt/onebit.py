@@ -44,9 +44,9 @@ every bucket's chunk r (layout.py), and m is the same on every rank that holds i
   Then each rank steps its shard with v frozen at step T = freeze_step (bias corrections as AdamW's:
   bc1 at the current step t, bc2 frozen at T):
       p = p * (1 - lr*wd) - lr / bc1(t) * m / (sqrt(v) / sqrt(bc2(T)) + eps)
-  and the parameters are all-gathered as at every step. This update is foreach tensor ops on the
-  master shard, on the host with offload="cpu" too: the fused CPU Adam kernel has no frozen-variance
-  mode (it refuses beta2 = 1, the one way to keep v through it), so it only runs the warm-up.
+  and the parameters are all-gathered as at every step: foreach tensor ops on the master shard, or
+  with offload="cpu" the fused CPU Adam kernel (beta1 = 0 takes the exchanged m, beta2 = 1 keeps v,
+  bias corrections folded into lr, eps and the decay; equal to the foreach path within an ulp).
 
 Bytes per step once compressing (P parameters, fp32 messages of 1/8 byte per element plus 4 bytes per
 block of B = ONEBIT_BLOCK elements; n = P / S the shard):
@@ -224,6 +224,24 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     every = torch.empty(r * mine.numel(), dtype=torch.uint8)
     _all_gather(every, mine.view(-1), group)
     return decode(every.view(r, -1), m, block).reshape(-1)
+
+
+def _kernel_freezes() -> bool:
+    """Whether the built CPU Adam kernel takes beta2 = 1 (a frozen variance; older builds refuse it)."""
+    global _KERNEL_FREEZES
+    if _KERNEL_FREEZES is None:
+        from shardopt.cpu_adam import fused_adam_step
+        t = [torch.ones(1)]
+        try:
+            fused_adam_step(t, [torch.ones(1)], [torch.zeros(1)], [torch.ones(1)], lr=0.0, beta1=0.0, beta2=1.0,
+                            eps=1e-8, weight_decay=0.0, adamw=True, step=1, bias_correction=False)
+            _KERNEL_FREEZES = True
+        except RuntimeError:
+            _KERNEL_FREEZES = False
+    return _KERNEL_FREEZES
+
+
+_KERNEL_FREEZES = None
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -417,6 +435,15 @@ class OneBitRoom:
                 ms.append(m)
                 vs.append(self.v[at:at + p.numel()])
             if not ps:
+                continue
+            if opt.config.offload == "cpu" and _kernel_freezes():
+                # The fused CPU Adam kernel with beta1 = 0 (exp_avg = the exchanged m, exactly) and beta2 = 1
+                # (exp_avg_sq unchanged), its bias corrections off and folded into lr, eps and the decay:
+                # (lr s / bc1) m / (sqrt(v) + eps s) = lr / bc1 * m / (sqrt(v) / s + eps), s = sqrt(bc2(T)).
+                from shardopt.cpu_adam import fused_adam_step
+                s = math.sqrt(bc2)
+                fused_adam_step(ps, [x.clone() for x in ms], ms, vs, lr=lr * s / bc1, beta1=0.0, beta2=1.0,
+                                eps=eps * s, weight_decay=wd * bc1 / s, adamw=True, step=t, bias_correction=False)
                 continue
             if wd != 0:
                 torch._foreach_mul_(ps, 1.0 - lr * wd)

@@ -106,6 +106,21 @@ def test_warmup_lr_is_deepspeeds():
         assert all(x == y for x, y in seen), (kind, seen)
 
 
+def test_refusals_and_link_arithmetic():
+    import shardopt
+    from shardopt import onebit
+    from shardopt.parallel.mesh_plan import ONEBIT_BLOCK, MeshShape, hop_link_bytes
+
+    with pytest.raises(NotImplementedError, match="OneBitAdam with stage 3"):
+        shardopt.ShardedOptimizer(nn.Linear(2, 2).parameters(), optim=shardopt.OneBitAdam, stage=3)
+    with pytest.raises(ValueError, match="freeze_step must be a whole number"):
+        onebit.OneBitConfig(freeze_step=0)
+    assert ONEBIT_BLOCK == onebit.ONEBIT_BLOCK
+    s = 4_000_000  # a million fp32 gradients: per node 2 (R-1)/R of them at 1/8 byte + a scale per 1024
+    assert hop_link_bytes(MeshShape(2, 2), s, "onebit") == pytest.approx(1e6 * (1 / 8 + 4 / 1024))
+    assert onebit.message_bytes(1025) == 4 * 2 + 129
+
+
 def test_config_translation():
     from shardopt.deepspeed_config import translate
     import shardopt
@@ -245,6 +260,13 @@ def _from_config(rank, world_size):
 
     torch.manual_seed(0)
     model = AwkwardNet()
+    # Refused by name, before anything is built.
+    groups = [{"params": [model.l1.weight], "betas": (0.8, 0.99)}, {"params": [model.l2.weight]}]
+    with pytest.raises(ValueError, match="same betas in every parameter group"):
+        shardopt.ShardedOptimizer(groups, optim=shardopt.OneBitAdam, freeze_step=2)
+    with pytest.raises(ValueError, match="drop inter_node_dtype"):
+        shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, mesh=_mesh((2, 2)),
+                                  inter_node_dtype="int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = shardopt.ShardedOptimizer.from_config(model.parameters(), docs_config())
