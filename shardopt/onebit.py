@@ -59,9 +59,13 @@ per rank, as DeepSpeed's worker error), and a compression-stage backward keeps f
 (as DDP or no_sync). Hybrid: residuals of n + n / R fp32 per rank.
 
 Clipping in the compression stage: the averaged gradient never exists on any rank, so clip_grad_norm
-uses sqrt(mean_i |G_i|^2) (one scalar all-reduce), an upper bound of its norm; every rank scales its
-contribution by the same coefficient. A step with inf/nan anywhere is skipped before anything is
-encoded (residuals untouched), as in warm-up.
+does the exchange (as the reduction completes in clip_grad_norm during warm-up) and clips the averaged
+increment each owner received, by its norm over all shards (one scalar all-reduce): the norm of the
+gradient as the exchange delivered it, compression error included. (Clipping each rank's local gradient
+by its own norm, as DeepSpeed's engine does, or by sqrt(mean_i |G_i|^2) clips far harder than AdamW at
+small per-rank batches: the local gradients' noise dominates their norms.) A step with inf/nan anywhere
+is skipped before anything is encoded (residuals untouched), as in warm-up; skipped steps do not count
+toward freeze_step.
 
 Note [1-bit format]
 -------------------
@@ -102,6 +106,7 @@ class OneBitAdam(torch.optim.AdamW):
 class OneBitConfig:
     freeze_step: int
     block: int = ONEBIT_BLOCK
+    hybrid_exchange: str = "momentum"  # over replicas: b1*m + increment (DeepSpeed's), or "increment"
 
     def __post_init__(self):
         if isinstance(self.freeze_step, bool) or not isinstance(self.freeze_step, int) or self.freeze_step < 1:
@@ -275,15 +280,18 @@ class OneBitRoom:
         # tensor, saved per rank like the int8 hop's (Note [Hop residual in checkpoints]).
         self.steps = 0
         if self.replicas == 1:
-            self.residual = torch.zeros(self.world * self.n if self.world > 1 else 0, dtype=torch.float32)
-            self.worker, self.server = self.residual.view(-1, self.n) if self.world > 1 else None, None
+            w = self.world if self.world > 1 else 0
+            self.residual = torch.zeros(w * self.n, dtype=torch.float32)
+            self.worker, self.server = self.residual.view(-1, self.n) if w else None, None
         else:
             part = self.n // self.replicas
             self.residual = torch.zeros(self.n + part, dtype=torch.float32)
             self.worker, self.server = self.residual[:self.n], self.residual[self.n:]
         self.started_at = None  # the step at which compression started in this run (for logs and tests)
-        self.m = self.v = self.denom = None
+        self.m = self.v = self.denom = self.denom_rows = None
         self._local = None   # this step's local gradient, fp32 [total] (built once per step)
+        self._pending = None  # this step's (used, skip, delta) once exchanged
+
         self._state = "warmup"
 
     # ----------------------------------------------------------- questions
@@ -330,19 +338,51 @@ class OneBitRoom:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=opt.world_group)
         return flags[:-1].bool(), bool(flags[-1])
 
+    def _exchange(self):
+        """This step's (used, skip, delta): the flags, then, unless some rank saw inf/nan, the exchange of
+        the increments (delta: the mean of (1-b1) * G_i on this rank's shard, as decoded). Once per step:
+        clip_grad_norm and step share it."""
+        if self._pending is None:
+            used, skip = self._flags()
+            delta = None
+            if not skip:
+                opt = self.opt
+                if self.m is None:
+                    self._start()
+                b1 = self.beta1
+                rows = self._rows(self._local_grad()).mul_(1.0 - b1)
+                if self.replicas == 1:  # 1-bit increments over d to their owners
+                    delta = reduce_rows(rows.div_(self.denom_rows), opt.process_group, self.rank, self.worker,
+                                        compress=True, block=self.config.block).mul_(self.denom)
+                else:  # exact inside the shard group, then the replicas' mean, 1-bit both ways
+                    delta = reduce_rows(rows, opt.process_group, self.rank, None, compress=False)
+                    base = self.m.float().cpu().mul(b1)
+                    if self.config.hybrid_exchange == "momentum":
+                        u = allreduce_1bit((base + delta).div_(self.denom), opt.sharding.replicate,
+                                           opt.sharding.replica, self.worker, self.server, self.config.block)
+                        delta = u.mul_(self.denom).sub_(base)
+                    else:
+                        delta = allreduce_1bit(delta.div_(self.denom), opt.sharding.replicate, opt.sharding.replica,
+                                               self.worker, self.server, self.config.block).mul_(self.denom)
+            self._pending = (used, skip, delta)
+        return self._pending
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Compression-stage clipping (Note [1-bit Adam under ZeRO]): by sqrt(mean_i |G_i|^2)."""
+        """Compression-stage clipping (Note [1-bit Adam under ZeRO]): the exchange happens here (as the
+        reduction does in warm-up), and the averaged increment is scaled by the clip coefficient of its norm
+        over every shard (one scalar all-reduce); returns that norm divided by (1 - b1): the norm of the
+        averaged gradient, as the ranks received it."""
         if float(norm_type) != 2.0:
-            raise NotImplementedError("in OneBitAdam's compression stage only the 2-norm can be clipped (the "
-                                      "averaged gradient exists on no rank)")
-        g = self._local_grad()
-        sq = (g.double() ** 2).sum().reshape(1)
-        world = dist.get_world_size(self.opt.world_group)
-        if world > 1:
-            dist.all_reduce(sq, group=self.opt.world_group)
-        total = (sq / world).sqrt().float()[0]
+            raise NotImplementedError("in OneBitAdam's compression stage only the 2-norm can be clipped")
+        _, skip, delta = self._exchange()
+        if skip:
+            return torch.tensor(float("nan"))
+        sq = delta.double().square().sum().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.opt.process_group)  # replicas hold equal deltas: the shard group
+        total = (sq.sqrt() / (1.0 - self.beta1)).float()[0]
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        g.mul_(coef)
+        delta.mul_(coef)
         return total
 
     # --------------------------------------------------------------- state
@@ -366,6 +406,20 @@ class OneBitRoom:
             self.v[at:at + t.numel()].copy_(st["exp_avg_sq"].reshape(-1))
             st["exp_avg"] = self.m[at:at + t.numel()].view_as(t)
             st["exp_avg_sq"] = self.v[at:at + t.numel()].view_as(t)
+        # The frozen denominator d = sqrt(v) / sqrt(bc2(T)) + eps: what crosses is divided by it
+        # (Note [1-bit Adam under ZeRO]); eps per element from its bucket's parameter group.
+        layout, offsets = opt.layout, opt.layout.chunk_offsets()
+        eps = torch.empty(self.n, dtype=torch.float32)
+        for b, at in zip(layout.buckets, offsets):
+            eps[at:at + b.chunk_numel].fill_(float(opt.param_groups[b.group]["eps"]))
+        bc2 = 1.0 - self.beta2 ** self.config.freeze_step
+        self.denom = (self.v.float().cpu().sqrt() / math.sqrt(bc2)).add_(eps)
+        if self.replicas == 1 and self.world > 1:  # every rank sends to every owner: each owner's d
+            rows = torch.empty(self.world * self.n, dtype=torch.float32)
+            _all_gather(rows, self.denom, opt.process_group)
+            self.denom_rows = rows.view(self.world, self.n)
+        else:
+            self.denom_rows = self.denom.view(1, -1)
         if self.started_at is None:
             self.started_at = self.steps + 1
             if dist.get_rank(opt.world_group) == 0:
@@ -383,27 +437,19 @@ class OneBitRoom:
         """One compression-stage step on every rank; returns True if it was skipped (inf/nan)."""
         opt = self.opt
         try:
-            used, skip = self._flags()
+            used, skip, delta = self._exchange()
             if skip:
                 return True
             if opt.config.max_grad_norm is not None:
                 self.clip_grad_norm(opt.config.max_grad_norm)
-            if self.m is None:
-                self._start()
-            b1 = self.beta1
-            rows = self._rows(self._local_grad()).mul_(1.0 - b1)
-            flat = self.replicas == 1
-            delta = reduce_rows(rows, opt.process_group, self.rank, self.worker if flat else None, compress=flat,
-                                block=self.config.block)
-            if not flat:  # the replicas' mean of their increments, 1-bit both ways
-                delta = allreduce_1bit(delta, opt.sharding.replicate, opt.sharding.replica, self.worker,
-                                       self.server, self.config.block)
-            new_m = self.m.to(torch.float32, copy=True).mul_(b1).add_(delta.to(self.m.device))
+            new_m = self.m.to(torch.float32, copy=True).mul_(self.beta1).add_(delta.to(self.m.device))
+
             self._apply(new_m, used)
             self.steps += 1
             return False
         finally:
             self._local = None
+            self._pending = None
 
     def _apply(self, new_m: torch.Tensor, used: torch.Tensor) -> None:
         """m takes the exchanged values and the shard steps with the frozen variance (used pieces only)."""
