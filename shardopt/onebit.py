@@ -417,6 +417,12 @@ class OneBitRoom:
             self.v[at:at + t.numel()].copy_(st["exp_avg_sq"].reshape(-1))
             st["exp_avg"] = self.m[at:at + t.numel()].view_as(t)
             st["exp_avg_sq"] = self.v[at:at + t.numel()].view_as(t)
+        # Elements of no piece (bucket padding) keep m = 0: in the momentum exchange they would carry
+        # decoded noise, which a checkpoint (keyed by parameters) cannot hold, so a resume would differ.
+        covered = torch.zeros(self.n, dtype=torch.bool)
+        for at, t in zip(self.piece_at, opt._piece_params):
+            covered[at:at + t.numel()] = True
+        self.padding = (~covered).nonzero().reshape(-1)
         # The frozen denominator d = sqrt(v) / sqrt(bc2(T)) + eps: what crosses is divided by it
         # (Note [1-bit Adam under ZeRO]); eps per element from its bucket's parameter group.
         layout, offsets = opt.layout, opt.layout.chunk_offsets()
@@ -454,6 +460,8 @@ class OneBitRoom:
             if opt.config.max_grad_norm is not None:
                 self.clip_grad_norm(opt.config.max_grad_norm)
             new_m = self.m.to(torch.float32, copy=True).mul_(self.beta1).add_(delta.to(self.m.device))
+            if self.padding.numel():
+                new_m[self.padding] = 0.0
 
             self._apply(new_m, used)
             self.steps += 1
