@@ -516,6 +516,7 @@ def run_peers(args):
         with open(args.out, "w") as f:
             f.write(report + f"\n![chart]({os.path.basename(png)})\n")
         print(f"wrote {args.out} and {png}")
+    return report
 
 
 def _versions():
@@ -549,6 +550,8 @@ def main():
     ap.add_argument("--cluster", default=None, metavar="NODESxRANKS",
                     help="run on an emulated cluster of NODES nodes x RANKS ranks (root; see above)")
     ap.add_argument("--rate", default="1gbit", help="with --cluster: each node's link rate (tc tbf)")
+    ap.add_argument("--floor-rate", default=None, help="with --cluster --peers: then the same variants again at "
+                    "this rate (e.g. 20gbit: no link limit), appended to --out as the link-free floor")
     ap.add_argument("--nodes", type=int, default=None,
                     help="with --peers on 127.0.0.1: group the ranks into this many 'nodes' (LOCAL_WORLD_SIZE) for "
                          "the hybrid and HSDP variants; default 2 at an even world size >= 4, else 1")
@@ -570,7 +573,16 @@ def main():
         except ValueError:
             ap.error(f"--cluster: expected NODESxRANKS such as 2x2, got {args.cluster!r}")
         args.world_sizes = str(nodes * nproc)
-        return _on_cluster(nodes, nproc, args.rate, lambda: _run(args, ap))
+        report = _on_cluster(nodes, nproc, args.rate, lambda: _run(args, ap))
+        if args.floor_rate:
+            # The link-free floor in the same invocation: the same variants, the link at --floor-rate.
+            out, args.out = args.out, None
+            floor = _on_cluster(nodes, nproc, args.floor_rate, lambda: _run(args, ap))
+            if out:
+                with open(out, "a") as f:
+                    f.write(f"\n## The link-free floor: the same variants with the link at {args.floor_rate}, "
+                            "in the same invocation\n\n" + "\n".join(floor.splitlines()[2:]) + "\n")
+        return report
     return _run(args, ap)
 
 

@@ -60,9 +60,14 @@ VARIANTS = {
     "shardopt hybrid (fp32 hop) + overlap_gather, 500k buckets": "shardopt-hybrid-fp32-gather-b500",
     "shardopt hybrid + bf16 hop + overlap_gather, 500k buckets": "shardopt-hybrid-bf16-gather-b500",
     "shardopt hybrid + int8 hop + overlap_gather, 500k buckets": "shardopt-hybrid-int8-gather-b500",
+    # OneBitAdam (shardopt/onebit.py), compressing from step ONEBIT_FREEZE + 1: with the default turn
+    # of 4 steps, the warm-up round (Note [Turns] in bench_step.py) is its exact-Adam warm-up.
+    "shardopt hybrid + OneBitAdam + overlap_gather, 500k buckets": "shardopt-hybrid-onebit-gather-b500",
+    "shardopt ZeRO-2 + OneBitAdam + overlap_gather, 500k buckets": "shardopt-2-onebit-gather-b500",
 }
+ONEBIT_FREEZE = 4
 # inter_node_dtype of the hybrid kinds.
-HOP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}
+HOP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8", "onebit": None}
 
 
 @dataclasses.dataclass
@@ -180,6 +185,9 @@ def _shardopt_kwargs(kind: str) -> dict:
     kw = dict(optim=torch.optim.AdamW, lr=LR, weight_decay=WD, fused=True, stage=2)
     if parts[0] == "hybrid":
         kw.update(shard_group="node", inter_node_dtype=HOP_DTYPES[parts[1]])
+        if parts[1] == "onebit":  # its own 1-bit hop after the exact warm-up
+            del kw["fused"]
+            kw.update(optim=shardopt.OneBitAdam, freeze_step=ONEBIT_FREEZE)
         options = parts[2:]
     else:
         kw["stage"] = int(parts[0])
@@ -192,6 +200,9 @@ def _shardopt_kwargs(kind: str) -> dict:
         elif option == "offload":  # the library's own fused CPU Adam over host master chunks
             del kw["fused"]
             kw.update(optim=shardopt.CPUAdam, adamw=True, offload="cpu")
+        elif option == "onebit":  # OneBitAdam on a flat mesh
+            del kw["fused"]
+            kw.update(optim=shardopt.OneBitAdam, freeze_step=ONEBIT_FREEZE)
         elif option.startswith("b") and option[1:].isdigit():  # -b500: reduce buckets of 500k elements
             kw["reduce_bucket_size"] = int(option[1:]) * 1000
         else:
@@ -224,12 +235,20 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
 
     if kind == "shardopt-3":  # a reduce-scatter and two all-gathers (forward, backward): 3 (W-1)/W S
         return 1.5 * ring_link_bytes(world, per_node, grad_bytes)
+    if kind.startswith("shardopt-2-onebit"):
+        # Note [1-bit Adam under ZeRO]: 1-bit messages from each rank to every rank of the other nodes
+        # ((W-K) K / W of the gradient's elements per node at 1/8 byte + a scale per 1024), then the
+        # parameters' ring all-gather, (W-1)/W S.
+        elements = grad_bytes / 4
+        return (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
+            + ring_link_bytes(world, per_node, grad_bytes) / 2
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)
     shape = MeshShape(world // per_node, per_node)
     if kind in ("fsdp2-hsdp", "fsdp2-hsdp-3"):
         return hop_link_bytes(shape, grad_bytes)
     if kind.startswith("shardopt-hybrid-"):
-        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[HOP_DTYPES[kind.split("-")[2]]]
+        fmt = "onebit" if kind.split("-")[2] == "onebit" else \
+            {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[HOP_DTYPES[kind.split("-")[2]]]
         return hop_link_bytes(shape, grad_bytes, fmt)
     return None

@@ -13,6 +13,8 @@ from shardopt.config import ShardConfig
 from shardopt.cpu_adam import CPUAdam
 from shardopt.ddp import ShardedDDP
 from shardopt.elementwise import register_elementwise_optimizer
+from shardopt.lr_schedules import WarmupLR
+from shardopt.onebit import OneBitAdam
 from shardopt.optimizer import ShardedOptimizer
 from shardopt.precision import LossScaleConfig
 
@@ -27,6 +29,6 @@ def cpu_features():
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}
 
 
-__all__ = ["CPUAdam", "CheckpointError", "LossScaleConfig", "ShardConfig", "ShardedDDP", "ShardedOptimizer",
+__all__ = ["CPUAdam", "CheckpointError", "LossScaleConfig", "OneBitAdam", "WarmupLR", "ShardConfig", "ShardedDDP", "ShardedOptimizer",
            "cpu_features", "load_checkpoint", "register_elementwise_optimizer", "save_checkpoint"]
 __version__ = "0.1.0"

@@ -185,7 +185,7 @@ class ShardedDDP(nn.Module):
         engine = opt.engine
         if opt.param_shard is not None:
             opt.param_shard.grad_ready(index)
-        if not self._sync:
+        if not self._sync or opt._compressing():  # OneBitAdam reduces local gradients at step()
             engine.note_used(index)
             return
         if not self._callback_queued:

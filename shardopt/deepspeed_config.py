@@ -138,14 +138,16 @@ _ZERO_PLUS_PLUS = {
                                 "shard_group='node', inter_node_dtype='int8' to from_config",
 }
 _HINTS = {
-    "scheduler": "use a torch.optim.lr_scheduler on the ShardedOptimizer (its param_groups work as torch's)",
+    "scheduler": "only \"WarmupLR\" is translated; for others use a torch.optim.lr_scheduler on the "
+                 "ShardedOptimizer (its param_groups work as torch's)",
     "activation_checkpointing": "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) in the model",
     "amp": "use \"bf16\" or \"fp16\"",
     "gradient_predivide_factor": "shardopt always divides by the world size before reducing; remove the key",
 }
 _ELEMENTWISE_TORCH = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
 _TRANSLATED = ("zero_optimization", "optimizer", "fp16", "bf16", "bfloat16", "communication_data_type",
-               "gradient_clipping")
+               "gradient_clipping", "scheduler")
+_WARMUP_LR_KEYS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _DS_GRADIENT_CLIPPING_DEFAULT = 1.0
 
@@ -172,6 +174,11 @@ class Translation:
     gather_weights_on_save: bool | None = None
     """Stage 3: the config's stage3_gather_16bit_weights_on_model_save (None: absent), for trainers that save
     models (Note [DeepSpeed's stage-3 keys])."""
+    scheduler: tuple | None = None
+    """(scheduler class, its kwargs) for a "scheduler" block (WarmupLR); from_config builds it as
+    `optimizer.lr_scheduler`."""
+    not_applicable: tuple[str, ...] = ()
+    """Keys accepted but meaningless here (1-bit Adam's MPI/NCCL backend choice): reported once."""
 
 
 def load_config(config) -> dict:
@@ -210,6 +217,7 @@ class _Reader:
     def __init__(self):
         self.problems: list[str] = []
         self.ignored: list[str] = []
+        self.not_applicable: list[str] = []
 
     def refuse(self, path: str, value: Any, why: str) -> None:
         if _is_auto(value):
@@ -384,6 +392,29 @@ def _optimizer(r: _Reader, spec, offload: str):
             r.refuse("optimizer.params.bias_correction", False,
                      "torch's Adam always corrects bias; only supported with offload_optimizer.device = \"cpu\"")
         return (torch.optim.AdamW if adamw else torch.optim.Adam), params
+    if name.lower() == "onebitadam":  # "OneBitAdam" / "OnebitAdam": Note [1-bit Adam under ZeRO] in onebit.py
+        from shardopt.onebit import OneBitAdam
+        for key in ("cuda_aware", "comm_backend_name"):
+            if key in params:  # DeepSpeed's MPI/NCCL backend choice: we use the process group's backend
+                params.pop(key)
+                r.ignored.append(f"optimizer.params.{key}")
+                r.not_applicable.append(f"optimizer.params.{key}")
+        if params.pop("amsgrad", False) is not False:
+            r.refuse("optimizer.params.amsgrad", True, "1-bit Adam has no AMSGrad variant (DeepSpeed refuses it too)")
+        if params.pop("bias_correction", True) is not True:
+            r.refuse("optimizer.params.bias_correction", False, "shardopt's warm-up is its AdamW path, which always "
+                     "corrects bias; remove the key")
+        allowed = {"lr", "betas", "eps", "weight_decay", "freeze_step"}
+        for key in sorted(set(params) - allowed):
+            r.refuse(f"optimizer.params.{key}", params.pop(key), f"not a OneBitAdam parameter shardopt knows "
+                     f"({', '.join(sorted(allowed | {'cuda_aware', 'comm_backend_name'}))})")
+        if "freeze_step" in params:
+            params["freeze_step"] = r.whole("optimizer.params.freeze_step", params["freeze_step"])
+        return OneBitAdam, params
+    if name.lower() in ("zerooneadam", "onebitlamb"):
+        r.refuse("optimizer.type", name, "not built in shardopt (0/1 Adam's local steps and 1-bit LAMB's "
+                 "scaling coefficients are other algorithms); use \"OneBitAdam\" or \"AdamW\"")
+        return None, {}
     if name.lower() == "adagrad":
         return torch.optim.Adagrad, params
     if name in _ELEMENTWISE_TORCH:  # DeepSpeed: getattr(torch.optim, type) for types it does not know
@@ -489,6 +520,7 @@ def translate(config) -> Translation:
         optim, optim_kwargs = _optimizer(r, config["optimizer"], offload)
     dtype = _precision(r, config, out)
     _clipping(r, config, out)
+    scheduler = _scheduler(r, config["scheduler"]) if "scheduler" in config else None
     gas = 1
     for key, value in config.items():
         if key in _TRANSLATED:
@@ -515,7 +547,23 @@ def translate(config) -> Translation:
     gather_on_save = out.pop("gather_weights_on_save", None)
     return Translation(optim=optim, optim_kwargs=optim_kwargs, kwargs=out, param_dtype=dtype,
                        ignored=tuple(r.ignored), gradient_accumulation_steps=gas,
-                       gather_weights_on_save=gather_on_save)
+                       gather_weights_on_save=gather_on_save, scheduler=scheduler,
+                       not_applicable=tuple(r.not_applicable))
+
+
+def _scheduler(r: _Reader, spec):
+    """scheduler -> (class, kwargs): DeepSpeed's WarmupLR (shardopt.lr_schedules), refused otherwise."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        r.refuse("scheduler", spec, "must be an object with a \"type\" string and \"params\"")
+        return None
+    if spec["type"] != "WarmupLR":
+        r.refuse("scheduler.type", spec["type"], _HINTS["scheduler"])
+        return None
+    params = dict(spec.get("params") or {})
+    for key in sorted(set(params) - set(_WARMUP_LR_KEYS)):
+        r.refuse(f"scheduler.params.{key}", params.pop(key), f"not a WarmupLR parameter ({', '.join(_WARMUP_LR_KEYS)})")
+    from shardopt.lr_schedules import WarmupLR
+    return WarmupLR, params
 
 
 def _first_param(params: list):
@@ -551,6 +599,9 @@ def optimizer_arguments(params, config, overrides: dict) -> tuple[list, dict]:
                       "shardopt does not drive the loop. Accumulate yourself: run all but the last micro-batch "
                       "under `with model.no_sync():`, divide each loss by the number of micro-batches, and "
                       "call step() once per accumulation.", stacklevel=3)
+    if t.not_applicable:
+        warnings.warn(f"{', '.join(t.not_applicable)}: not applicable in shardopt (it communicates over the "
+                      "process group it is given, with that group's backend); accepted and ignored", stacklevel=3)
     kwargs = dict(t.kwargs)
     if "loss_scale" in kwargs and isinstance(kwargs["loss_scale"], dict):
         kwargs["loss_scale"] = _loss_scale_config(kwargs["loss_scale"])

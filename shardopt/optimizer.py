@@ -29,6 +29,7 @@ from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKE
                              auto_bucket_size)
 from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
+from shardopt import onebit as _onebit
 from shardopt.elementwise import check_elementwise
 from shardopt.grad_sync import GradSync, build_engine
 from shardopt.master_step import MasterStep
@@ -71,6 +72,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   prefetch_bucket_size=prefetch_bucket_size,
                                   max_live_parameters=max_live_parameters,
                                   param_persistence_threshold=param_persistence_threshold)
+        # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
+        optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
+        if onebit_config is not None and self.config.stage == 3:
+            raise NotImplementedError("OneBitAdam with stage 3 is not built: its compression stage keeps whole "
+                                      "local gradients, which stage 3 never holds; use stage 1 or 2")
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         check_elementwise(optim)
         require_dist()  # before any work: the groups are resolved once the parameters are known
@@ -186,6 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grads = GradSync(self._params, self.config.stage, self._grad_views, self.shard_grad, grad_shard,
                               self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase)
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
+        self.onebit = _onebit.OneBitRoom(self, onebit_config) if onebit_config is not None else None
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -196,10 +203,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Keyword arguments override the config (e.g. process_group=...). What each
         key means, and which are refused: shardopt/deepspeed_config.py.
         """
-        from shardopt.deepspeed_config import optimizer_arguments
+        from shardopt.deepspeed_config import optimizer_arguments, translate
 
         params, kwargs = optimizer_arguments(params, config, overrides)
-        return cls(params, **kwargs)
+        opt = cls(params, **kwargs)
+        # A "scheduler" block (WarmupLR): call opt.lr_scheduler.step() after opt.step(), as DeepSpeed's engine does.
+        scheduler = translate(config).scheduler
+        opt.lr_scheduler = scheduler[0](opt, **scheduler[1]) if scheduler is not None else None
+        return opt
 
     # ----------------------------------------------------------------- setup
     def _check_params(self) -> None:
@@ -276,6 +287,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Same result as torch.nn.utils.clip_grad_norm_ on the full averaged gradients.
         """
+        if self._compressing():
+            return self.onebit.clip_grad_norm(max_norm, norm_type)
         self._grads_and_rounds()
         norm_type = float(norm_type)
         g = self.shard_grad
@@ -326,15 +339,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        used = self._grads_and_rounds()
-        skip = self.grads.found_nonfinite
-        if not skip:
-            if self.config.max_grad_norm is not None:
-                self.clip_grad_norm(self.config.max_grad_norm)
+        if self._compressing():  # the room reduces local gradients and steps (Note [1-bit Adam under ZeRO])
             t0 = time.perf_counter()
-            self.stepper.step(used, self.param_groups)
+            skip = self.onebit.step()
             self._phase["step"] += time.perf_counter() - t0
-            self._publish_params(copy_master=not self.stepper.kernel_writes_model, defer=self.config.overlap_gather)
+            if not skip:
+                self._publish_params(copy_master=True, defer=self.config.overlap_gather)
+        else:
+            used = self._grads_and_rounds()
+            skip = self.grads.found_nonfinite
+            if not skip:
+                if self.config.max_grad_norm is not None:
+                    self.clip_grad_norm(self.config.max_grad_norm)
+                t0 = time.perf_counter()
+                self.stepper.step(used, self.param_groups)
+                self._phase["step"] += time.perf_counter() - t0
+                self._publish_params(copy_master=not self.stepper.kernel_writes_model,
+                                     defer=self.config.overlap_gather)
+            if self.onebit is not None:
+                self.onebit.after_warmup_step(skip)
         if skip and self.engine is not None:
             self.engine.reset_hop_residual()  # it holds the inf/nan too (Note [Compressed inter-node hop])
         if skip and self.loss_scaler is None:
@@ -347,6 +370,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.set_loss_scale(self.loss_scaler.scale)
         self.grads.end_step()
         return loss
+
+    def _compressing(self) -> bool:
+        """OneBitAdam past its warm-up: gradients stay local until step() (onebit.py)."""
+        return self.onebit is not None and self.onebit.compressing
 
     def _load_master_from_model(self) -> None:
         """Master chunks take the model's values (at construction, after ShardedDDP's broadcast, a load)."""

@@ -135,3 +135,83 @@ def int8_hop_reference(chunks, residuals=None, block=256):
             total += a
         out[lo:hi] = int8_encode_feedback_reference(total, residuals[j][n:] if residuals else None, block)[2]
     return out
+
+
+# ------------------------------------------------------------------ 1-bit format
+# Note [1-bit format] in shardopt/onebit.py: per block of ONEBIT_BLOCK elements one fp32 scale (the
+# mean |x| of the block's real elements) and one sign bit per element (1: x >= 0), packed 8 to a
+# byte, element 8k+i in bit i of byte k; a value decodes to +scale or -scale.
+def onebit_encode_reference(x, block=1024):
+    """fp32 ``x`` (n elements) -> (scales fp32 [ceil(n / block)], bits uint8 [ceil(n / 8)])."""
+    n = x.numel()
+    nb = -(-n // block)
+    x = x.float()
+    scales = torch.empty(nb, dtype=torch.float32)
+    for k in range(nb):
+        part = x[k * block:(k + 1) * block]
+        scales[k] = (part.double().abs().sum() / part.numel()).float()  # summed in fp64
+    bits = torch.zeros(-(-n // 8), dtype=torch.uint8)
+    for i in range(n):
+        if x[i] >= 0:
+            bits[i // 8] |= 1 << (i % 8)
+    return scales, bits
+
+
+def onebit_decode_reference(scales, bits, n, block=1024):
+    """Inverse of onebit_encode_reference, in fp32: +scale of the block where the bit is 1, else -scale."""
+    out = torch.empty(n, dtype=torch.float32)
+    for i in range(n):
+        s = scales[i // block]
+        out[i] = s if (int(bits[i // 8]) >> (i % 8)) & 1 else -s
+    return out
+
+
+def onebit_encode_feedback_reference(x, residual=None, block=1024):
+    """Encode with error feedback: v = x + residual (fp32) is encoded and ``residual`` becomes, in place,
+    v - decode(message). Returns (scales, bits, decoded)."""
+    v = x.float() if residual is None else x.float() + residual
+    scales, bits = onebit_encode_reference(v, block)
+    decoded = onebit_decode_reference(scales, bits, v.numel(), block)
+    if residual is not None:
+        residual.copy_(v - decoded)
+    return scales, bits, decoded
+
+
+def onebit_reduce_scatter_reference(rows, residuals, block=1024):
+    """The flat mesh's compressed exchange (Note [1-bit Adam under ZeRO] in shardopt/onebit.py) of all W
+    ranks at once: ``rows[i]`` is rank i's [W, n] fp32 contribution, row j for owner j; ``residuals[i]`` its
+    [W, n] sending-side residual (updated in place). Owner j's result: the mean over i, in rank order in
+    fp32, of rank i's row j as j receives it (its own row exactly, the others' decoded)."""
+    w = len(rows)
+    out = []
+    for j in range(w):
+        total = None
+        for i in range(w):
+            x = rows[i][j].float()
+            part = x.clone() if i == j else onebit_encode_feedback_reference(x, residuals[i][j], block)[2]
+            total = part if total is None else total + part
+        out.append(total / w)
+    return out
+
+
+def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024):
+    """The hybrid mesh's compressed all-reduce of the momentum increment over R replicas (Note [1-bit Adam under ZeRO]):
+    ``chunks[k]`` replica k's fp32 momentum (n elements, n % R == 0), ``worker_residuals[k]`` (n) and
+    ``server_residuals[k]`` (n / R) its residuals, updated in place. Part j is owned by replica j: the
+    others send it 1-bit with their worker residual, j averages in rank order in fp32 (its own part
+    exact), encodes the mean with its server residual, and every replica decodes that. Returns the
+    chunk every replica ends with."""
+    reps = len(chunks)
+    n = chunks[0].numel()
+    m = n // reps
+    out = torch.empty(n, dtype=torch.float32)
+    for j in range(reps):
+        lo, hi = j * m, (j + 1) * m
+        total = None
+        for k in range(reps):
+            x = chunks[k][lo:hi].float()
+            part = x.clone() if k == j else onebit_encode_feedback_reference(x, worker_residuals[k][lo:hi],
+                                                                             block)[2]
+            total = part if total is None else total + part
+        out[lo:hi] = onebit_encode_feedback_reference(total / reps, server_residuals[j], block)[2]
+    return out

@@ -36,9 +36,14 @@ def _minimal(**top):
             "gradient_clipping": 0, **top}
 
 
-def test_real_config_translates_and_its_scheduler_is_refused_with_a_hint():
+def test_real_config_translates_with_its_scheduler():
+    import shardopt
+
+    assert translate(GPT2_BASELINE).scheduler == (shardopt.WarmupLR, {"warmup_min_lr": 0, "warmup_max_lr": 5e-5,
+                                                                       "warmup_num_steps": 500})
+    other = {**GPT2_BASELINE, "scheduler": {"type": "OneCycle", "params": {}}}
     with pytest.raises(ValueError, match="scheduler.*torch.optim.lr_scheduler"):
-        translate(GPT2_BASELINE)
+        translate(other)
     cfg = {k: v for k, v in GPT2_BASELINE.items() if k != "scheduler"}
     t = translate(cfg)
     assert t.optim is torch.optim.AdamW  # DeepSpeed's "Adam" with the default adam_w_mode=true

@@ -23,7 +23,11 @@ AdamHyper fold_adam_hyper(double lr, double beta1, double beta2, double eps, dou
                           double step, bool bias_correction) {
   TORCH_CHECK(lr >= 0.0, "adam_step: lr must be >= 0, got ", lr);
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "adam_step: beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "adam_step: beta2 must be in [0, 1), got ", beta2);
+  // beta2 = 1 keeps exp_avg_sq as it is (v * 1 + g * g * 0): OneBitAdam's frozen variance
+  // (Note [1-bit Adam under ZeRO] in shardopt/onebit.py). Its bias correction would be 0: only without one.
+  TORCH_CHECK(beta2 >= 0.0 && (beta2 < 1.0 || (beta2 == 1.0 && !bias_correction)),
+              "adam_step: beta2 must be in [0, 1) (or exactly 1, a frozen variance, with bias_correction=False), "
+              "got ", beta2);
   TORCH_CHECK(eps >= 0.0, "adam_step: eps must be >= 0, got ", eps);
   TORCH_CHECK(weight_decay >= 0.0, "adam_step: weight_decay must be >= 0, got ", weight_decay);
   TORCH_CHECK(step >= 1.0, "adam_step: step must be >= 1 (the count including this step), got ", step);

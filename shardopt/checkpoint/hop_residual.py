@@ -43,7 +43,11 @@ FILE = "hop-residual-r{replica:03d}-s{shard:05d}.bin"
 
 
 def live(opt) -> torch.Tensor | None:
-    """This rank's residual (the engine's own tensor), or None when it keeps none."""
+    """This rank's residual (the engine's own tensor, or OneBitAdam's: Note [1-bit Adam under ZeRO]
+    in onebit.py, saved and loaded the same way, at flat meshes too), or None when it keeps none."""
+    onebit = getattr(opt, "onebit", None)
+    if onebit is not None:
+        return onebit.residual if onebit.residual.numel() else None
     engine = getattr(opt, "engine", None)
     return None if engine is None else engine.hop_residual
 
@@ -51,7 +55,9 @@ def live(opt) -> torch.Tensor | None:
 def signature(opt) -> dict:
     """What must be equal for a saved residual to mean the same here."""
     shape = opt.sharding.shape
-    return {"format": opt.config.hop_format(), "mesh": [shape.replicas, shape.shards],
+    onebit = getattr(opt, "onebit", None)
+    return {"format": onebit.format_name if onebit is not None else opt.config.hop_format(),
+            "mesh": [shape.replicas, shape.shards],
             "buckets": [[b.group, b.start, b.numel] for b in opt.layout.buckets]}
 
 
@@ -119,6 +125,18 @@ class Staged:
     """Why it restarts from zero."""
 
 
+def write_own(opt, residual: torch.Tensor):
+    """Flat sharding (every rank writes the checkpoint): this rank's residual file, for _save's `share`."""
+    def share(partial: str) -> dict:
+        from shardopt.checkpoint.files import CheckpointError
+
+        out = _write(partial, opt, residual)
+        if "error" in out:
+            raise CheckpointError(out["error"])
+        return out["files"]
+    return share
+
+
 def stage(src, opt) -> Staged | None:
     """Reads this rank's saved residual if it applies here; None when this rank keeps no residual."""
     here = live(opt)
@@ -127,7 +145,9 @@ def stage(src, opt) -> Staged | None:
     mine = signature(opt)
     saved = src.hop_residual_signature()
     if saved is None:
-        return Staged(None, f"{src.directory} holds none (it was not saved by an int8 hop)")
+        return Staged(None, f"{src.directory} holds none (it was not saved with that compression)")
+    if saved["format"] != mine["format"]:
+        return Staged(None, f"it was saved by the {saved['format']} format, this run's is {mine['format']}")
     if saved["mesh"] != mine["mesh"]:
         return Staged(None, f"it was saved at mesh {tuple(saved['mesh'])} (replicas, shards) and this run's is "
                             f"{tuple(mine['mesh'])}")
@@ -149,8 +169,14 @@ def install(opt, staged: Staged | None) -> None:
     if staged.values is not None:
         live(opt).copy_(staged.values)
         return
-    opt.engine.reset_hop_residual()  # it held the error of other weights
+    onebit = getattr(opt, "onebit", None)
+    if onebit is not None:
+        onebit.reset_residual()
+    else:
+        opt.engine.reset_hop_residual()  # it held the error of other weights
+    what = "OneBitAdam's error-feedback residuals restart" if onebit is not None else \
+        "the int8 inter-node hop's error-feedback residual restarts"
     if dist.get_rank(opt.world_group) == 0:
-        warnings.warn("load_checkpoint: the int8 inter-node hop's error-feedback residual restarts from zero: "
+        warnings.warn(f"load_checkpoint: {what} from zero: "
                       f"{staged.reason}. Training goes on; only the rounding errors in flight at the save are "
                       "lost (Note [Hop residual in checkpoints])", stacklevel=3)

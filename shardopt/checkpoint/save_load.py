@@ -288,7 +288,9 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     path = os.fspath(path)
     sharding = opt.sharding
     if not sharding.shape.hybrid:
-        return _save(path, model, opt, extra, tag)
+        residual = hop_residual.live(opt)  # OneBitAdam's (Note [Hop residual in checkpoints])
+        return _save(path, model, opt, extra, tag, hop_residual.write_own(opt, residual) if residual is not None
+                     else None)
     # Hybrid sharding: the replicas hold equal shards, so the first replica's
     # ranks write the checkpoint and the others learn how it went; with the
     # int8 hop every rank adds its residual (Note [Hop residual in checkpoints]).
@@ -580,5 +582,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     forget_consolidated(opt)
     opt.zero_grad()  # gradients accumulated before the load belong to other weights
     hop_residual.install(opt, staged.residual)  # or zeros, said once (Note [Hop residual in checkpoints])
+    if getattr(opt, "onebit", None) is not None:
+        opt.onebit.after_load()  # steps taken: from the loaded optimizer state
     opt._publish_params()
     return staged.extra

@@ -295,9 +295,17 @@ class ShardedStrategy(DDPStrategy):
                  broadcast_buffers: bool = True, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: str = "popen", **more: Any) -> None:
+                 start_method: str = "popen", config=None, **more: Any) -> None:
         options = dict(stage=stage, offload=offload, reduce_bucket_size=reduce_bucket_size,
                        allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm, **more)
+        # A DeepSpeed config (as DeepSpeedStrategy(config=...) takes): its zero_optimization etc. win over
+        # the defaults above, and an "optimizer" block (with "scheduler") replaces configure_optimizers'.
+        self.ds_config = None
+        if config is not None:
+            from shardopt.deepspeed_config import load_config, translate
+            self.ds_config = load_config(config)
+            options.update(translate(self.ds_config).kwargs)
+            options.pop("loss_scale", None)  # the precision plugin's; from_config reads the config again
         unknown = sorted(set(options) - _optimizer_options())
         if unknown:
             raise TypeError(f"ShardedStrategy got unknown options {unknown}; it accepts "
@@ -359,9 +367,30 @@ class ShardedStrategy(DDPStrategy):
                              f"returned {len(self.optimizers)}: put all parameters in one optimizer (use "
                              "param groups for different hyper-parameters)")
         old = self.optimizers[0]
+        if self.ds_config is not None and "optimizer" in self.ds_config:
+            self._optimizer_from_config()
+            return
         sharded = _shard_optimizer(old, self.optimizer_options)
         _rebind_schedulers(self.lr_scheduler_configs, old, sharded)
         self.optimizers = [sharded]
+
+    def _optimizer_from_config(self) -> None:
+        """The DeepSpeed config's optimizer (and WarmupLR, stepped every step as DeepSpeed's engine does)
+        replaces what configure_optimizers returned, as with DeepSpeedStrategy."""
+        from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+        config = dict(self.ds_config)
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        dtype = params[0].dtype if params else torch.float32
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
+        if name is not None and name not in config:  # the Trainer's precision= casts the model (as Lightning
+            config[name] = {"enabled": True}         # writes it into DeepSpeed's config)
+        sharded = ShardedOptimizer.from_config(params, config)
+        self.optimizers = [sharded]
+        self.lr_scheduler_configs = []
+        if sharded.lr_scheduler is not None:
+            self.lr_scheduler_configs = [LRSchedulerConfig(sharded.lr_scheduler, interval="step")]
+            _track_step_for_schedulers(sharded)
 
     def _setup_model(self, model: nn.Module) -> ShardedDDP:
         wrapped = ShardedDDP(model, self._sharded_optimizer(), broadcast_buffers=self.broadcast_buffers)

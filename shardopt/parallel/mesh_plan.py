@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 
 # What the inter-node hop carries: None (the reduction dtype, exact), or a compressed format.
-HOP_DTYPES = ("bfloat16", "int8")
+HOP_DTYPES = ("bfloat16", "int8", "onebit")
 # int8 hop: one fp32 scale per this many elements (Note [Compressed inter-node hop]); the same as
 # kInt8Block in csrc/comm/int8_kernel.h.
 INT8_BLOCK = 256
+# OneBitAdam's block (shardopt/onebit.py ONEBIT_BLOCK; this module stays free of imports).
+ONEBIT_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,8 @@ def hop_link_bytes(shape: MeshShape, grad_bytes: int, hop_dtype: str | None = No
         per_element = 2.0
     elif hop_dtype == "int8":
         per_element = 1.0 + 4.0 / INT8_BLOCK  # one fp32 scale per block
+    elif hop_dtype == "onebit":  # OneBitAdam's compression stage (Note [1-bit format] in onebit.py)
+        per_element = 1.0 / 8 + 4.0 / ONEBIT_BLOCK
     else:
         raise ValueError(f"hop dtype must be None or one of {HOP_DTYPES}, got {hop_dtype!r}")
     return 2 * (shape.replicas - 1) / shape.replicas * elements * per_element

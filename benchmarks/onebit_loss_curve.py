@@ -1,0 +1,163 @@
+"""Does 1-bit Adam train like exact Adam? Loss curves of exact AdamW and OneBitAdam (flat 4 ranks and a
+2 x 2 mesh) on real text: the small GPT, corpus, data order and evaluation of hop_loss_curve.py.
+
+After `freeze_step` exact-Adam steps (the same as AdamW's, bit for bit) OneBitAdam freezes the variance
+and exchanges the momentum at one bit per element (Note [1-bit Adam under ZeRO] in shardopt/onebit.py).
+Pass: final loss (mean of the last 20 steps) and held-out loss within 1% of exact AdamW's.
+
+    python benchmarks/onebit_loss_curve.py                  # 375 steps (75 warm-up + 300 compressed)
+    python benchmarks/onebit_loss_curve.py --steps 40 --freeze 10 --out-dir /tmp
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from hop_loss_curve import (CLIP, CONFIG, EVAL_BATCHES, LR, TAIL, TOLERANCE, WD, _generator, _git_head,  # noqa: E402
+                            read_corpus, smooth, windows)
+from shardopt.cluster.ranks import run_ranks  # noqa: E402
+from shardopt.tools.gpt import GPT, num_params  # noqa: E402
+
+# Each OneBitAdam run is compared with the AdamW run on the same mesh (its warm-up must equal it bit for bit).
+RUNS = {"AdamW, 2x2 mesh": ("adamw", (2, 2)), "OneBitAdam, 2x2 mesh": ("onebit", (2, 2)),
+        "AdamW, flat 4 ranks": ("adamw", None), "OneBitAdam, flat 4 ranks": ("onebit", None)}
+
+
+def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardopt
+
+    train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8)
+    held = torch.frombuffer(bytearray(held_bytes), dtype=torch.uint8)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    kw = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))} if shape else {}
+    if kind == "onebit":
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=LR, weight_decay=WD,
+                                        betas=(0.9, 0.999), freeze_step=freeze, stage=2, **kw)
+    else:
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
+                                        stage=2, **kw)
+    ddp = shardopt.ShardedDDP(model, opt)
+    losses = torch.zeros(steps)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        x, y = windows(train, batch, CONFIG.seq, _generator(seed, step, rank))
+        loss = F.cross_entropy(ddp(x).reshape(-1, CONFIG.vocab), y.reshape(-1))
+        loss.backward()
+        opt.clip_grad_norm(CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses[step] = loss.detach()
+    seconds = time.perf_counter() - t0
+    with torch.no_grad():
+        ev = torch.zeros(1)
+        for b in range(EVAL_BATCHES):
+            x, y = windows(held, batch, CONFIG.seq, _generator(-1, b, rank))
+            ev += F.cross_entropy(model(x).reshape(-1, CONFIG.vocab), y.reshape(-1)) / EVAL_BATCHES
+    dist.all_reduce(losses)
+    dist.all_reduce(ev)
+    started = opt.onebit.started_at if kind == "onebit" else None
+    return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
+                started=started)
+
+
+def chart(path: str, results: dict, steps: int, freeze: int) -> None:
+    from shardopt.tools.plotting import require_matplotlib
+
+    plt = require_matplotlib()
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, r in results.items():
+        s = smooth(r["losses"])
+        ax.plot(range(1, steps + 1), s, label=name, linewidth=1.3)
+        if name.startswith("OneBitAdam"):
+            ref = smooth(results[name.replace("OneBitAdam", "AdamW")]["losses"])
+            dx.plot(range(1, steps + 1), [100 * (a / b - 1) for a, b in zip(s, ref)], label=name, linewidth=1.3)
+    for bound in (-100 * TOLERANCE, 100 * TOLERANCE):
+        dx.axhline(bound, color="gray", linestyle="--", linewidth=1)
+    for a in (ax, dx):
+        a.axvline(freeze + 0.5, color="black", linestyle=":", linewidth=1)
+        a.grid(alpha=0.3)
+    ax.set(title=f"training loss (trailing mean of {TAIL} steps)", xlabel="step", ylabel="cross-entropy (nats/byte)")
+    dx.set(title=f"OneBitAdam relative to AdamW on the same mesh (dashed: ±{TOLERANCE:.0%})", xlabel="step",
+           ylabel="loss difference (%)")
+    ax.legend(), dx.legend()
+    fig.suptitle(f"1-bit Adam (freeze_step={freeze}, dotted) against exact AdamW")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=375)
+    ap.add_argument("--freeze", type=int, default=75, help="OneBitAdam's freeze_step")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    date = datetime.date.today().isoformat()
+    md = os.path.join(args.out_dir, f"{date}-onebit-loss.md")
+    png = os.path.join(args.out_dir, f"{date}-onebit-loss.png")
+    load = os.getloadavg()[0]
+    train, held, files = read_corpus()
+    params = num_params(GPT(CONFIG))
+    results = {}
+    for name, (kind, shape) in RUNS.items():
+        t0 = time.time()
+        per_rank = run_ranks(_train, 4, kind, shape, train, held, args.steps, args.batch, args.seed, args.freeze,
+                             timeout=3600, collective_timeout=600)
+        r = per_rank[0]
+        r["seconds"] = max(p["seconds"] for p in per_rank)
+        r["wall"] = time.time() - t0
+        results[name] = r
+        print(f"{name}: final {sum(r['losses'][-TAIL:]) / TAIL:.4f}, held-out {r['eval']:.4f}, "
+              f"train {r['seconds']:.0f} s, compression from step {r['started']}", flush=True)
+    chart(png, results, args.steps, args.freeze)
+    final = {n: sum(r["losses"][-TAIL:]) / TAIL for n, r in results.items()}
+    ref_of = {n: n.replace("OneBitAdam", "AdamW") for n in results}
+    same_warmup = all(r["losses"][:args.freeze] == results[ref_of[n]]["losses"][:args.freeze]
+                      for n, r in results.items())
+    lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
+             f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
+             f"{args.batch} --seed {args.seed}` at commit {_git_head()}. Machine: {platform.machine()}, "
+             f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
+             "127.0.0.1.", "",
+             f"Model, data and evaluation as benchmarks/hop_loss_curve.py: byte-level GPT ({CONFIG}), "
+             f"{params:,} parameters, this repository's source ({len(files)} files, {len(train):,} training "
+             f"bytes, {len(held):,} held out). 4 ranks, ZeRO-2, lr={LR}, weight_decay={WD}, betas (0.9, 0.999), "
+             f"clip_grad_norm({CLIP}). OneBitAdam: freeze_step={args.freeze}, then {args.steps - args.freeze} "
+             f"compressed steps. Final = mean training loss of the last {TAIL} steps.", "",
+             "| run | compression from step | final loss | vs AdamW (same mesh) | held-out loss | vs AdamW | within 1% | "
+             "train s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n, r in results.items():
+        ref = ref_of[n]
+        rel = final[n] / final[ref] - 1
+        erel = r["eval"] / results[ref]["eval"] - 1
+        ok = abs(rel) <= TOLERANCE and abs(erel) <= TOLERANCE
+        lines.append(f"| {n} | {r['started'] or '-'} | {final[n]:.4f} | {rel:+.2%} | {r['eval']:.4f} | "
+                     f"{erel:+.2%} | {'pass' if ok else '**FAIL**'} | {r['seconds']:.0f} |")
+    lines += ["", f"Training losses of the first {args.freeze} steps (the warm-up) equal those of AdamW on the same "
+              f"mesh bit for bit: {'yes' if same_warmup else '**no**'}.", "", f"![loss curves]({os.path.basename(png)})", ""]
+    with open(md, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
