@@ -433,24 +433,29 @@ def _ckpt_load(rank, world_size, path, saved_shape, shape, saved_stage=2, stage=
     return out
 
 
+def _ckpt_saves(rank, world_size, path, cases):
+    return [_ckpt_save(rank, world_size, path, *case) for case in cases]
+
+
+def _ckpt_loads(rank, world_size, path, cases):
+    return [f for case in cases for f in _ckpt_load(rank, world_size, path, *case)]
+
+
 def test_checkpoints_move_between_meshes_and_flat(tmp_path):
+    # One launch per world size (several meshes per process) keeps this test short.
     path = str(tmp_path)
-    files = run_ranks(_ckpt_save, 4, path, (2, 2), timeout=120)[0]
-    # Only the first replica writes: one rank file per shard, not per rank.
-    assert [f for f in files if f.startswith("rank-")] == ["rank-00000.bin", "rank-00001.bin"], files
-    run_ranks(_ckpt_save, 4, path, None, timeout=120)
-    for saved, shape in (((2, 2), None), (None, (2, 2)), ((2, 2), (1, 4))):
-        for rank, failures in enumerate(run_ranks(_ckpt_load, 4, path, saved, shape, timeout=120)):
-            assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
-    for rank, failures in enumerate(run_ranks(_ckpt_load, 2, path, (2, 2), (2, 1), timeout=120)):
+    files = run_ranks(_ckpt_saves, 4, path, [((2, 2),), (None,), ((2, 2), 3)], timeout=300)[0]
+    # Only the first replica writes: one rank file per shard, not per rank; stage 3 on a mesh too.
+    for listing in (files[0], files[2]):
+        assert [f for f in listing if f.startswith("rank-")] == ["rank-00000.bin", "rank-00001.bin"], listing
+    # (saved mesh, load mesh[, saved stage, load stage]): stage-3 checkpoints are the same format, read at
+    # any stage and shape.
+    cases4 = [((2, 2), None), (None, (2, 2)), ((2, 2), (1, 4)), ((2, 2), None, 3, 2), (None, (2, 2), 2, 3)]
+    for rank, failures in enumerate(run_ranks(_ckpt_loads, 4, path, cases4, timeout=300)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
-    # Stage 3 on a mesh: its checkpoint is the same format (one file per shard), read at any stage and shape.
-    files = run_ranks(_ckpt_save, 4, path, (2, 2), 3, timeout=120)[0]
-    assert [f for f in files if f.startswith("rank-")] == ["rank-00000.bin", "rank-00001.bin"], files
-    for n, saved, shape, stages in ((4, (2, 2), None, (3, 2)), (4, None, (2, 2), (2, 3)),
-                                    (2, (2, 2), (2, 1), (3, 3))):
-        for rank, failures in enumerate(run_ranks(_ckpt_load, n, path, saved, shape, *stages, timeout=120)):
-            assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
+    cases2 = [((2, 2), (2, 1)), ((2, 2), (2, 1), 3, 3)]
+    for rank, failures in enumerate(run_ranks(_ckpt_loads, 2, path, cases2, timeout=300)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
 
 
 # ------------------------------------------------------------------ the int8 residual in checkpoints
