@@ -83,7 +83,6 @@ def _generator(seed: int, step: int, rank: int) -> torch.Generator:
 def _train(rank, world_size, hop_dtype, train_bytes, held_bytes, steps, batch, seed):
     """One run on this rank: per-step loss (mean over ranks), eval loss, train seconds, replicas in sync."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardopt
@@ -95,7 +94,25 @@ def _train(rank, world_size, hop_dtype, train_bytes, held_bytes, steps, batch, s
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
                                     fused=True, stage=2, mesh=mesh, inter_node_dtype=hop_dtype)
-    ddp = shardopt.ShardedDDP(model, opt)
+    losses, ev, seconds = train_and_evaluate(rank, shardopt.ShardedDDP(model, opt), opt, train, held, steps,
+                                             batch, seed)
+    # The hop's owner encodes each sum once and every replica decodes that encoding, so the replicas
+    # should hold bit-equal parameters; a checksum per rank shows whether they do.
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    sums = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(sums, torch.stack([flat.sum(), (flat * torch.arange(flat.numel())).sum()]))
+    in_sync = all(torch.equal(s, sums[0]) for s in sums)
+    return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
+                in_sync=in_sync)
+
+
+def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed):
+    """`steps` clipped steps on the training windows, then the held-out loss: fixed windows (seed -1),
+    split over the ranks. Returns (per-step losses, held-out loss), each summed over the ranks, and the
+    training seconds."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
     losses = torch.zeros(steps)
     dist.barrier()
     t0 = time.perf_counter()
@@ -108,23 +125,14 @@ def _train(rank, world_size, hop_dtype, train_bytes, held_bytes, steps, batch, s
         opt.zero_grad()
         losses[step] = loss.detach()
     seconds = time.perf_counter() - t0
-
-    # Held-out loss: fixed windows (seed -1), split over the ranks, averaged over all of them.
     with torch.no_grad():
         ev = torch.zeros(1)
         for b in range(EVAL_BATCHES):
             x, y = windows(held, batch, CONFIG.seq, _generator(-1, b, rank))
-            ev += F.cross_entropy(model(x).reshape(-1, CONFIG.vocab), y.reshape(-1)) / EVAL_BATCHES
+            ev += F.cross_entropy(ddp.module(x).reshape(-1, CONFIG.vocab), y.reshape(-1)) / EVAL_BATCHES
     dist.all_reduce(losses)
     dist.all_reduce(ev)
-    # The hop's owner encodes each sum once and every replica decodes that encoding, so the replicas
-    # should hold bit-equal parameters; a checksum per rank shows whether they do.
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
-    sums = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
-    dist.all_gather(sums, torch.stack([flat.sum(), (flat * torch.arange(flat.numel())).sum()]))
-    in_sync = all(torch.equal(s, sums[0]) for s in sums)
-    return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
-                in_sync=in_sync)
+    return losses, ev, seconds
 
 
 def smooth(values: list[float], window: int = TAIL) -> list[float]:

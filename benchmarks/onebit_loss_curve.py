@@ -23,8 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from hop_loss_curve import (CLIP, CONFIG, EVAL_BATCHES, LR, TAIL, TOLERANCE, WD, _generator, _git_head,  # noqa: E402
-                            read_corpus, smooth, windows)
+from hop_loss_curve import (CLIP, CONFIG, LR, TAIL, TOLERANCE, WD, _git_head, read_corpus, smooth,  # noqa: E402
+                            train_and_evaluate)
 from shardopt.cluster.ranks import run_ranks  # noqa: E402
 from shardopt.tools.gpt import GPT, num_params  # noqa: E402
 
@@ -34,8 +34,6 @@ RUNS = {"AdamW, 2x2 mesh": ("adamw", (2, 2)), "OneBitAdam, 2x2 mesh": ("onebit",
 
 
 def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze):
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardopt
@@ -51,26 +49,8 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     else:
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
                                         stage=2, **kw)
-    ddp = shardopt.ShardedDDP(model, opt)
-    losses = torch.zeros(steps)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for step in range(steps):
-        x, y = windows(train, batch, CONFIG.seq, _generator(seed, step, rank))
-        loss = F.cross_entropy(ddp(x).reshape(-1, CONFIG.vocab), y.reshape(-1))
-        loss.backward()
-        opt.clip_grad_norm(CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses[step] = loss.detach()
-    seconds = time.perf_counter() - t0
-    with torch.no_grad():
-        ev = torch.zeros(1)
-        for b in range(EVAL_BATCHES):
-            x, y = windows(held, batch, CONFIG.seq, _generator(-1, b, rank))
-            ev += F.cross_entropy(model(x).reshape(-1, CONFIG.vocab), y.reshape(-1)) / EVAL_BATCHES
-    dist.all_reduce(losses)
-    dist.all_reduce(ev)
+    losses, ev, seconds = train_and_evaluate(rank, shardopt.ShardedDDP(model, opt), opt, train, held, steps,
+                                             batch, seed)
     started = opt.onebit.started_at if kind == "onebit" else None
     return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
                 started=started)

@@ -220,6 +220,15 @@ def _tuples(v):
 
 
 # ---------------------------------------------------------------- the source
+def check_partition_count(directory: str, sd: dict, world_size: int, why: str) -> None:
+    """A rank's optimizer file must be partitioned over exactly the folder's ranks (the ZeRO-1/2 and ZeRO-3
+    readers both map partitions onto rank files)."""
+    counts = sd.get("partition_count")
+    counts = counts if isinstance(counts, (list, tuple)) else [counts]
+    if any(c is not None and int(c) != world_size for c in counts):
+        raise CheckpointError(f"{directory}: partition_count {list(counts)} but {world_size} rank files ({why})")
+
+
 class DeepSpeedSource(Source):
     """A DeepSpeed ZeRO-1/2 tag folder as checkpoint.Source (Note [DeepSpeed ZeRO-1/2 checkpoint files])."""
 
@@ -281,11 +290,8 @@ class DeepSpeedSource(Source):
         if "param_slice_mappings" not in sd:
             raise CheckpointError(f"{self.directory} has no param_slice_mappings (written by a DeepSpeed older "
                                   "than 0.8): load it in a newer DeepSpeed, save again, then load that")
-        counts = sd.get("partition_count")
-        counts = counts if isinstance(counts, (list, tuple)) else [counts]
-        if any(c is not None and int(c) != self.world_size for c in counts):
-            raise CheckpointError(f"{self.directory}: partition_count {list(counts)} but {self.world_size} rank "
-                                  "files (expert or sequence-parallel groups are not mapped onto shardopt)")
+        check_partition_count(self.directory, sd, self.world_size,
+                              "expert or sequence-parallel groups are not mapped onto shardopt")
 
     def _check_adam(self, bases: list, elastic_steps: list):
         """Sets self.decoupled, self._groups (saved param groups or None), self._state(rank, slot).

@@ -127,12 +127,9 @@ class DeepSpeedZero3Source(DeepSpeedSource):
             if stage is None or int(stage) != 3 or "fp32_flat_groups" not in sd:
                 raise CheckpointError(f"{d}: rank {r}'s optimizer file is not ZeRO stage 3's (zero_stage {stage}) "
                                       "while the model states are per rank: the folder mixes two checkpoints")
-            counts = sd.get("partition_count")
-            counts = counts if isinstance(counts, (list, tuple)) else [counts]
-            if any(c is not None and int(c) != self.world_size for c in counts):
-                raise CheckpointError(f"{d}: partition_count {list(counts)} but {self.world_size} rank files "
-                                      "(hpZ / MiCS or expert groups partition over other groups; not mapped onto "
-                                      "shardopt)")
+            deepspeed_reader.check_partition_count(
+                d, sd, self.world_size, "hpZ / MiCS or expert groups partition over other groups; not mapped onto "
+                "shardopt")
             if sd.get("ds_zero_partition_groups"):
                 raise CheckpointError(f"{d} holds AutoEP expert-partitioned ZeRO-3 state: experts are partitioned "
                                       "over other groups, which shardopt does not describe")
