@@ -33,6 +33,7 @@ class ShardedDDP(nn.Module):
         super().__init__()
         if not isinstance(optimizer, ShardedOptimizer):
             raise TypeError(f"ShardedDDP needs a shardopt.ShardedOptimizer, got {type(optimizer).__name__}")
+        _forget_orphan(module)  # a stage-3 module whose last wrapper was dropped (Note [Orphaned stage-3 modules])
         self.module = module
         self.optimizer = optimizer
         self.broadcast_buffers = broadcast_buffers
@@ -105,7 +106,8 @@ class ShardedDDP(nn.Module):
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
-        self._finalizer = weakref.finalize(self, _detach, handles, optimizer, module)
+        self._orphans = [stage3]  # cleared by detach(), which gives the module its whole weights
+        self._finalizer = weakref.finalize(self, _detach, handles, optimizer, module, self._orphans)
 
     def detach(self) -> nn.Module:
         """Removes every hook this wrapper installed and returns the module, a plain nn.Module again with its
@@ -120,6 +122,7 @@ class ShardedDDP(nn.Module):
         if opt.param_shard is not None:
             with opt.full_params(writeback=False), torch.no_grad():
                 whole = [p.detach().clone() for p in opt._params]
+        self._orphans[0] = False
         self._finalizer()
         if whole is not None:
             with torch.no_grad():
@@ -361,9 +364,40 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
     return handles
 
 
-def _detach(handles, optimizer, module) -> None:
+def _detach(handles, optimizer, module, orphans) -> None:
     for h in handles:
         h.remove()
     if _WAITING_MODULES.pop(module, None) is not None:
         module.__dict__.pop("named_parameters", None)
     optimizer._detach_model()
+    if orphans[0]:
+        _refuse_orphan(module)
+
+
+# Note [Orphaned stage-3 modules]
+# At stage 3 a managed parameter is an empty tensor between uses: its values
+# live in the optimizer's shards and only a ShardedDDP's hooks gather them.
+# detach() gathers them into the module for good. A wrapper that is simply
+# dropped (garbage-collected) cannot: gathering is a collective, and a
+# finalizer runs on each rank at a moment of its own. The module is then left
+# with empty parameters, and its forward or state_dict() would fail obscurely
+# or, worse, return empty tensors as if they were the weights. So such a module
+# refuses both, saying what to do, until a new ShardedDDP (with the same
+# optimizer, which still holds the shards) takes it again.
+_ORPHANS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_ORPHAN_MESSAGE = ("this module's parameters are sharded over the ranks (ZeRO stage 3) and the ShardedDDP that "
+                   "gathered them was dropped without detach(), so here they are empty tensors. Wrap it again "
+                   "with shardopt.ShardedDDP(module, optimizer) to go on training (or to save a checkpoint), or "
+                   "call wrapper.detach() on every rank before dropping the wrapper to keep the whole weights")
+
+
+def _refuse_orphan(module: nn.Module) -> None:
+    def refuse(*args, **kwargs):
+        raise RuntimeError(_ORPHAN_MESSAGE)
+
+    _ORPHANS[module] = [module.register_forward_pre_hook(refuse), module.register_state_dict_pre_hook(refuse)]
+
+
+def _forget_orphan(module: nn.Module) -> None:
+    for h in _ORPHANS.pop(module, ()):
+        h.remove()

@@ -375,6 +375,29 @@ def _wrapper_lifetime(rank, world_size):
     # ... and a new wrapper attaches and trains.
     model.zero_grad(set_to_none=True)
     out["rewrapped loss"] = _one_step(shardopt.ShardedDDP(model, opt), opt, 2, rank)
+
+    # Stage 3: a dropped wrapper leaves empty parameters (Note [Orphaned stage-3 modules] in ddp.py):
+    # forward and state_dict() refuse, naming the fix, until a new wrapper takes the module again.
+    model, opt, wrapper = _build(stage=3)
+    _one_step(wrapper, opt, 0, rank)
+    expected = {k: v.clone() for k, v in wrapper.module.state_dict().items()}
+    del wrapper
+    gc.collect()
+    for what, call in (("forward", lambda: model(*batch(1, rank)[:1], uses_branch(1, rank))),
+                       ("state_dict", model.state_dict)):
+        try:
+            call()
+            out[f"orphan {what}"] = None
+        except RuntimeError as e:
+            out[f"orphan {what}"] = str(e)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    out["stage 3 rewrapped state equal"] = all(torch.equal(v, expected[k])
+                                              for k, v in wrapper.module.state_dict().items())
+    out["stage 3 rewrapped loss"] = _one_step(wrapper, opt, 2, rank)
+    whole = wrapper.detach()
+    del wrapper
+    gc.collect()
+    out["detached state equal"] = all(v.numel() > 0 for v in whole.state_dict().values())
     return out
 
 
@@ -387,3 +410,7 @@ def test_dropped_wrapper_frees_model_and_removes_its_hooks():
     assert out["plain grads kept"] > 0  # stage 2 hooks would have set every .grad to None
     assert out["step error"] is not None and "ShardedDDP" in out["step error"]
     assert 0 < out["rewrapped loss"] < 100
+    for what in ("forward", "state_dict"):
+        assert out[f"orphan {what}"] is not None and "detach()" in out[f"orphan {what}"], out
+    assert out["stage 3 rewrapped state equal"] and 0 < out["stage 3 rewrapped loss"] < 100
+    assert out["detached state equal"]  # detach() leaves no refusal behind
