@@ -1,15 +1,16 @@
-"""Where does 1-bit Adam's compression lose? A single-process simulation of the flat mesh's exchange
-(Note [1-bit Adam under ZeRO] in shardopt/onebit.py) on synthetic increments, with the real codec
+"""How does error feedback with one scale per block behave? A single-process simulation of the flat
+mesh's exchange (Note [1-bit Adam under ZeRO] in shardopt/onebit.py) on synthetic increments, with the real codec
 (shardopt.onebit.encode_feedback: one mean-|x| scale per block, error feedback on the sending side).
 
 W ranks each send (1 - b1) * G_i, G_i = signal * (1 + 0.3 noise) + scale * noise (a signal-to-noise of
 0.3 per element); the owner averages the decoded increments and keeps m = b1 * m + that. `scale` is a
-per-element magnitude drawn log-normal with sigma `--spread` (0: every element alike). Reported after
+per-element magnitude drawn log-normal with sigma `spread` (CASES; 0: every element alike). Reported after
 each number of steps: the sending-side residual relative to the increment, the momentum's relative
 error, and the relative error of the path sum_t m_t (what the parameters follow under a frozen variance)
 against exact averaging. "normalized" divides the increment by the per-element scale before encoding
 and multiplies it back after decoding (what dividing by the frozen denominator d does in onebit.py,
-here with the exact scale).
+here with the exact scale). In the loss benchmark blocks of 128 did not help where this simulation says
+they should (benchmarks/results/2026-11-25-onebit-loss.md): it models one mechanism, not the real gap.
 
     python benchmarks/onebit_feedback_sim.py                 # ~1 min on one core
     python benchmarks/onebit_feedback_sim.py --steps 50 --n 4096
