@@ -114,8 +114,17 @@ class ShardConfig:
     """Stage 3: parameters with at most this many elements stay gathered on
     every rank (DeepSpeed's stage3_param_persistence_threshold; Note [Stage-3
     buckets hold whole parameters] in layout.py)."""
+    node_aware: bool | None = None
+    """Flat sharding over ranks that span nodes: reduce-scatter inside each node,
+    then across nodes on 1/K of it, and the mirror for the parameter all-gather
+    (Note [Two-level collectives] in parallel/mesh_plan.py): a node's link
+    carries 2 (R-1)/R of the gradient bytes per step instead of 2 (W-1)/W, with
+    optimizer state still 1/W. None: on when LOCAL_WORLD_SIZE < world size (as
+    torchrun sets it) and built for this run (stages 1-2, CPU/gloo, not
+    OneBitAdam; otherwise flat, said once in the log); True: required (refused
+    where not built); False: flat collectives."""
     inter_node_dtype: object = None
-    """Hybrid sharding only: what the inter-node hop carries. None: the reduction
+    """Hybrid sharding, or node-aware flat sharding: what the inter-node hop (its gradient phase) carries. None: the reduction
     dtype (exact); torch.bfloat16: half the bytes; "int8": about a quarter, with
     per-block scales and error feedback (Note [Compressed inter-node hop] in
     csrc/comm/replica_hop.h)."""
@@ -173,6 +182,8 @@ class ShardConfig:
             raise ValueError(f"num_staging_buffers must be >= 1, got {self.num_staging_buffers!r}")
         if self.comm_impl not in COMM_IMPLS:
             raise ValueError(f"comm_impl must be one of {COMM_IMPLS}, got {self.comm_impl!r}")
+        if self.node_aware not in (None, True, False):
+            raise TypeError(f"node_aware must be None (automatic), True or False, got {self.node_aware!r}")
         if self.inter_node_dtype not in INTER_NODE_DTYPES:
             raise ValueError(f"inter_node_dtype must be None (exact), torch.bfloat16 or 'int8', got "
                              f"{self.inter_node_dtype!r}")

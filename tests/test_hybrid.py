@@ -227,7 +227,8 @@ class _Reference:
         return losses
 
 
-def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8):
+def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8,
+           agbs=None):
     import shardopt
 
     torch.manual_seed(0)
@@ -235,13 +236,24 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     ref = _Reference(base, optim_name, world_size)
     model = copy.deepcopy(base)
     cls, kw = _optim(optim_name)
-    mesh = _mesh(shape)
+    # ("nodes", R): flat sharding over ranks on R nodes (LOCAL_WORLD_SIZE), node-aware by default.
+    nodes = shape[1] if shape[0] == "nodes" else None
+    if nodes is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size // nodes)
+        shape, where = (1, world_size), {}
+    else:
+        where = {"mesh": _mesh(shape)}
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
-                                    overlap_gather=gather, mesh=mesh, inter_node_dtype=hop, **kw)
+                                    allgather_bucket_size=agbs, overlap_gather=gather, inter_node_dtype=hop,
+                                    **where, **kw)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if nodes is not None and stage < 3 and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
+                                            or opt.layout.nodes != nodes):
+        return [f"{nodes} nodes stage {stage}: node-aware collectives are not on ({opt.sharding.nodes})"]
     wrapper = shardopt.ShardedDDP(model, opt)
     micro = 2 if accum else 1
     failures, losses = [], []
-    what = f"mesh {shape} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
+    what = f"{'nodes ' + str(nodes) if nodes else 'mesh ' + str(shape)} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
     for step in range(steps):
         total = 0.0
         for m in range(micro):
@@ -276,6 +288,12 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         dist.all_gather(copies, mine, group=opt.sharding.replicate)
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: replicas hold different parameters")
+    # Node-aware: every rank holds the same parameters bit for bit (the parameter phase is exact).
+    if nodes is not None and stage < 3:
+        copies = [torch.empty_like(opt.flat_param) for _ in range(world_size)]
+        dist.all_gather(copies, opt.flat_param)
+        if not all(torch.equal(copies[0], c) for c in copies):
+            failures.append(f"{what}: ranks hold different parameters")
     # Memory is that of flat sharding over the shard group (stage 3: the parameters' too).
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
@@ -312,7 +330,8 @@ def _parity(rank, world_size, shapes):
     return out
 
 
-@pytest.mark.parametrize("world_size,shapes", [(4, [(2, 2), (1, 4)]), (2, [(2, 1)])])
+# ("nodes", R): flat sharding with node-aware collectives over R nodes (stage 3 falls back to flat ones).
+@pytest.mark.parametrize("world_size,shapes", [(4, [(2, 2), (1, 4), ("nodes", 2)]), (2, [(2, 1), ("nodes", 2)])])
 def test_hybrid_matches_single_process(world_size, shapes):
     for rank, failures in enumerate(run_ranks(_parity, world_size, shapes, timeout=600)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
@@ -329,6 +348,13 @@ def _compressed(rank, world_size):
         for stage in (2, 3):
             out += _train(rank, world_size, (2, 2), "adamw", stage, 1000, torch.float32, 0.5, False, False,
                           hop=hop)
+    # Node-aware flat sharding: its gradient phase compressed; and exact with partial gather spans
+    # (allgather_bucket_size below the chunk: the two-level gather's staged path), stages 1 and 2.
+    for hop in (torch.bfloat16, "int8"):
+        out += _train(rank, world_size, ("nodes", 2), "adamw", 2, 1000, torch.float32, 0.5, False, False, hop=hop)
+    for stage, gather in ((1, True), (2, False)):
+        out += _train(rank, world_size, ("nodes", 2), "sgd", stage, 1000, torch.float32, 0.3, True, gather,
+                      agbs=300)
     out += _meta_on_a_mesh(rank)
     torch.manual_seed(0)
     model = AwkwardNet()
