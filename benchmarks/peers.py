@@ -256,7 +256,8 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
         elements = grad_bytes / 4
         return (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
             + ring_link_bytes(world, per_node, grad_bytes) / 2
-    node_aware = per_node < world and kind.split("-")[1] in ("1", "2") and "flat" not in kind.split("-")
+    parts = kind.split("-")
+    node_aware = per_node < world and parts[0] == "shardopt" and parts[1] in ("1", "2") and "flat" not in parts
     if node_aware:
         fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[_shardopt_kwargs(kind).get("inter_node_dtype")]
         return two_level_link_bytes(world // per_node, grad_bytes, fmt)
