@@ -166,7 +166,7 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     total = sum(math.prod(s) for _, s in shapes)
     if total == 0:
         raise ValueError("the model has no trainable parameters")
-    rbs = cfg.reduce_bucket_size or auto_bucket_size(total, cfg.stage)
+    rbs = cfg.reduce_bucket_size or auto_bucket_size(total, cfg.stage, across_nodes=cfg.node_aware)
     # With hybrid sharding a copy is sharded over `shards` ranks: state per rank is 1/shards.
     shards = cfg.shards or cfg.world_size
     replicas = cfg.world_size // shards

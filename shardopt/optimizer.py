@@ -118,7 +118,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
                  for g, group in enumerate(trainable)]
         total = sum(p.numel() for p in self._params)
-        rbs = reduce_bucket_size if reduce_bucket_size is not None else auto_bucket_size(total, self.config.stage)
+        rbs = reduce_bucket_size if reduce_bucket_size is not None \
+            else auto_bucket_size(total, self.config.stage, across_nodes=nodes is not None)
         agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
         stage3 = self.config.stage == 3
         persistent = frozenset(i for i, p in enumerate(self._params)
