@@ -698,8 +698,16 @@ def _refusals(rank, world_size):
     # ... and left off, with a log line, when not asked for; on by default otherwise.
     if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3).sharding.nodes is not None:
         out.append("stage 3 got node-aware collectives")
-    if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3).sharding.nodes is None:
+    sharding = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3).sharding
+    if sharding.nodes is None:
         out.append("node-aware collectives are not on by default at LOCAL_WORLD_SIZE=2 of 4")
+    # Its subgroups fail within the world's timeout, not c10d's default 30 minutes (a lost node).
+    from shardopt.parallel.mesh import _group_timeout
+    world_timeout = _group_timeout(dist.group.WORLD)
+    if world_timeout is None or world_timeout.total_seconds() >= 1800 or \
+            {_group_timeout(sharding.node), _group_timeout(sharding.across)} != {world_timeout}:
+        out.append(f"node-aware groups' timeouts {_group_timeout(sharding.node)} / {_group_timeout(sharding.across)}"
+                   f" differ from the world's {world_timeout}")
     if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, node_aware=False).sharding.nodes is not None:
         out.append("node_aware=False was ignored")
     # Ranks that disagree on the mesh: every rank is told, before any group is built.

@@ -316,35 +316,29 @@ void BucketEngine::launch(int64_t b) {
     input.narrow(0, covered - start, start + numel - covered).zero_();
   }
   const bool accumulate = has_data_[b] != 0;
+  has_data_[b] = 1;
+  ++n_reduce_scatters_;
   if (node_pg_) {
-    has_data_[b] = 1;
-    ++n_reduce_scatters_;
     InFlight f{b, nullptr, nullptr, slot, at::Tensor(), false, accumulate};
     launch_two_level(b, input, f);
     inflight_.push_back(std::move(f));
-    if (!overlap_) finish_oldest();
-    else if (!wait_for_staging_) {
-      while (!inflight_.empty() && oldest_is_done()) finish_oldest();
-    }
-    return;
-  }
-  const bool direct = direct_ok_ && !accumulate;
-  at::Tensor out = direct ? chunk_view(b) : slot_out(slot).narrow(0, 0, numel / world_size_);
-  has_data_[b] = 1;
-  ++n_reduce_scatters_;
-  c10::intrusive_ptr<c10d::Work> work, hop;
-  if (world_size_ == 1) {
-    out.copy_(input);
   } else {
-    work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
+    const bool direct = direct_ok_ && !accumulate;
+    at::Tensor out = direct ? chunk_view(b) : slot_out(slot).narrow(0, 0, numel / world_size_);
+    c10::intrusive_ptr<c10d::Work> work, hop;
+    if (world_size_ == 1) {
+      out.copy_(input);
+    } else {
+      work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
+    }
+    if (replicate_pg_) {
+      // The inter-node hop, chained after the reduce-scatter on the replicate
+      // group's worker: bucket b crosses the link while b+1 is reduced in the node.
+      hop = comm::start_replica_all_reduce(replicate_pg_, work, out, hop_format_,
+                                           hop_residual_of(b, numel / world_size_));
+    }
+    inflight_.push_back(InFlight{b, std::move(work), std::move(hop), slot, std::move(out), direct, accumulate});
   }
-  if (replicate_pg_) {
-    // The inter-node hop, chained after the reduce-scatter on the replicate
-    // group's worker: bucket b crosses the link while b+1 is reduced in the node.
-    hop = comm::start_replica_all_reduce(replicate_pg_, work, out, hop_format_,
-                                         hop_residual_of(b, numel / world_size_));
-  }
-  inflight_.push_back(InFlight{b, std::move(work), std::move(hop), slot, std::move(out), direct, accumulate});
   if (!overlap_) finish_oldest();
   else if (!wait_for_staging_) {
     while (!inflight_.empty() && oldest_is_done()) finish_oldest();  // give finished slots back early

@@ -101,8 +101,6 @@ def _local_world_size() -> tuple[str | None, int | None]:
 
 def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type: str) -> ShardingGroups:
     """Flat sharding over `group` (the world), node-aware when asked or when the ranks span nodes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     raw, local = _local_world_size()
     world = dist.get_world_size(group)
     # Every rank must take the same branch: the groups below are built collectively.
@@ -125,9 +123,24 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
     if device_type != "cpu":
         raise NotImplementedError(f"node-aware collectives run on CPU tensors (gloo) in this release; the model "
                                   f"is on {device_type}: pass node_aware=False")
-    mesh = init_device_mesh(device_type, (shape.replicas, shape.shards), mesh_dim_names=MESH_DIM_NAMES)
-    flat = _flat(group)
-    return dataclasses.replace(flat, nodes=shape, node=mesh.get_group("shard"), across=mesh.get_group("replicate"))
+    # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
+    # fail every survivor within the timeout the user gave init_process_group.
+    timeout = _group_timeout(group)
+    node, _ = dist.new_subgroups_by_enumeration([shape.shard_ranks(i) for i in range(shape.replicas)],
+                                                timeout=timeout)
+    across, _ = dist.new_subgroups_by_enumeration([shape.replicate_ranks(j) for j in range(shape.shards)],
+                                                  timeout=timeout)
+    return dataclasses.replace(_flat(group), nodes=shape, node=node, across=across)
+
+
+def _group_timeout(group):
+    """The timeout `group` was made with (None: c10d's default), read from its CPU backend."""
+    import torch
+
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _node_groups(device_type: str) -> ShardingGroups:
