@@ -103,6 +103,8 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
     """Flat sharding over `group` (the world), node-aware when asked or when the ranks span nodes."""
     raw, local = _local_world_size()
     world = dist.get_world_size(group)
+    if why_not is None and device_type != "cpu":
+        why_not = f"a model on {device_type} (the two-level collectives run on CPU tensors, gloo, in this release)"
     # Every rank must take the same branch: the groups below are built collectively.
     check_same_across_ranks([f"node_aware={node_aware} LOCAL_WORLD_SIZE={raw} off={why_not}"],
                             "node-aware collectives (LOCAL_WORLD_SIZE and options)", group)
@@ -120,9 +122,6 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
             logger.warning("shardopt: ranks span %d nodes, but node-aware collectives are not built for %s: "
                            "flat collectives (each gradient crosses the link as with DDP)", shape.replicas, why_not)
         return _flat(group)
-    if device_type != "cpu":
-        raise NotImplementedError(f"node-aware collectives run on CPU tensors (gloo) in this release; the model "
-                                  f"is on {device_type}: pass node_aware=False")
     # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
     # fail every survivor within the timeout the user gave init_process_group.
     timeout = _group_timeout(group)
