@@ -310,7 +310,8 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     wrapper = shardopt.ShardedDDP(model, opt)
     micro = 2 if accum else 1
     failures, losses = [], []
-    what = f"{'nodes ' + str(nodes) if nodes else 'mesh ' + str(shape)} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
+    where = f"nodes {nodes}" if nodes else f"mesh {shape}"
+    what = f"{where} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
     for step in range(steps):
         total = 0.0
         for m in range(micro):
