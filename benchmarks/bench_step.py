@@ -309,8 +309,10 @@ def _peers(rank, world_size, model_name, shape, steps, warmup, turn, peer_rounds
     from shardopt.tools.gpt import PRESETS, GPT, num_params
 
     cfg = PRESETS[model_name]
-    # DeepSpeed gets the bucket size shardopt picks by default, so both cut the model alike.
-    bucket = auto_bucket_size(num_params(GPT(cfg)))
+    # DeepSpeed gets the bucket size shardopt picks by default, so both cut the model alike (across nodes:
+    # Note [Default bucket sizes across nodes] in shardopt/config.py).
+    across = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
+    bucket = auto_bucket_size(num_params(GPT(cfg)), across_nodes=across)
     names_used = [n for n in peers.VARIANTS if n in anchors or any(n in r for r in peer_rounds)]
     memory = {name: _peer_memory(rank, name, cfg, shape, bucket) for name in names_used}
     rounds = []

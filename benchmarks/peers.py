@@ -47,6 +47,16 @@ VARIANTS = {
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
     "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
     "shardopt ZeRO-3": "shardopt-3",
+    # Flat sharding when the ranks span nodes: node-aware collectives are on by default (shardopt-2 above);
+    # these name the choices (Note [Two-level collectives] in shardopt/parallel/mesh_plan.py).
+    "shardopt ZeRO-2, flat collectives (node_aware=False)": "shardopt-2-flat",
+    "shardopt ZeRO-2 node-aware + bf16 inter-node phase": "shardopt-2-bf16",
+    "shardopt ZeRO-2 node-aware + int8 inter-node phase": "shardopt-2-int8",
+    "shardopt ZeRO-2, 500k buckets": "shardopt-2-b500",
+    "shardopt ZeRO-2, 1M buckets": "shardopt-2-b1000",
+    "shardopt ZeRO-2, 2M buckets": "shardopt-2-b2000",
+    "shardopt ZeRO-2 node-aware + bf16 inter-node phase, 500k buckets": "shardopt-2-bf16-b500",
+    "shardopt ZeRO-2 node-aware + bf16 inter-node phase + overlap_gather, 500k buckets": "shardopt-2-bf16-gather-b500",
     # Hybrid sharding (shard_group="node"): sharded inside a node, replicated across nodes.
     "shardopt hybrid (fp32 hop) + overlap_gather": "shardopt-hybrid-fp32-gather",
     "shardopt hybrid + bf16 hop + overlap_gather": "shardopt-hybrid-bf16-gather",
@@ -203,6 +213,10 @@ def _shardopt_kwargs(kind: str) -> dict:
         elif option == "onebit":  # OneBitAdam on a flat mesh
             del kw["fused"]
             kw.update(optim=shardopt.OneBitAdam, freeze_step=ONEBIT_FREEZE)
+        elif option == "flat":  # node-aware collectives off: flat rings over every rank
+            kw["node_aware"] = False
+        elif option in ("bf16", "int8"):  # node-aware, its inter-node gradient phase compressed
+            kw["inter_node_dtype"] = HOP_DTYPES[option]
         elif option.startswith("b") and option[1:].isdigit():  # -b500: reduce buckets of 500k elements
             kw["reduce_bucket_size"] = int(option[1:]) * 1000
         else:
@@ -227,11 +241,16 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
 #   256 elements. Stage 3 on the mesh (and HSDP with reshard after forward)
 #   gathers parameters twice per step, but inside the node: the same bytes.
+# - Flat ZeRO-1/2 with node-aware collectives (on by default when ranks span
+#   nodes; Note [Two-level collectives] in mesh_plan.py): (R-1)/R S of gradient
+#   in the inter-node phase's format, then (R-1)/R S of fp32 parameters:
+#   2 (R-1)/R S exact, 1.5 (R-1)/R S with a bf16 gradient phase. Flat stage 3
+#   falls back to flat collectives (above).
 # - Others (torch ZeRO's broadcasts, FSDP2 flat and DeepSpeed over gloo, whose
 #   reduce-scatter is an all-reduce): not derived here; the column stays empty.
 def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -> float | None:
     """Note [Link bytes by arithmetic]: bytes one node sends per step, or None where not derived."""
-    from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes
+    from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes, two_level_link_bytes
 
     if kind == "shardopt-3":  # a reduce-scatter and two all-gathers (forward, backward): 3 (W-1)/W S
         return 1.5 * ring_link_bytes(world, per_node, grad_bytes)
@@ -242,6 +261,11 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
         elements = grad_bytes / 4
         return (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
             + ring_link_bytes(world, per_node, grad_bytes) / 2
+    parts = kind.split("-")
+    node_aware = per_node < world and parts[0] == "shardopt" and parts[1] in ("1", "2") and "flat" not in parts
+    if node_aware:
+        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[_shardopt_kwargs(kind).get("inter_node_dtype")]
+        return two_level_link_bytes(world // per_node, grad_bytes, fmt)
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)
     shape = MeshShape(world // per_node, per_node)

@@ -24,6 +24,21 @@ from shardopt.precision import NONFINITE_ACTIONS, LossScaleConfig
 AUTO_BUCKETS = 8
 AUTO_MIN = 2_000_000        # 8 MB of fp32
 AUTO_MAX = 25_000_000       # 100 MB of fp32
+
+# Note [Default bucket sizes across nodes]
+# With node-aware collectives (ranks on several nodes: Note [Two-level
+# collectives] in parallel/mesh_plan.py) the link between nodes, not the
+# per-collective latency inside one, sets the pace: what backward leaves
+# exposed is the last bucket's inter-node phase, so smaller buckets start the
+# link sooner and leave a shorter tail. Measured on the emulated cluster (2 nodes
+# x 2 ranks, 1 Gbit/s, GPT 'small' of 4.3M parameters, batch 2x64, one run;
+# benchmarks/results/2026-11-25-node-aware.md), ZeRO-2 step time / DDP's:
+#     bucket (elements)             0.5M    1M     2M (the one-host default here)
+#     node-aware, fp32              0.67    0.75   0.87
+#     node-aware, bf16 inter-node   0.66    -      0.73
+# So across nodes the floor is AUTO_MIN_NODES instead of AUTO_MIN (the model is
+# still cut into about AUTO_BUCKETS buckets, so big models keep big buckets).
+AUTO_MIN_NODES = 500_000    # 2 MB of fp32
 DEFAULT_REDUCE_BUCKET_SIZE = None
 DEFAULT_ALLGATHER_BUCKET_SIZE = None
 
@@ -35,11 +50,12 @@ AUTO_BUCKETS_STAGE3 = 16
 AUTO_MIN_STAGE3 = 500_000
 
 
-def auto_bucket_size(total_numel: int, stage: int = 2) -> int:
-    """The default bucket size for a model of total_numel trainable elements."""
+def auto_bucket_size(total_numel: int, stage: int = 2, across_nodes: bool = False) -> int:
+    """The default bucket size for a model of total_numel trainable elements (across_nodes: with node-aware
+    collectives; Note [Default bucket sizes across nodes])."""
     if stage == 3:
         return max(AUTO_MIN_STAGE3, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS_STAGE3)))
-    return max(AUTO_MIN, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS)))
+    return max(AUTO_MIN_NODES if across_nodes else AUTO_MIN, min(AUTO_MAX, -(-total_numel // AUTO_BUCKETS)))
 
 STAGES = (1, 2, 3)
 OFFLOADS = ("none", "cpu")
@@ -60,7 +76,8 @@ class ShardConfig:
     forward or backward uses them (sharded_param.py, Note [Stage-3 schedule])."""
     reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE
     """Elements per gradient bucket: one reduce-scatter each (rounded up to a
-    multiple of lcm(world_size, 128)). None: see Note [Default bucket sizes]."""
+    multiple of lcm(world_size, 128)). None: see Note [Default bucket sizes] (and
+    Note [Default bucket sizes across nodes] with node-aware collectives)."""
     allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE
     """Elements per parameter all-gather after a step. All-gathers never span two
     reduce buckets, so values above reduce_bucket_size gather whole buckets.
@@ -114,8 +131,17 @@ class ShardConfig:
     """Stage 3: parameters with at most this many elements stay gathered on
     every rank (DeepSpeed's stage3_param_persistence_threshold; Note [Stage-3
     buckets hold whole parameters] in layout.py)."""
+    node_aware: bool | None = None
+    """Flat sharding over ranks that span nodes: reduce-scatter inside each node,
+    then across nodes on 1/K of it, and the mirror for the parameter all-gather
+    (Note [Two-level collectives] in parallel/mesh_plan.py): a node's link
+    carries 2 (R-1)/R of the gradient bytes per step instead of 2 (W-1)/W, with
+    optimizer state still 1/W. None: on when LOCAL_WORLD_SIZE < world size (as
+    torchrun sets it) and built for this run (stages 1-2, CPU/gloo, not
+    OneBitAdam; otherwise flat, said once in the log); True: required (refused
+    where not built); False: flat collectives."""
     inter_node_dtype: object = None
-    """Hybrid sharding only: what the inter-node hop carries. None: the reduction
+    """Hybrid sharding, or node-aware flat sharding: what the inter-node hop (its gradient phase) carries. None: the reduction
     dtype (exact); torch.bfloat16: half the bytes; "int8": about a quarter, with
     per-block scales and error feedback (Note [Compressed inter-node hop] in
     csrc/comm/replica_hop.h)."""
@@ -173,6 +199,8 @@ class ShardConfig:
             raise ValueError(f"num_staging_buffers must be >= 1, got {self.num_staging_buffers!r}")
         if self.comm_impl not in COMM_IMPLS:
             raise ValueError(f"comm_impl must be one of {COMM_IMPLS}, got {self.comm_impl!r}")
+        if self.node_aware not in (None, True, False):
+            raise TypeError(f"node_aware must be None (automatic), True or False, got {self.node_aware!r}")
         if self.inter_node_dtype not in INTER_NODE_DTYPES:
             raise ValueError(f"inter_node_dtype must be None (exact), torch.bfloat16 or 'int8', got "
                              f"{self.inter_node_dtype!r}")

@@ -79,6 +79,12 @@ class EstimateConfig:
     shards: int | None = None
     """Hybrid sharding: ranks one copy of the model is sharded over (the ranks of
     a node); the world holds world_size / shards replicas. None: world_size (flat)."""
+    node_aware: bool = False
+    """With `shards` (the ranks per node): flat sharding over every rank with
+    node-aware collectives instead of hybrid sharding (Note [Two-level
+    collectives] in parallel/mesh_plan.py): state 1/world_size; an int8
+    inter-node phase keeps a residual per node chunk (1 + 1/nodes fp32 values per
+    1/shards of the model), and each bucket in flight holds a node chunk."""
     inter_node_dtype: str | None = None
     """Hybrid sharding: "int8" keeps an error-feedback residual (1 + 1/replicas
     fp32 values per shard element); None and "bfloat16" keep nothing."""
@@ -110,6 +116,8 @@ class EstimateConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.shards is not None and (self.shards < 1 or self.world_size % self.shards):
             raise ValueError(f"shards must divide world_size ({self.world_size}), got {self.shards}")
+        if self.node_aware and (self.shards is None or self.shards == self.world_size or self.stage == 3):
+            raise ValueError("node_aware needs shards (ranks per node) below world_size, at stage 1 or 2")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage}")
         if self.offload not in ("none", "cpu"):
@@ -158,12 +166,15 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     total = sum(math.prod(s) for _, s in shapes)
     if total == 0:
         raise ValueError("the model has no trainable parameters")
-    rbs = cfg.reduce_bucket_size or auto_bucket_size(total, cfg.stage)
+    rbs = cfg.reduce_bucket_size or auto_bucket_size(total, cfg.stage, across_nodes=cfg.node_aware)
     # With hybrid sharding a copy is sharded over `shards` ranks: state per rank is 1/shards.
     shards = cfg.shards or cfg.world_size
     replicas = cfg.world_size // shards
+    nodes = 1
+    if cfg.node_aware:  # flat over the world, node by node (Note [Node-aware chunk order] in layout.py)
+        nodes, shards, replicas = replicas, cfg.world_size, 1
     layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
-                         whole_params=cfg.stage == 3)
+                         whole_params=cfg.stage == 3, nodes=nodes)
     pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
     shard = layout.shard_numel()
     # Rank 0 has the most state: later ranks' chunks hold the padding at the end of the region.
@@ -182,6 +193,10 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     master = shard * 4 if separate_master else 0
     host = master + shard * 4 + state if cfg.offload == "cpu" else 0
     residual = shard * 4 + shard // replicas * 4 if replicas > 1 and cfg.inter_node_dtype == "int8" else 0
+    if nodes > 1:  # node chunks: R chunks each (the residual's, and those of buckets in flight)
+        node_chunks = shard * nodes
+        residual = node_chunks * 4 + shard * 4 if cfg.inter_node_dtype == "int8" else 0
+        staging += slots * (biggest // cfg.shards) * rbytes
     params, gathered = layout.total_numel * pbytes, 0
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
@@ -269,6 +284,7 @@ def format_table(num_params: int, rows: Sequence[tuple[EstimateConfig, MemoryEst
 
     for cfg, m in rows:
         ws = cfg.world_size if cfg.shards in (None, cfg.world_size) else f"{cfg.world_size // cfg.shards}x{cfg.shards}"
+        ws = f"{ws} node-aware" if cfg.node_aware else ws
         line("", (ws, cfg.stage, cfg.offload, names[cfg.param_dtype]), m)
     if ddp is not None:
         line("<- DDP + the same optimizer, any world size", ("any", "DDP", "none", ""), ddp)

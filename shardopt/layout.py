@@ -20,7 +20,8 @@ contiguous run of the buffer even when it straddles buckets: model parameters
 can be views into it.
 
 Every bucket is split into `world_size` equal contiguous chunks and rank r owns
-chunk r of every bucket (Megatron-style). A bucket's gradient reduction is then
+chunk r of every bucket (Megatron-style; a fixed permutation of that when ranks
+span nodes: Note [Node-aware chunk order]). A bucket's gradient reduction is then
 one reduce-scatter, and its parameter refresh one all-gather, both writing in
 place. A *piece* is the intersection of one parameter with one chunk: the unit
 of optimizer state. Keeping state per piece (not per flat chunk) gives every
@@ -31,6 +32,26 @@ range), so any world size can read them.
 All-gathers follow the reduce buckets: each bucket's chunk is gathered in
 sub-ranges of `allgather_bucket_size / world_size` elements (rounded to 128),
 one collective each, written into a strided view of the bucket.
+
+Note [Node-aware chunk order]
+-----------------------------
+When the W = R * K ranks span R nodes of K ranks (rank = node * K + local, as
+torchrun numbers them), node-aware collectives (Note [Two-level collectives]
+in parallel/mesh_plan.py) reduce a bucket in two phases: a reduce-scatter
+inside the node leaves local rank j with the node's sum of the bucket's j-th
+K-part (its *node chunk*), then an exchange across the nodes, among the R
+ranks with the same local rank, leaves node i's rank with part i of that node
+chunk summed over every rank. For both phases to be contiguous, rank (i, j)
+owns chunk j * R + i of the bucket, not chunk i * K + j:
+
+    W = 4, R = 2 nodes x K = 2:  rank 0 (0,0) -> chunk 0   rank 1 (0,1) -> chunk 2
+                                 rank 2 (1,0) -> chunk 1   rank 3 (1,1) -> chunk 3
+
+Only `Bucket.chunk(rank)` knows this; pieces, master chunks, gradient shards
+and checkpoints (keyed by parameter name and element range) follow from it
+unchanged, so a node-aware checkpoint loads at any world size and back. The
+bucket and chunk sizes are those of flat sharding over W (the node chunk is R
+consecutive chunks), so the alignment needs nothing more.
 
 Note [Stage-3 buckets hold whole parameters]
 --------------------------------------------
@@ -102,6 +123,8 @@ class Bucket:
     """Number of chunks it is split into."""
     persistent: bool = False
     """Stage 3: its parameters stay gathered (Note [Stage-3 buckets hold whole parameters])."""
+    nodes: int = 1
+    """Node-aware collectives: the ranks span this many nodes (Note [Node-aware chunk order])."""
 
     @property
     def end(self) -> int:
@@ -113,8 +136,16 @@ class Bucket:
 
     def chunk(self, rank: int) -> tuple[int, int]:
         """[start, end) of rank's chunk, in flat-buffer elements."""
-        s = self.start + rank * self.chunk_numel
+        s = self.start + chunk_index(rank, self.world_size, self.nodes) * self.chunk_numel
         return s, s + self.chunk_numel
+
+
+def chunk_index(rank: int, world_size: int, nodes: int = 1) -> int:
+    """Which of a bucket's world_size chunks `rank` owns (Note [Node-aware chunk order])."""
+    if nodes == 1:
+        return rank
+    node, local = divmod(rank, world_size // nodes)
+    return local * nodes + node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +198,8 @@ class Layout:
     """Size of the flat buffer, padding included."""
     whole_params: bool = False
     """No parameter straddles two buckets (stage 3; Note [Stage-3 buckets hold whole parameters])."""
+    nodes: int = 1
+    """Nodes the ranks span with node-aware collectives; 1 otherwise (Note [Node-aware chunk order])."""
 
     def shard_numel(self) -> int:
         """Elements rank r owns (the same for every rank)."""
@@ -195,7 +228,7 @@ class Layout:
     def signature(self) -> list[str]:
         """One line per fact ranks must agree on; compared across ranks at construction."""
         lines = [f"world_size={self.world_size} bucket_numel={self.bucket_numel} total={self.total_numel} "
-                 f"whole_params={self.whole_params}"]
+                 f"whole_params={self.whole_params} nodes={self.nodes}"]
         lines += [f"param {p.index} {p.name} shape={list(p.shape)} group={p.group} offset={p.offset}"
                   for p in self.params]
         lines += [f"bucket {b.index} group={b.group} start={b.start} numel={b.numel} persistent={b.persistent}"
@@ -213,7 +246,7 @@ def _round_up(n: int, m: int) -> int:
 
 def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int,
                 reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1, *,
-                whole_params: bool = False, persistent: frozenset = frozenset()) -> Layout:
+                whole_params: bool = False, persistent: frozenset = frozenset(), nodes: int = 1) -> Layout:
     """Plans the flat buffer for trainable parameters given per param group as (name, shape).
 
     Parameters keep the given order in `Layout.params`; the buffer holds each
@@ -222,10 +255,17 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
     of replicas: buckets are padded so that each chunk also splits into
     `replicas` equal parts (the inter-node hop; Note [Hybrid sharding]).
     `whole_params` and `persistent` (indices into the flattened parameter list)
-    are stage 3's: Note [Stage-3 buckets hold whole parameters].
+    are stage 3's: Note [Stage-3 buckets hold whole parameters]. `nodes` > 1: the
+    world_size ranks span that many nodes and use node-aware collectives (Note
+    [Node-aware chunk order]).
     """
     if world_size < 1 or replicas < 1:
         raise ValueError(f"world_size and replicas must be >= 1, got {world_size} and {replicas}")
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"{world_size} ranks do not split over {nodes} nodes of equal size")
+    if nodes > 1 and replicas > 1:
+        raise ValueError("node-aware collectives are for flat sharding; hybrid sharding (replicas > 1) already "
+                         "crosses the link once per gradient")
     for what, v in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{what} must be a positive number of elements, got {v!r}")
@@ -246,7 +286,7 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
                                         if params[i].numel and params[i].offset < bend and params[i].end > bstart),
                                        key=lambda i: params[i].offset))
             buckets.append(Bucket(index=len(buckets), group=g, start=bstart, numel=bend - bstart,
-                                  params=overlapping, world_size=world_size, persistent=keep))
+                                  params=overlapping, world_size=world_size, persistent=keep, nodes=nodes))
         return end
 
     for g, group in enumerate(groups):
@@ -284,7 +324,8 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
     gather_spans = tuple(GatherSpan(bucket=b.index, lo=lo, hi=min(lo + span, b.chunk_numel))
                          for b in buckets for lo in range(0, b.chunk_numel, span))
     return Layout(world_size=world_size, align=align, bucket_numel=bucket_numel, params=tuple(params),
-                  buckets=tuple(buckets), gather_spans=gather_spans, total_numel=offset, whole_params=whole_params)
+                  buckets=tuple(buckets), gather_spans=gather_spans, total_numel=offset, whole_params=whole_params,
+                  nodes=nodes)
 
 
 def plan_launch_order(layout: Layout, positions: Sequence[int]) -> tuple[int, ...]:

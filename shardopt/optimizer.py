@@ -61,7 +61,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  process_group=None, mesh=None, shard_group: str | None = None, inter_node_dtype=None,
                  num_staging_buffers: int = 2, comm_impl: str = "auto", reshard_after_forward: bool = True,
                  prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
-                 param_persistence_threshold: int = 0, **optim_kwargs):
+                 param_persistence_threshold: int = 0, node_aware: bool | None = None, **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
                                   overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
@@ -71,7 +71,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   inter_node_dtype=inter_node_dtype, reshard_after_forward=reshard_after_forward,
                                   prefetch_bucket_size=prefetch_bucket_size,
                                   max_live_parameters=max_live_parameters,
-                                  param_persistence_threshold=param_persistence_threshold)
+                                  param_persistence_threshold=param_persistence_threshold,
+                                  node_aware=node_aware)
         # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
         optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
         if onebit_config is not None and self.config.stage == 3:
@@ -93,7 +94,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_params()
         # Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
         # process_group / rank / world_size are the shard group's: the layout is split over it.
-        self.sharding = resolve_groups(process_group, mesh, shard_group, self._params[0].device.type)
+        self.sharding = resolve_groups(process_group, mesh, shard_group, self._params[0].device.type,
+                                       node_aware=self.config.node_aware,
+                                       why_not=_node_aware_not_built(self.config, onebit_config))
         self.process_group = self.sharding.shard
         self.world_group = self.sharding.world
         self.rank = dist.get_rank(self.process_group)
@@ -103,23 +106,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(
                 f"hybrid sharding's inter-node hop runs on CPU tensors (gloo) in this release; the model is on "
                 f"{where}. Shard flat (process_group=...) for now.")
-        if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid:
+        nodes = self.sharding.nodes
+        if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid and nodes is None:
             if mesh is None and shard_group is None:
-                raise ValueError("inter_node_dtype compresses the inter-node hop of hybrid sharding: pass "
-                                 "shard_group='node' or mesh=DeviceMesh((replicate, shard)) too, or drop it")
+                raise ValueError("inter_node_dtype compresses the inter-node hop of hybrid sharding or of node-aware "
+                                 "flat sharding: pass shard_group='node' or mesh=DeviceMesh((replicate, shard)), or "
+                                 "run with ranks on several nodes (LOCAL_WORLD_SIZE < world size), or drop it")
             warnings.warn(f"inter_node_dtype={self.config.inter_node_dtype!r} has no effect: the mesh "
                           f"{self.sharding.shape} has one replica, so no gradient crosses between nodes",
                           UserWarning, stacklevel=2)
         names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
                  for g, group in enumerate(trainable)]
         total = sum(p.numel() for p in self._params)
-        rbs = reduce_bucket_size if reduce_bucket_size is not None else auto_bucket_size(total, self.config.stage)
+        rbs = reduce_bucket_size if reduce_bucket_size is not None \
+            else auto_bucket_size(total, self.config.stage, across_nodes=nodes is not None)
         agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
         stage3 = self.config.stage == 3
         persistent = frozenset(i for i, p in enumerate(self._params)
                                if stage3 and p.numel() <= self.config.param_persistence_threshold)
         self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs, replicas=self.sharding.shape.replicas,
-                                          whole_params=stage3, persistent=persistent)
+                                          whole_params=stage3, persistent=persistent,
+                                          nodes=nodes.replicas if nodes is not None else 1)
         self.dtype, self.device = self._params[0].dtype, _device_ops.materialization_device(self._params[0].device)
         if self._params[0].is_meta and self.config.stage < 3:
             raise ValueError("the model is on the meta device: stage=3 builds it shard by shard (Note [Meta-device "
@@ -244,6 +251,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                    self._ops.copy_device(), flat_grad, self.shard_grad)
         if self.sharding.replicate is not None:
             self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
+        if self.sharding.nodes is not None:  # Note [Two-level collectives] in parallel/mesh_plan.py
+            self.engine.set_node_groups(self.sharding.node, self.sharding.across, self.config.hop_format())
         self.engine.set_loss_scale(self.loss_scale)
         self.grads.engine = self.publisher.engine = self.engine
         if self.param_shard is not None:
@@ -507,3 +516,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stats["on_device"] = sum(stats[k] for k in ("params", "master", "grads", "optimizer_state", "staging",
                                                     "hop_residual")) - host
         return stats
+
+
+def _node_aware_not_built(config, onebit_config) -> str | None:
+    """Why node-aware collectives cannot run with this configuration (None: they can)."""
+    if config.stage == 3:
+        return "stage 3 (its parameter gathers are flat)"
+    if onebit_config is not None:
+        return "OneBitAdam (its compression stage exchanges with the flat chunk owners)"
+    return None

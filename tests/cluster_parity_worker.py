@@ -82,6 +82,10 @@ def run_case(rank, world_size, steps, stage, dtype, optim, kw, tol):
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, stage=stage, reduce_bucket_size=1000, **kw)
     wrapper = shardopt.ShardedDDP(model, opt)
     failures = []
+    # Ranks on several nodes: node-aware collectives are on by default (Note [Two-level collectives]).
+    nodes = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
+    if nodes > 1 and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes):
+        failures.append(f"{what}: node-aware collectives are not on over {nodes} nodes ({opt.sharding.nodes})")
     for step in range(steps):
         total = 0.0
         for m in range(MICRO):

@@ -36,7 +36,9 @@ PG_TIMEOUT = 10            # process group timeout of the node-loss runs, second
 REPORT_MARGIN = 3          # a surviving rank reports the loss within PG_TIMEOUT + this
 EXIT_MARGIN = 15           # ...and its node's torchrun has exited within PG_TIMEOUT + this
 PEER_LOST = ("peer may have died", "peer rank has probably exited", "Connection closed by peer",
-             "Connection reset by peer")
+             "Connection reset by peer",
+             # the inter-node phase of node-aware collectives (csrc/comm/replica_hop.cpp), naming the replica
+             "The node may be down or its link cut")
 
 
 # ------------------------------------------------------------------ the plan (pure)

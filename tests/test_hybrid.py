@@ -71,6 +71,63 @@ def test_layout_chunks_split_over_replicas(replicas, shards):
             assert b.numel % shards == 0 and b.chunk_numel % replicas == 0, (rbs, b)
 
 
+def test_node_aware_chunk_order_tables():
+    """Note [Node-aware chunk order]: rank (node i, local j) owns chunk j * R + i, so that local rank j's
+    node chunk (R consecutive chunks) splits into its nodes' chunks in node order."""
+    from shardopt.layout import chunk_index
+
+    assert [chunk_index(r, 4, 2) for r in range(4)] == [0, 2, 1, 3]            # 2 nodes x 2
+    assert [chunk_index(r, 6, 3) for r in range(6)] == [0, 3, 1, 4, 2, 5]      # 3 nodes x 2
+    assert [chunk_index(r, 6, 2) for r in range(6)] == [0, 2, 4, 1, 3, 5]      # 2 nodes x 3
+    assert [chunk_index(r, 2, 2) for r in range(2)] == [0, 1]                  # 2 nodes x 1
+    assert [chunk_index(r, 4, 1) for r in range(4)] == [0, 1, 2, 3]            # one node: flat
+    for world, nodes in ((4, 2), (6, 3), (6, 2), (8, 4), (8, 2)):
+        assert sorted(chunk_index(r, world, nodes) for r in range(world)) == list(range(world))
+
+
+@pytest.mark.parametrize("world,nodes", [(4, 2), (6, 3), (6, 2), (2, 2)])
+def test_node_aware_layout_covers_every_element_once(world, nodes):
+    from shardopt.layout import plan_layout
+
+    shapes = [[("a", (37, 24)), ("b", (53,)), ("c", (7, 13))], [("d", (5,))]]
+    for rbs in (100, 1000, 10**6):
+        flat = plan_layout(shapes, world, rbs, rbs)
+        lay = plan_layout(shapes, world, rbs, rbs, nodes=nodes)
+        # Same buckets and sizes as flat sharding over the world; only who owns which chunk moves.
+        assert [(b.start, b.numel) for b in lay.buckets] == [(b.start, b.numel) for b in flat.buckets]
+        assert lay.signature() != flat.signature()
+        k = world // nodes
+        for b in lay.buckets:
+            node_chunk = b.numel // k
+            for rank in range(world):
+                i, j = divmod(rank, k)
+                assert b.chunk(rank) == (b.start + j * node_chunk + i * b.chunk_numel,
+                                         b.start + j * node_chunk + (i + 1) * b.chunk_numel)
+        seen = sorted((pc.start, pc.end) for r in range(world) for pc in lay.pieces(r))
+        want = sorted((pc.start, pc.end) for r in range(world) for pc in flat.pieces(r))
+        covered = sum(e - s for s, e in seen)
+        assert covered == sum(p.numel for p in lay.params) and len(set(seen)) == len(seen), rbs
+        assert covered == sum(e - s for s, e in want)
+    with pytest.raises(ValueError, match="do not split"):
+        plan_layout(shapes, 6, 100, 100, nodes=4)
+    with pytest.raises(ValueError, match="flat sharding"):
+        plan_layout(shapes, 2, 100, 100, replicas=2, nodes=2)
+
+
+def test_two_level_link_bytes_arithmetic():
+    """Note [Two-level collectives]: 2 (R-1)/R S per node (the hybrid's), with a compressed gradient phase
+    (R-1)/R S in its format + (R-1)/R S of parameters."""
+    from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes, two_level_link_bytes
+
+    s = 4_000_000
+    assert two_level_link_bytes(2, s) == s == hop_link_bytes(MeshShape(2, 2), s)
+    assert two_level_link_bytes(2, s) / ring_link_bytes(4, 2, s) == pytest.approx(2 / 3)
+    assert two_level_link_bytes(2, s, "bfloat16") == 0.75 * s
+    assert two_level_link_bytes(4, s) == 1.5 * s
+    assert two_level_link_bytes(2, s, "int8") == pytest.approx(s / 4 * (1 + 4 / 256) / 2 + s / 2)
+    assert two_level_link_bytes(1, s) == 0
+
+
 # ------------------------------------------------------------------ the int8 codec
 def test_int8_codec_matches_reference_and_its_error_bound():
     import shardopt  # noqa: F401 - loads the extension
@@ -227,7 +284,8 @@ class _Reference:
         return losses
 
 
-def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8):
+def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8,
+           agbs=None):
     import shardopt
 
     torch.manual_seed(0)
@@ -235,13 +293,25 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     ref = _Reference(base, optim_name, world_size)
     model = copy.deepcopy(base)
     cls, kw = _optim(optim_name)
-    mesh = _mesh(shape)
+    # ("nodes", R): flat sharding over ranks on R nodes (LOCAL_WORLD_SIZE), node-aware by default.
+    nodes = shape[1] if shape[0] == "nodes" else None
+    if nodes is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size // nodes)
+        shape, where = (1, world_size), {}
+    else:
+        where = {"mesh": _mesh(shape)}
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
-                                    overlap_gather=gather, mesh=mesh, inter_node_dtype=hop, **kw)
+                                    allgather_bucket_size=agbs, overlap_gather=gather, inter_node_dtype=hop,
+                                    **where, **kw)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if nodes is not None and stage < 3 and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
+                                            or opt.layout.nodes != nodes):
+        return [f"{nodes} nodes stage {stage}: node-aware collectives are not on ({opt.sharding.nodes})"]
     wrapper = shardopt.ShardedDDP(model, opt)
     micro = 2 if accum else 1
     failures, losses = [], []
-    what = f"mesh {shape} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
+    where = f"nodes {nodes}" if nodes else f"mesh {shape}"
+    what = f"{where} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
     for step in range(steps):
         total = 0.0
         for m in range(micro):
@@ -276,6 +346,12 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         dist.all_gather(copies, mine, group=opt.sharding.replicate)
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: replicas hold different parameters")
+    # Node-aware: every rank holds the same parameters bit for bit (the parameter phase is exact).
+    if nodes is not None and stage < 3:
+        copies = [torch.empty_like(opt.flat_param) for _ in range(world_size)]
+        dist.all_gather(copies, opt.flat_param)
+        if not all(torch.equal(copies[0], c) for c in copies):
+            failures.append(f"{what}: ranks hold different parameters")
     # Memory is that of flat sharding over the shard group (stage 3: the parameters' too).
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
@@ -312,7 +388,8 @@ def _parity(rank, world_size, shapes):
     return out
 
 
-@pytest.mark.parametrize("world_size,shapes", [(4, [(2, 2), (1, 4)]), (2, [(2, 1)])])
+# ("nodes", R): flat sharding with node-aware collectives over R nodes (stage 3 falls back to flat ones).
+@pytest.mark.parametrize("world_size,shapes", [(4, [(2, 2), (1, 4), ("nodes", 2)]), (2, [(2, 1), ("nodes", 2)])])
 def test_hybrid_matches_single_process(world_size, shapes):
     for rank, failures in enumerate(run_ranks(_parity, world_size, shapes, timeout=600)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
@@ -329,6 +406,13 @@ def _compressed(rank, world_size):
         for stage in (2, 3):
             out += _train(rank, world_size, (2, 2), "adamw", stage, 1000, torch.float32, 0.5, False, False,
                           hop=hop)
+    # Node-aware flat sharding: its gradient phase compressed; and exact with partial gather spans
+    # (allgather_bucket_size below the chunk: the two-level gather's staged path), stages 1 and 2.
+    for hop in (torch.bfloat16, "int8"):
+        out += _train(rank, world_size, ("nodes", 2), "adamw", 2, 1000, torch.float32, 0.5, False, False, hop=hop)
+    for stage, gather in ((1, True), (2, False)):
+        out += _train(rank, world_size, ("nodes", 2), "sgd", stage, 1000, torch.float32, 0.3, True, gather,
+                      agbs=300)
     out += _meta_on_a_mesh(rank)
     torch.manual_seed(0)
     model = AwkwardNet()
@@ -382,14 +466,25 @@ def test_compressed_hops_train_close_to_exact():
 
 
 # ------------------------------------------------------------------ checkpoints across meshes
+def _where(shape, world_size):
+    """ShardedOptimizer's arguments for a shape: None flat, ("nodes", R) flat over R nodes (node-aware
+    collectives, by LOCAL_WORLD_SIZE, as torchrun sets it), else a (replicate, shard) mesh."""
+    if shape is None:
+        return {}
+    if shape[0] == "nodes":
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size // shape[1])
+        return {}
+    return {"mesh": _mesh(shape)}
+
+
 def _ckpt_save(rank, world_size, path, shape, stage=2):
     import shardopt
 
     torch.manual_seed(0)
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                    reduce_bucket_size=300, stage=stage,
-                                    **({"mesh": _mesh(shape)} if shape else {}))
+                                    reduce_bucket_size=300, stage=stage, **_where(shape, world_size))
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(model, opt)
     for step in range(3):
         _loss(wrapper, step, rank).backward()
@@ -410,8 +505,10 @@ def _ckpt_load(rank, world_size, path, saved_shape, shape, saved_stage=2, stage=
     torch.manual_seed(1)  # other weights: the load must replace them
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                    reduce_bucket_size=1000, stage=stage,
-                                    **({"mesh": _mesh(shape)} if shape else {}))
+                                    reduce_bucket_size=1000, stage=stage, **_where(shape, world_size))
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if (opt.sharding.nodes is not None) != (shape is not None and shape[0] == "nodes"):
+        return [f"-> {shape}: node-aware is {opt.sharding.nodes}"]
     wrapper = shardopt.ShardedDDP(model, opt)
     shardopt.load_checkpoint(path, wrapper, opt, tag=f"from-{saved_shape}-{saved_stage}")
     opt.consolidate_state_dict(to=0)
@@ -441,16 +538,27 @@ def _ckpt_loads(rank, world_size, path, cases):
     return [f for case in cases for f in _ckpt_load(rank, world_size, path, *case)]
 
 
+def _ckpt_loads_then_saves(rank, world_size, path, loads, saves):
+    failures = _ckpt_loads(rank, world_size, path, loads)
+    _ckpt_saves(rank, world_size, path, saves)
+    return failures
+
+
 def test_checkpoints_move_between_meshes_and_flat(tmp_path):
     # One launch per world size (several meshes per process) keeps this test short.
     path = str(tmp_path)
-    files = run_ranks(_ckpt_saves, 4, path, [((2, 2),), (None,), ((2, 2), 3)], timeout=300)[0]
+    files = run_ranks(_ckpt_saves, 4, path, [((2, 2),), (None,), ((2, 2), 3), (("nodes", 2),)], timeout=300)[0]
+    # Node-aware 2 x 2 -> flat at 3 ranks; and a node-aware 3 x 1 save, read below at 2 x 2 (one launch).
+    for rank, failures in enumerate(run_ranks(_ckpt_loads_then_saves, 3, path, [(("nodes", 2), None)],
+                                              [(("nodes", 3),)], timeout=300)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
     # Only the first replica writes: one rank file per shard, not per rank; stage 3 on a mesh too.
     for listing in (files[0], files[2]):
         assert [f for f in listing if f.startswith("rank-")] == ["rank-00000.bin", "rank-00001.bin"], listing
     # (saved mesh, load mesh[, saved stage, load stage]): stage-3 checkpoints are the same format, read at
     # any stage and shape.
-    cases4 = [((2, 2), None), (None, (2, 2)), ((2, 2), (1, 4)), ((2, 2), None, 3, 2), (None, (2, 2), 2, 3)]
+    cases4 = [((2, 2), None), (None, (2, 2)), ((2, 2), (1, 4)), ((2, 2), None, 3, 2), (None, (2, 2), 2, 3),
+              (("nodes", 2), (2, 2)), (("nodes", 3), ("nodes", 2)), (None, ("nodes", 2)), (("nodes", 2), None, 2, 3)]
     for rank, failures in enumerate(run_ranks(_ckpt_loads, 4, path, cases4, timeout=300)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
     cases2 = [((2, 2), (2, 1)), ((2, 2), (2, 1), 3, 3)]
@@ -467,7 +575,9 @@ def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False
     torch.manual_seed(0 if load is None else 1)  # a loaded run starts from other weights
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                    reduce_bucket_size=rbs, mesh=_mesh(shape), inter_node_dtype=hop)
+                                    reduce_bucket_size=rbs, inter_node_dtype=hop,
+                                    **_where(shape, dist.get_world_size()))
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(model, opt)
     caught = []
     if load is not None:
@@ -523,6 +633,16 @@ def _residual_resume(rank, world_size, path):
     if numbers["without"] <= 1e-5:
         out.append(f"resumed without the residual: relative error {numbers['without']:.2e} <= 1e-5: the residual "
                    "does not matter here, so this test cannot tell")
+    # Node-aware flat sharding's int8 gradient phase keeps a residual per rank too: restored bit for bit
+    # at the same shape, restarted from zero (said once) on the hybrid mesh of the same size.
+    _, na, _ = _int8_run(rank, ("nodes", 2), n // 2, save=(path, "nodes"))
+    saved = na.engine.hop_residual.clone()
+    _, back, caught = _int8_run(rank, ("nodes", 2), 0, load=(path, "nodes"))
+    if not saved.abs().max() > 0 or not torch.equal(back.engine.hop_residual, saved) or caught:
+        out.append(f"node-aware: the residual did not load as saved (warnings: {caught})")
+    _, other, caught = _int8_run(rank, (2, 2), 0, load=(path, "nodes"))
+    if other.engine.hop_residual.abs().max() != 0 or len(caught) != (1 if rank == 0 else 0):
+        out.append(f"node-aware -> 2x2 mesh: the residual is not restarted from zero, or not said once: {caught}")
     # Elsewhere it restarts from zero, said once.
     _int8_run(rank, (2, 2), 1, hop=None, save=(path, "exact"))
     for shape, rbs, tag, why in (((4, 1), 300, "half", "mesh (2, 2)"), ((2, 2), 1000, "half", "other buckets"),
@@ -569,6 +689,28 @@ def _refusals(rank, world_size):
     refused("DeviceMesh", mesh=[[0, 1], [2, 3]])
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     refused("LOCAL_WORLD_SIZE", shard_group="node")
+    # Node-aware collectives: asked for where they cannot run, refused by name.
+    refused("LOCAL_WORLD_SIZE", node_aware=True)
+    refused("node_aware must be", node_aware="yes")
+    refused("node_aware=True is for flat", node_aware=True, mesh=mesh)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    refused("stage 3", node_aware=True, stage=3)
+    refused("OneBitAdam", node_aware=True, optim=shardopt.OneBitAdam)
+    # ... and left off, with a log line, when not asked for; on by default otherwise.
+    if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3).sharding.nodes is not None:
+        out.append("stage 3 got node-aware collectives")
+    sharding = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3).sharding
+    if sharding.nodes is None:
+        out.append("node-aware collectives are not on by default at LOCAL_WORLD_SIZE=2 of 4")
+    # Its subgroups fail within the world's timeout, not c10d's default 30 minutes (a lost node).
+    from shardopt.parallel.mesh import _group_timeout
+    world_timeout = _group_timeout(dist.group.WORLD)
+    if world_timeout is None or world_timeout.total_seconds() >= 1800 or \
+            {_group_timeout(sharding.node), _group_timeout(sharding.across)} != {world_timeout}:
+        out.append(f"node-aware groups' timeouts {_group_timeout(sharding.node)} / {_group_timeout(sharding.across)}"
+                   f" differ from the world's {world_timeout}")
+    if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, node_aware=False).sharding.nodes is not None:
+        out.append("node_aware=False was ignored")
     # Ranks that disagree on the mesh: every rank is told, before any group is built.
     os.environ["LOCAL_WORLD_SIZE"] = "2" if rank == 0 else "4"
     os.environ["LOCAL_RANK"] = str(rank % int(os.environ["LOCAL_WORLD_SIZE"]))

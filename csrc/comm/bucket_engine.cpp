@@ -121,6 +121,42 @@ void BucketEngine::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> re
   divisor_ = static_cast<double>(world_size_ * replicas_) * loss_scale_;
 }
 
+void BucketEngine::set_node_groups(c10::intrusive_ptr<c10d::ProcessGroup> node,
+                                   c10::intrusive_ptr<c10d::ProcessGroup> across, const std::string& format) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(node && across, "set_node_groups: process group is None");
+  TORCH_CHECK(!node_pg_ && !replicate_pg_, "the node groups (or a replicate group) are already set");
+  TORCH_CHECK(!in_backward_ && !has_grad_locked(), "set_node_groups must be called before the first backward");
+  TORCH_CHECK_VALUE(reduce_options_.device().is_cpu(), "node-aware collectives run on CPU tensors (gloo); "
+                    "this model's gradients are reduced on ", reduce_options_.device());
+  const int64_t k = node->getSize(), r = across->getSize();
+  TORCH_CHECK_VALUE(k * r == world_size_ && across->getRank() * k + node->getRank() == rank_,
+                    "set_node_groups: rank ", rank_, " of ", world_size_, " is local rank ", node->getRank(), " of ",
+                    k, " on node ", across->getRank(), " of ", r, "; expected rank = node * ranks_per_node + local");
+  const auto parsed = comm::parse_hop_format(format);
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (size_t b = 0; b < plan_.bucket_numel.size(); ++b) {
+    const int64_t node_chunk = plan_.bucket_numel[b] / k;  // R chunks
+    offsets.push_back(total);
+    total += node_chunk + node_chunk / r;
+  }
+  node_pg_ = std::move(node);
+  across_pg_ = std::move(across);
+  nodes_ = r;
+  node_ = across_pg_->getRank();
+  local_ = node_pg_->getRank();
+  hop_format_ = parsed;
+  residual_offset_ = std::move(offsets);
+  if (hop_format_ == comm::HopFormat::kInt8) hop_residual_ = at::zeros({total}, at::kFloat);
+}
+
+at::Tensor BucketEngine::hop_residual_of(int64_t b, int64_t chunk) const {
+  if (!hop_residual_.defined()) return at::Tensor();
+  const int64_t parts = node_pg_ ? nodes_ : replicas_;
+  return hop_residual_.narrow(0, residual_offset_[b], chunk + chunk / parts);
+}
+
 void BucketEngine::reset_hop_residual() {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(inflight_.empty(), "reset_hop_residual() called while gradients are being reduced");
@@ -280,31 +316,49 @@ void BucketEngine::launch(int64_t b) {
     input.narrow(0, covered - start, start + numel - covered).zero_();
   }
   const bool accumulate = has_data_[b] != 0;
-  const bool direct = direct_ok_ && !accumulate;
-  at::Tensor out = direct ? chunk_view(b) : slot_out(slot).narrow(0, 0, numel / world_size_);
   has_data_[b] = 1;
   ++n_reduce_scatters_;
-  c10::intrusive_ptr<c10d::Work> work, hop;
-  if (world_size_ == 1) {
-    out.copy_(input);
+  if (node_pg_) {
+    InFlight f{b, nullptr, nullptr, slot, at::Tensor(), false, accumulate};
+    launch_two_level(b, input, f);
+    inflight_.push_back(std::move(f));
   } else {
-    work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
-  }
-  if (replicate_pg_) {
-    // The inter-node hop, chained after the reduce-scatter on the replicate
-    // group's worker: bucket b crosses the link while b+1 is reduced in the node.
-    at::Tensor residual;
-    if (hop_residual_.defined()) {
-      const int64_t chunk = numel / world_size_;
-      residual = hop_residual_.narrow(0, residual_offset_[b], chunk + chunk / replicas_);
+    const bool direct = direct_ok_ && !accumulate;
+    at::Tensor out = direct ? chunk_view(b) : slot_out(slot).narrow(0, 0, numel / world_size_);
+    c10::intrusive_ptr<c10d::Work> work, hop;
+    if (world_size_ == 1) {
+      out.copy_(input);
+    } else {
+      work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
     }
-    hop = comm::start_replica_all_reduce(replicate_pg_, work, out, hop_format_, residual);
+    if (replicate_pg_) {
+      // The inter-node hop, chained after the reduce-scatter on the replicate
+      // group's worker: bucket b crosses the link while b+1 is reduced in the node.
+      hop = comm::start_replica_all_reduce(replicate_pg_, work, out, hop_format_,
+                                           hop_residual_of(b, numel / world_size_));
+    }
+    inflight_.push_back(InFlight{b, std::move(work), std::move(hop), slot, std::move(out), direct, accumulate});
   }
-  inflight_.push_back(InFlight{b, std::move(work), std::move(hop), slot, std::move(out), direct, accumulate});
   if (!overlap_) finish_oldest();
   else if (!wait_for_staging_) {
     while (!inflight_.empty() && oldest_is_done()) finish_oldest();  // give finished slots back early
   }
+}
+
+// Note [Two-level collectives] (shardopt/parallel/mesh_plan.py): the node
+// chunk (R of the bucket's W chunks) is reduce-scattered inside the node into a
+// buffer of its own (so the staging buffer is free again as soon as that is
+// done, while the node chunk crosses the link), then part `node_` of it is
+// summed across the nodes; finish_oldest takes that part into the shard.
+void BucketEngine::launch_two_level(int64_t b, const at::Tensor& input, InFlight& f) {
+  const int64_t k = node_pg_->getSize(), node_chunk = plan_.bucket_numel[b] / k;
+  f.out = at::empty({node_chunk}, reduce_options_);
+  if (k == 1) {
+    f.out.copy_(input);
+  } else {
+    f.work = comm::start_reduce_scatter_auto(node_pg_, input, f.out, impl_);
+  }
+  f.hop = comm::start_replica_reduce_scatter(across_pg_, f.work, f.out, hop_format_, hop_residual_of(b, node_chunk));
 }
 
 void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket) {
@@ -326,7 +380,7 @@ void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
 void BucketEngine::free_a_slot() {
   for (auto& f : inflight_) {
     if (f.slot < 0) continue;
-    if (f.hop && f.direct) {
+    if (f.hop && (f.direct || node_pg_)) {
       wait(f.work, "reduce-scatter", f.bucket);
       f.work.reset();
       free_slots_.push_back(f.slot);
@@ -343,7 +397,15 @@ void BucketEngine::finish_oldest() {
   inflight_.pop_front();
   wait(f.work, "reduce-scatter", f.bucket);
   wait(f.hop, "inter-node hop", f.bucket);
-  if (!f.direct) {
+  if (node_pg_) {  // this node's part of the node chunk (Note [Two-level collectives])
+    auto chunk = chunk_view(f.bucket);
+    auto part = f.out.narrow(0, node_ * chunk.numel(), chunk.numel());
+    if (f.accumulate) {
+      chunk.add_(part);
+    } else {
+      chunk.copy_(part);
+    }
+  } else if (!f.direct) {
     // Into the shard's dtype and device (the host, with offload), per bucket.
     const auto t0 = std::chrono::steady_clock::now();
     auto chunk = chunk_view(f.bucket);
@@ -425,6 +487,11 @@ void BucketEngine::start_all_gather_params(const at::Tensor& flat) {
               "was not finished");
   gathers_.clear();
   if (world_size_ == 1) return;
+  if (node_pg_) {
+    start_two_level_gathers(flat);
+    pending_gathers_ = static_cast<int64_t>(gathers_.size());
+    return;
+  }
   for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
     const int64_t b = plan_.gather_bucket[i];
     const int64_t chunk = plan_.bucket_numel[b] / world_size_;
@@ -443,6 +510,36 @@ void BucketEngine::start_all_gather_params(const at::Tensor& flat) {
     ++n_all_gathers_;
   }
   pending_gathers_ = static_cast<int64_t>(gathers_.size());
+}
+
+// The mirror of the two-level reduction, one span at a time: the R ranks of
+// this local rank gather their chunks' span into the node chunk's (across the
+// link), then the node's K ranks gather those (inside the node), chained on the
+// node group's worker. A whole-chunk span is gathered in place; a partial one
+// through two staging buffers, copied into the bucket's strided rows at finish.
+void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
+  const int64_t k = node_pg_->getSize();
+  for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
+    const int64_t b = plan_.gather_bucket[i];
+    const int64_t chunk = plan_.bucket_numel[b] / world_size_;
+    const int64_t lo = plan_.gather_lo[i], span = plan_.gather_hi[i] - lo;
+    auto bucket = flat.narrow(0, plan_.bucket_start[b], plan_.bucket_numel[b]);
+    auto rows = bucket.view({world_size_, chunk}).narrow(1, lo, span);  // chunk c = local * R + node
+    auto mine = rows.select(0, local_ * nodes_ + node_);
+    at::Tensor staged, node_rows;
+    if (rows.is_contiguous()) {
+      node_rows = bucket.narrow(0, local_ * nodes_ * chunk, nodes_ * chunk);
+    } else {
+      staged = at::empty({world_size_, span}, flat.options());  // rows in chunk order, like `rows`
+      node_rows = k == 1 ? staged.view({-1}) : at::empty({nodes_ * span}, flat.options());
+    }
+    auto across = comm::start_all_gather_auto(across_pg_, mine, node_rows, impl_);
+    auto work = k == 1 ? across
+                       : comm::start_all_gather_after(node_pg_, across, node_rows,
+                                                      staged.defined() ? staged.view({-1}) : bucket);
+    gathers_.push_back(Gather{std::move(work), b, rows, staged});
+    n_all_gathers_ += 2;
+  }
 }
 
 void BucketEngine::finish_gather(Gather& gth) {

@@ -108,6 +108,16 @@ class BucketEngine {
   // `format` ("exact", "bfloat16", "int8"; Note [Compressed inter-node hop]).
   // Call once, before the first backward.
   void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> replicate, const std::string& format);
+  // Node-aware flat sharding (Note [Two-level collectives] in
+  // shardopt/parallel/mesh_plan.py): the engine's group is the whole world,
+  // W = R * K ranks, with the layout's chunk order of Note [Node-aware chunk
+  // order] (layout.py). Each bucket is reduce-scattered over `node` (this
+  // rank's K ranks) into a node chunk, whose part for this node is then
+  // summed over `across` (the R ranks of this local rank), in `format` as the
+  // hybrid hop, and lands in the shard; the parameter gathers mirror it
+  // (exact). Call once, before the first backward.
+  void set_node_groups(c10::intrusive_ptr<c10d::ProcessGroup> node, c10::intrusive_ptr<c10d::ProcessGroup> across,
+                       const std::string& format);
   // Forgets the int8 hop's error feedback (after a step skipped for inf/nan).
   void reset_hop_residual();
   // Bytes of the int8 hop's error-feedback residual (0 without one).
@@ -180,6 +190,9 @@ class BucketEngine {
   void free_a_slot();
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
+  void launch_two_level(int64_t bucket, const at::Tensor& input, InFlight& f);
+  void start_two_level_gathers(const at::Tensor& flat);
+  at::Tensor hop_residual_of(int64_t bucket, int64_t chunk) const;
   bool has_grad_locked() const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
@@ -201,6 +214,9 @@ class BucketEngine {
   c10::intrusive_ptr<c10d::ProcessGroup> replicate_pg_;
   comm::HopFormat hop_format_ = comm::HopFormat::kExact;
   int64_t replicas_ = 1;
+  // Node-aware flat sharding (null without): the in-node and the across-nodes group.
+  c10::intrusive_ptr<c10d::ProcessGroup> node_pg_, across_pg_;
+  int64_t nodes_ = 1, node_ = 0, local_ = 0;  // R, this rank's node and local rank
   at::Tensor hop_residual_;                 // int8: error feedback, per bucket chunk + chunk / replicas
   std::vector<int64_t> residual_offset_;
   at::Tensor found_;

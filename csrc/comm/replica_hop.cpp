@@ -138,9 +138,12 @@ at::Tensor int8_sum(const Peers& peers, int64_t r, int64_t w, const at::Tensor& 
   return sum;
 }
 
-// See Note [Compressed inter-node hop].
+// See Note [Compressed inter-node hop]. scatter_only: phase 1 alone, the sum
+// (fp32, exact apart from the additions) written into part r of the chunk; the
+// other parts are left as they were (node-aware flat sharding's gradient phase,
+// Note [Two-level collectives] in shardopt/parallel/mesh_plan.py).
 void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tensor& chunk, HopFormat format,
-                        const at::Tensor& residual) {
+                        const at::Tensor& residual, bool scatter_only) {
   const int64_t n = chunk.numel(), m = n / w;
   const auto dtype = chunk.scalar_type();
   auto part = [&](int64_t j) { return chunk.narrow(0, j * m, m); };
@@ -185,6 +188,10 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
   const at::Tensor sum = format == HopFormat::kInt8 ? int8_sum(peers, r, w, part(r), inbox, recvs)
                                                     : decoded_sum(peers, r, w, part(r), inbox, recvs, format);
   wait_sends();
+  if (scatter_only) {
+    part(r).copy_(sum);
+    return;
+  }
 
   // Phase 2: our sum to everyone; everyone's sum into its part.
   at::Tensor mine;
@@ -232,6 +239,16 @@ void replica_all_reduce(const Peers& peers, int64_t r, int64_t w, const at::Tens
 
 WorkPtr start_replica_all_reduce(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
                                  at::Tensor residual) {
+  return start_replica_hop(pg, std::move(after), std::move(chunk), format, std::move(residual), false);
+}
+
+WorkPtr start_replica_reduce_scatter(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
+                                     at::Tensor residual) {
+  return start_replica_hop(pg, std::move(after), std::move(chunk), format, std::move(residual), true);
+}
+
+WorkPtr start_replica_hop(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
+                          at::Tensor residual, bool scatter_only) {
   constexpr const char* op = "inter-node hop";
   TORCH_CHECK(pg, op, ": process group is None");
   TORCH_CHECK_VALUE(chunk.defined() && chunk.dim() == 1 && chunk.is_contiguous(), op,
@@ -250,13 +267,13 @@ WorkPtr start_replica_all_reduce(const GroupPtr& pg, WorkPtr after, at::Tensor c
     TORCH_CHECK_VALUE(!residual.defined(), op, ": a residual is only kept for the int8 format");
   }
   return enqueue(pg, c10d::OpType::ALLREDUCE, {chunk},
-                 [pg, after = std::move(after), chunk, format, residual](int tag) {
+                 [pg, after = std::move(after), chunk, format, residual, scatter_only](int tag) {
                    // The chunk exists once the intra-node reduce-scatter is done;
                    // its failure is this op's failure.
                    if (after) after->wait();
                    const Peers peers(pg, tag);
                    if (pg->getSize() > 1) replica_all_reduce(peers, pg->getRank(), pg->getSize(), chunk, format,
-                                                             residual);
+                                                             residual, scatter_only);
                  });
 }
 

@@ -67,4 +67,16 @@ at::Tensor hop_decode(const at::Tensor& payload, HopFormat format, int64_t m);
 WorkPtr start_replica_all_reduce(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
                                  at::Tensor residual);
 
+// Phase 1 alone: part r (r = this rank in pg) of `chunk` receives the sum over
+// pg of everyone's part r; the other parts are unspecified afterwards only in
+// that they are not written. Same arguments and contract as above (the int8
+// residual keeps its size; only its sent parts are used). Node-aware flat
+// sharding's gradient phase (Note [Two-level collectives] in
+// shardopt/parallel/mesh_plan.py).
+WorkPtr start_replica_reduce_scatter(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
+                                     at::Tensor residual);
+// Either of the two (scatter_only picks).
+WorkPtr start_replica_hop(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, HopFormat format,
+                          at::Tensor residual, bool scatter_only);
+
 }  // namespace shardopt::comm

@@ -54,6 +54,10 @@ WorkPtr start_reduce_scatter(const GroupPtr& pg, at::Tensor input, at::Tensor ou
 // Aliasing: input may be exactly output's chunk `rank` (in place: the gather
 // writes the other chunks around it), or must not overlap output at all.
 WorkPtr start_all_gather(const GroupPtr& pg, at::Tensor input, at::Tensor output);
+// The same ring all-gather, run on pg's worker once `after` (an op of another
+// group, e.g. the first phase of a two-level gather; may be null) has finished;
+// its failure is this op's failure.
+WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor input, at::Tensor output);
 
 // The group's own collectives (reduce_scatter_single / all_gather_single), with
 // the same checks. Native reduce-scatter leaves input unchanged.

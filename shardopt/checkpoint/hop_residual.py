@@ -56,9 +56,13 @@ def signature(opt) -> dict:
     """What must be equal for a saved residual to mean the same here."""
     shape = opt.sharding.shape
     onebit = getattr(opt, "onebit", None)
-    return {"format": onebit.format_name if onebit is not None else opt.config.hop_format(),
-            "mesh": [shape.replicas, shape.shards],
-            "buckets": [[b.group, b.start, b.numel] for b in opt.layout.buckets]}
+    out = {"format": onebit.format_name if onebit is not None else opt.config.hop_format(),
+           "mesh": [shape.replicas, shape.shards],
+           "buckets": [[b.group, b.start, b.numel] for b in opt.layout.buckets]}
+    nodes = getattr(opt.sharding, "nodes", None)
+    if nodes is not None:  # node-aware flat sharding: its residual is laid out by node chunk
+        out["nodes"] = [nodes.replicas, nodes.shards]
+    return out
 
 
 def _write(partial: str, opt, residual: torch.Tensor) -> dict:

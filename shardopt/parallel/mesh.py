@@ -10,6 +10,7 @@ checks, the initial broadcast).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.parallel.mesh_plan import MeshShape, node_mesh
 
 MESH_DIM_NAMES = ("replicate", "shard")
+logger = logging.getLogger("shardopt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +35,16 @@ class ShardingGroups:
     """ProcessGroup of every rank of the mesh."""
     replica: int
     """This rank's replica index (0..R-1)."""
+    nodes: MeshShape | None = None
+    """Flat sharding with node-aware collectives (Note [Two-level collectives] in mesh_plan.py): the
+    world as (nodes) x (ranks per node); None otherwise."""
+    node: object | None = None
+    """With `nodes`: ProcessGroup of this rank's node (the first, in-node phase)."""
+    across: object | None = None
+    """With `nodes`: ProcessGroup of the ranks with this rank's local rank on every node (the link phase)."""
 
     def signature(self) -> list[str]:
-        return [f"mesh {self.shape}"]
+        return [f"mesh {self.shape} nodes {self.nodes}"]
 
 
 def require_dist() -> None:
@@ -44,8 +53,15 @@ def require_dist() -> None:
                            "first (launch with torchrun; a single process can use world_size=1)")
 
 
-def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type: str = "cpu") -> ShardingGroups:
-    """The groups for ShardedOptimizer's process_group= / mesh= / shard_group= (at most one of them)."""
+def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type: str = "cpu",
+                   node_aware: bool | None = None, why_not: str | None = None) -> ShardingGroups:
+    """The groups for ShardedOptimizer's process_group= / mesh= / shard_group= (at most one of them).
+
+    node_aware (flat sharding over the whole world only): True uses node-aware
+    collectives (refused where they cannot run), None uses them when the ranks
+    span nodes (LOCAL_WORLD_SIZE < world size) and nothing in `why_not` says
+    otherwise, False never. See Note [Two-level collectives] in mesh_plan.py.
+    """
     given = [n for n, v in (("process_group", process_group), ("mesh", mesh), ("shard_group", shard_group))
              if v is not None]
     if len(given) > 1:
@@ -53,6 +69,9 @@ def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type:
                          "process_group shards flat over one group, mesh/shard_group shard inside a node and "
                          "replicate across nodes")
     require_dist()
+    if node_aware and (mesh is not None or shard_group is not None):
+        raise ValueError("node_aware=True is for flat sharding; mesh= / shard_group= shard hybrid, which already "
+                         "crosses the link with each gradient once: drop one of them")
     if mesh is not None:
         return _from_device_mesh(mesh)
     if shard_group is not None:
@@ -62,7 +81,12 @@ def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type:
                              f'with mesh_dim_names={MESH_DIM_NAMES}')
         return _node_groups(device_type)
     group = process_group if process_group is not None else dist.group.WORLD
-    return _flat(group)
+    if node_aware is False or (process_group is not None and node_aware is None):
+        return _flat(group)
+    if process_group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError("node_aware=True needs flat sharding over every rank (process_group=None or the world "
+                         "group); for a subgroup build a mesh and pass mesh= instead")
+    return _node_aware(group, node_aware, why_not, device_type)
 
 
 def _flat(group) -> ShardingGroups:
@@ -70,12 +94,59 @@ def _flat(group) -> ShardingGroups:
                           world=group, replica=0)
 
 
+def _local_world_size() -> tuple[str | None, int | None]:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    return raw, int(raw) if raw and raw.isdigit() else None
+
+
+def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type: str) -> ShardingGroups:
+    """Flat sharding over `group` (the world), node-aware when asked or when the ranks span nodes."""
+    raw, local = _local_world_size()
+    world = dist.get_world_size(group)
+    if why_not is None and device_type != "cpu":
+        why_not = f"a model on {device_type} (the two-level collectives run on CPU tensors, gloo, in this release)"
+    # Every rank must take the same branch: the groups below are built collectively.
+    check_same_across_ranks([f"node_aware={node_aware} LOCAL_WORLD_SIZE={raw} off={why_not}"],
+                            "node-aware collectives (LOCAL_WORLD_SIZE and options)", group)
+    if node_aware is None and (local is None or local >= world or world % local):
+        return _flat(group)
+    if node_aware and why_not is not None:
+        raise NotImplementedError(f"node_aware=True is not built for {why_not}; pass node_aware=False (flat "
+                                  f"collectives)")
+    if node_aware and (local is None or local >= world):
+        raise ValueError(f"node_aware=True needs the ranks to span nodes: LOCAL_WORLD_SIZE={raw} at world size "
+                         f"{world} (torchrun sets it; set it to the ranks per node, or drop node_aware)")
+    shape = node_mesh(world, local)
+    if why_not is not None:
+        if dist.get_rank() == 0:
+            logger.warning("shardopt: ranks span %d nodes, but node-aware collectives are not built for %s: "
+                           "flat collectives (each gradient crosses the link as with DDP)", shape.replicas, why_not)
+        return _flat(group)
+    # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
+    # fail every survivor within the timeout the user gave init_process_group.
+    timeout = _group_timeout(group)
+    node, _ = dist.new_subgroups_by_enumeration([shape.shard_ranks(i) for i in range(shape.replicas)],
+                                                timeout=timeout)
+    across, _ = dist.new_subgroups_by_enumeration([shape.replicate_ranks(j) for j in range(shape.shards)],
+                                                  timeout=timeout)
+    return dataclasses.replace(_flat(group), nodes=shape, node=node, across=across)
+
+
+def _group_timeout(group):
+    """The timeout `group` was made with (None: c10d's default), read from its CPU backend."""
+    import torch
+
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _node_groups(device_type: str) -> ShardingGroups:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    local = int(raw) if raw and raw.isdigit() else None
+    raw, local = _local_world_size()
     # Agree on the shape before building groups: ranks that disagree would
     # otherwise create different subgroups and wait for each other forever.
     check_same_across_ranks([f'shard_group="node" LOCAL_WORLD_SIZE={raw}'], "mesh (nodes x ranks per node)",

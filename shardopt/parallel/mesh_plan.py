@@ -33,6 +33,34 @@ csrc/comm/replica_hop.h): each rank's chunk leaves in bf16 or int8 (per-block
 scales, error feedback), the sum is formed in fp32 by the rank that owns that
 part, and goes back out in the same format. Exact inside the node, rounded on
 the way across.
+
+Note [Two-level collectives]
+----------------------------
+Flat sharding over W = R * K ranks on R nodes of K ranks keeps optimizer state
+at 1/W, but a flat ring's reduce-scatter and all-gather each cross a node's
+link with (W-1)/W of the gradient: 2 (W-1)/W * S bytes per node per step, as
+DDP. Node-aware ("two-level") collectives send the hybrid's bytes instead:
+
+  reduce:  a reduce-scatter inside the node (fast links) leaves local rank j
+           with the node's sum of node chunk j (1/K of the bucket); then phase 1
+           of the inter-node hop (Note [Compressed inter-node hop]) among the R
+           ranks with local rank j leaves node i's rank with part i of it (1/W
+           of the bucket) summed over every rank: its chunk (Note [Node-aware
+           chunk order] in layout.py). Each rank sends (R-1)/R of its node
+           chunk: a node's K ranks together (R-1)/R * S.
+  step:    on 1/W, as flat sharding.
+  gather:  the mirror: the R ranks with local rank j all-gather their parts
+           into node chunk j (phase 2 without a reduction: (R-1)/R * S per node,
+           in the parameters' dtype), then each node all-gathers its K node
+           chunks inside the node.
+
+Per node 2 (R-1)/R * S, the hybrid's, with flat's memory. The gradient phase
+may be compressed (inter_node_dtype: bf16, or int8 with error feedback); the
+parameter phase never is, so every rank holds the same parameters bit for bit.
+Exactness: every sum is the fp32 sum of the same W addends as a flat ring's,
+only grouped differently (node sums first), so results equal flat sharding's
+up to summation order: the parity bar is that of any two reduction orders
+(a few ulps of the gradient per step), not bitwise.
 """
 from __future__ import annotations
 
@@ -135,3 +163,16 @@ def ring_link_bytes(world_size: int, ranks_per_node: int, grad_bytes: int) -> fl
         return 0.0
     return 2 * (world_size - 1) / world_size * grad_bytes
 
+
+
+def two_level_link_bytes(nodes: int, grad_bytes: int, hop_dtype: str | None = None,
+                         param_bytes: int | None = None) -> float:
+    """Bytes one node sends over its link per step with node-aware flat sharding (Note [Two-level collectives]).
+
+    (R-1)/R of the gradient in the hop's format, then (R-1)/R of the parameters
+    (param_bytes; default grad_bytes) in their own dtype.
+    """
+    if nodes <= 1:
+        return 0.0
+    one_way = hop_link_bytes(MeshShape(nodes, 1), grad_bytes, hop_dtype) / 2
+    return one_way + (nodes - 1) / nodes * (grad_bytes if param_bytes is None else param_bytes)

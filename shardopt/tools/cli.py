@@ -140,7 +140,8 @@ def _estimate(args) -> int:
                                          optimizer=args.optimizer, reduce_bucket_size=args.reduce_bucket_size,
                                          allgather_bucket_size=args.allgather_bucket_size,
                                          num_staging_buffers=args.num_staging_buffers, device=args.device,
-                                         shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype)
+                                         shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype,
+                                         node_aware=args.node_aware)
                 rows.append((cfg, est.estimate(shapes, cfg)))
     print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
     return 0
@@ -185,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--ranks-per-node", type=int, default=None,
                    help="hybrid sharding (shard_group='node'): shard over this many ranks, replicate across nodes; "
                         "the rows then read NODESxRANKS")
+    e.add_argument("--node-aware", action="store_true",
+                   help="with --ranks-per-node: flat sharding over every rank with node-aware collectives (the "
+                        "default when ranks span nodes) instead of hybrid sharding")
     e.add_argument("--inter-node-dtype", default=None, choices=("bfloat16", "int8"),
                    help="with --ranks-per-node: the hop's format (int8 keeps an error-feedback residual)")
 
