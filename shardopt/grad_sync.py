@@ -174,14 +174,14 @@ class GradSync:
         if dist.get_world_size(self.world_group) > 1:
             dist.all_reduce(stats, group=self.world_group)
         self.shard.set_norms(2.0, (stats[n:] / self.replicas).sqrt())
-        has = stats[:n] > 0
+        has = (stats[:n] > 0).tolist()
         self.handles_out = True
-        if bool(has.all()):  # the usual case: every parameter has a gradient
+        if all(has):  # the usual case: every parameter has a gradient
             grads = list(self.shard.handles)
         else:
             # Without one: stage 1 None (not the zeroed view: DDP's p.grad is None here too); stage 2 as is.
             keep = [None] * n if self.stage == 1 else list(map(_GRAD, self.params))
-            grads = [h if x else k for h, x, k in zip(self.shard.handles, has.tolist(), keep)]
+            grads = [h if x else k for h, x, k in zip(self.shard.handles, has, keep)]
         _ext._C.set_grads(self.params, grads)  # one C++ pass, not n Python assignments
         self.installed = grads
 
