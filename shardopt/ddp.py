@@ -290,7 +290,12 @@ class ShardedDDP(nn.Module):
 # hooks hold the wrapper weakly, and when the wrapper is collected
 # every hook it installed is removed, as DDP's reducer removes its own: the
 # model becomes a plain module again, and the optimizer refuses to step
-# (nothing reduces gradients into it any more).
+# (nothing reduces gradients into it any more). At stages 1 and 2 the
+# per-parameter hooks are C++ (Note [Gradient hooks in C++] in
+# csrc/comm/grad_hooks.h): they hold the engine and the parameters, and reach
+# the wrapper only through the weak `begin` hook (_begin_backward_hook), once
+# per backward pass; the finalizer's remove() takes them off the gradient
+# accumulators. Stage 3 keeps the Python hooks below.
 def _grad_hook(wrapper_ref, index: int):
     def hook(p: torch.Tensor) -> None:
         wrapper = wrapper_ref()

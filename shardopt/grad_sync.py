@@ -1,7 +1,9 @@
 """Gradient sync: the end of each backward pass, the one all-reduce of flags a step needs, and what p.grad
 holds in between (Note [Sharded p.grad] in sharded_grad.py).
 
-    backward   -> ShardedDDP's hooks: before_accumulate(i), then the engine takes the gradient (on_grad)
+    backward   -> ShardedDDP's hooks. Stages 1-2 (C++, Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h):
+                  begin_backward() once, then the engine takes each gradient without Python; stage 3
+                  (Python hooks): before_accumulate(i), then on_grad(i)
     end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms),
                   every reached parameter's p.grad becomes its ShardedGrad
     step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step

@@ -88,7 +88,6 @@ void init_comm_bindings(pybind11::module& m) {
                     py::object>(),
            py::arg("params"), py::arg("engine"), py::arg("views"), py::arg("stage"), py::arg("begin"))
       .def("remove", &GradHooks::remove, "Takes every hook off the parameters (idempotent).")
-      .def("reset_pass", &GradHooks::reset_pass)
       .def_property_readonly("num_hooks", &GradHooks::num_hooks);
   m.def("set_grads", &set_grads, py::arg("params"), py::arg("grads"),
         "p.grad = g for each pair (None: no gradient); shapes, dtypes and devices must match.");

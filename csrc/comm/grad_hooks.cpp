@@ -1,7 +1,6 @@
 // See Note [Gradient hooks in C++] in grad_hooks.h.
 #include "grad_hooks.h"
 
-#include <atomic>
 #include <mutex>
 
 #include <torch/csrc/autograd/graph_task.h>
@@ -130,11 +129,6 @@ void GradHooks::remove() {
 }
 
 int64_t GradHooks::num_hooks() const { return 2 * static_cast<int64_t>(accumulators_.size()); }
-
-void GradHooks::reset_pass() {
-  std::lock_guard<std::mutex> g(state_->mu);
-  state_->pass_id = -1;
-}
 
 }  // namespace shardopt
 

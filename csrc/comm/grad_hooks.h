@@ -58,8 +58,6 @@ class GradHooks {
   void remove();
   // Hooks installed (2 per parameter until remove()).
   int64_t num_hooks() const;
-  // Forgets the current pass, so the next hook starts a new one (after a pass that raised).
-  void reset_pass();
 
   struct State;
 
