@@ -311,7 +311,10 @@ def parameter_registered_after_wrapping(rank, stage):
         pair.loss(wrapper, step).backward()
         names = [n for n, _ in wrapper.named_parameters()]
         params = list(wrapper.parameters())
-        log.append([len(names), len(params), float("module.extra" in names), sum(p.numel() for p in params)])
+        # DDP's names in DDP's order (as a number: lengths weighted by position); the same objects.
+        order = sum(i * len(n) for i, n in enumerate(names))
+        same = all(a is b for a, b in zip(params, (p for _, p in wrapper.named_parameters())))
+        log.append([len(names), len(params), float("module.extra" in names), order, float(same)])
         opt.step()
         wrapper.zero_grad()
         log.append(float(step >= 1 and module.extra.grad is None))
