@@ -101,7 +101,7 @@ class ShardedDDP(nn.Module):
         # The parameter set is fixed here, as with DDP: parameters() answers from this list
         # (Note [Parameters fixed at wrap time]).
         _count_registrations()
-        self._remember_params(list(module.named_parameters()))
+        self._remember_params()
         # Parameters given new storage after wrapping are refused before any forward
         # (Note [Parameters stay in the flat buffer] in optimizer.py).
         self._param_names = [named[pos][0] for pos in positions]
@@ -187,13 +187,13 @@ class ShardedDDP(nn.Module):
         return iter(self._param_list)  # Note [Parameters fixed at wrap time]
 
     def _cached_named_parameters(self, prefix: str):
-        head = prefix + ("." if prefix else "") + "module."
+        head = prefix + ("." if prefix else "")
         for name, p in self._named_params:
             yield head + name, p
 
-    def _remember_params(self, named) -> None:
+    def _remember_params(self) -> None:
         managed = self.optimizer._index
-        self._named_params = list(named)
+        self._named_params = list(super().named_parameters())  # the wrapper's: "module." + the model's names
         self._param_list = [p for _, p in self._named_params]
         self._frozen = [p for _, p in self._named_params if id(p) not in managed]
         self._registrations_seen = _REGISTRATIONS[0]
@@ -201,7 +201,7 @@ class ShardedDDP(nn.Module):
     def _refresh_params(self) -> None:
         """Takes the list again if a parameter or module was registered anywhere since it was taken."""
         if _REGISTRATIONS[0] != getattr(self, "_registrations_seen", None):
-            self._remember_params(list(self.module.named_parameters()))
+            self._remember_params()
 
     def _frozen_params(self):
         self._refresh_params()
@@ -330,6 +330,9 @@ def _begin_backward_hook(wrapper_ref):
 # nn.Module's register_parameter / register_module / attribute assignment,
 # counted by torch's global registration hooks) makes the next call walk the
 # module again and take a new list, so an added parameter is always seen.
+# Deleting one (del module.weight) registers nothing: a managed parameter
+# stays the optimizer's anyway, and a frozen one deleted after wrapping stays
+# listed until the next registration anywhere.
 _REGISTRATIONS = [0]  # parameter and module registrations since import (any module)
 _COUNTING = []
 
