@@ -41,6 +41,7 @@ BATCH = 8
 DDP_NAME = "DDP + AdamW, torch idioms"
 TORCH_NAME = "shardopt ZeRO-2, torch idioms"
 OWN_NAME = "shardopt ZeRO-2, opt.clip_grad_norm"
+FLOOR_NAME = "torch's clip_grad_norm_ alone, one-element plain tensors (the floor)"
 
 
 class ManyLayers(torch.nn.Module):
@@ -111,13 +112,42 @@ class Variant:
         return t1 - t0, t2 - t1, t3 - t2
 
 
+class _Floor:
+    """Note [The idioms' floor]: torch's clip_grad_norm_ over `tensors` one-element plain tensors.
+
+    What torch's own Python and per-tensor calls in clip_grad_norm_ cost at this
+    tensor count with (almost) no arithmetic: every loop that calls it pays
+    about this whatever p.grad is (its per-tensor list building, grouping,
+    `.to()` per norm and `stack` of N norms; a foreach handler of ours can
+    shave only the native kernels' per-tensor share), and shardopt's own call
+    (opt.clip_grad_norm) pays none of it. The torch-idiom step's excess over
+    the own-call step is to be read against this share.
+    """
+
+    def __init__(self, tensors: int):
+        self.params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(tensors)]
+        for p in self.params:
+            p.grad = torch.zeros(1)
+
+    def time(self, turn: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(turn):
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        return (time.perf_counter() - t0) / turn
+
+
 def _rank(rank, world_size, tensors, width, idioms, rounds, turn, warmup):
     import torch.distributed as dist
 
     variants = [Variant(n, tensors, idioms, width) for n in (DDP_NAME, TORCH_NAME, OWN_NAME)]
     times = {v.name: [] for v in variants}   # per round: (fwd, bwd, rest) means over the turn
     losses = {v.name: [] for v in variants}
+    floor = _Floor(tensors)
+    times[FLOOR_NAME] = []
     for rnd in range(warmup + rounds):
+        t = floor.time(turn)
+        if rnd >= warmup:
+            times[FLOOR_NAME].append([0.0, 0.0, t])
         for v in variants:
             dist.barrier()
             acc = [0.0, 0.0, 0.0]
@@ -139,7 +169,7 @@ def _quantiles(xs):
 def measure(tensors: int, width: int, idioms: str, rounds: int, turn: int, warmup: int = 1) -> list[str]:
     results = run_ranks(_rank, 2, tensors, width, idioms, rounds, turn, warmup, timeout=3600,
                         collective_timeout=600)
-    names = list(results[0][0])
+    names = [n for n in results[0][0] if n != FLOOR_NAME]
     # Per round: the slowest rank's (fwd, bwd, rest, total).
     per_round = {n: [] for n in names}
     for n in names:
@@ -163,6 +193,12 @@ def measure(tensors: int, width: int, idioms: str, rounds: int, turn: int, warmu
         fmt = "{:.3f} ({:.3f}-{:.3f})"
         lines.append(f"| {n} | {med[0] * 1e3:.1f} | {med[1] * 1e3:.1f} | {med[2] * 1e3:.1f} | {med[3] * 1e3:.1f} | "
                      f"{fmt.format(*_quantiles(ddp))} | {fmt.format(*_quantiles(own))} | {diff:.1e} |")
+    # The floor, per round on the slowest rank, against that round's own-call step.
+    floor = [max(res[0][FLOOR_NAME][r][2] for res in results) for r in range(rounds)]
+    share = [f / o[3] for f, o in zip(floor, per_round[OWN_NAME])]
+    lines += ["", f"{FLOOR_NAME}: {statistics.median(floor) * 1e3:.1f} ms per call, "
+              f"{statistics.median(share):.3f} of the own-call step (median; range {min(share):.3f}-"
+              f"{max(share):.3f}; Note [The idioms' floor])."]
     return lines
 
 

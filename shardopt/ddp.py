@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shardopt import _ext
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.optimizer import ShardedOptimizer
 from shardopt.prefetch import plan_forward_waits, plan_gather_order, plan_stage3_schedule
@@ -87,9 +88,21 @@ class ShardedDDP(nn.Module):
         # See Note [Hooks die with the wrapper].
         handles = []
         this = weakref.ref(self)
-        for i, p in enumerate(optimizer._params):
-            handles.append(p.register_hook(_pre_accumulate_hook(this, i)))
-            handles.append(p.register_post_accumulate_grad_hook(_grad_hook(this, i)))
+        if stage3:  # Python hooks: the parameter shards need Python per parameter anyway
+            for i, p in enumerate(optimizer._params):
+                handles.append(p.register_hook(_pre_accumulate_hook(this, i)))
+                handles.append(p.register_post_accumulate_grad_hook(_grad_hook(this, i)))
+        elif optimizer._params:
+            # Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h: no Python per parameter.
+            stage = optimizer.config.stage
+            self._grad_hooks = _ext._C.GradHooks(list(optimizer._params), optimizer.engine,
+                                                 optimizer._grad_views if stage == 1 else [], stage,
+                                                 _begin_backward_hook(this))
+            handles.append(self._grad_hooks)
+        # The parameter set is fixed here, as with DDP: parameters() answers from this list
+        # (Note [Parameters fixed at wrap time]).
+        _count_registrations()
+        self._remember_params()
         # Parameters given new storage after wrapping are refused before any forward
         # (Note [Parameters stay in the flat buffer] in optimizer.py).
         self._param_names = [named[pos][0] for pos in positions]
@@ -153,19 +166,49 @@ class ShardedDDP(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """model.zero_grad() == opt.zero_grad(), as with DDP + torch.optim (and frozen parameters' grads)."""
         self.optimizer.zero_grad(set_to_none)
-        managed = self.optimizer._index
-        for p in self.module.parameters():
-            if id(p) not in managed and p.grad is not None:
+        for p in self._frozen_params():
+            if p.grad is not None:
                 if set_to_none:
                     p.grad = None
                 else:
                     p.grad.detach_()
                     p.grad.zero_()
 
-    def named_parameters(self, *args, **kwargs):
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         # With overlap_gather, parameters read right after step() (an EMA) must be final.
         self.optimizer.wait_params()
-        return super().named_parameters(*args, **kwargs)
+        if recurse and remove_duplicate:
+            self._refresh_params()
+            return self._cached_named_parameters(prefix)  # Note [Parameters fixed at wrap time]
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True):
+        if not recurse:
+            return super().parameters(recurse)
+        self.optimizer.wait_params()
+        self._refresh_params()
+        return iter(self._param_list)  # Note [Parameters fixed at wrap time]
+
+    def _cached_named_parameters(self, prefix: str):
+        head = prefix + ("." if prefix else "")
+        for name, p in self._named_params:
+            yield head + name, p
+
+    def _remember_params(self) -> None:
+        managed = self.optimizer._index
+        self._named_params = list(super().named_parameters())  # the wrapper's: "module." + the model's names
+        self._param_list = [p for _, p in self._named_params]
+        self._frozen = [p for _, p in self._named_params if id(p) not in managed]
+        self._registrations_seen = _REGISTRATIONS[0]
+
+    def _refresh_params(self) -> None:
+        """Takes the list again if a parameter or module was registered anywhere since it was taken."""
+        if _REGISTRATIONS[0] != getattr(self, "_registrations_seen", None):
+            self._remember_params()
+
+    def _frozen_params(self):
+        self._refresh_params()
+        return self._frozen
 
     def _broadcast_coalesced(self, tensors):
         tensors = [t for t in tensors if t.numel()]
@@ -196,6 +239,18 @@ class ShardedDDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
         opt.grads.on_grad(index, p)
+
+    def _begin_backward(self) -> int:
+        """The first gradient hook of a backward pass (Note [Gradient hooks in C++]): what the pass does."""
+        opt = self.optimizer
+        opt.grads.begin_backward()
+        if not self._sync or opt._compressing():  # OneBitAdam reduces local gradients at step()
+            return _ext._C.PASS_NOTE_USED
+        if not self._callback_queued:
+            # Runs once the whole backward pass is done: reduce what is left.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        return _ext._C.PASS_REDUCE
 
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -238,7 +293,12 @@ class ShardedDDP(nn.Module):
 # hooks hold the wrapper weakly, and when the wrapper is collected
 # every hook it installed is removed, as DDP's reducer removes its own: the
 # model becomes a plain module again, and the optimizer refuses to step
-# (nothing reduces gradients into it any more).
+# (nothing reduces gradients into it any more). At stages 1 and 2 the
+# per-parameter hooks are C++ (Note [Gradient hooks in C++] in
+# csrc/comm/grad_hooks.h): they hold the engine and the parameters, and reach
+# the wrapper only through the weak `begin` hook (_begin_backward_hook), once
+# per backward pass; the finalizer's remove() takes them off the gradient
+# accumulators. Stage 3 keeps the Python hooks below.
 def _grad_hook(wrapper_ref, index: int):
     def hook(p: torch.Tensor) -> None:
         wrapper = wrapper_ref()
@@ -253,6 +313,43 @@ def _pre_accumulate_hook(wrapper_ref, index: int):
         if wrapper is not None:
             wrapper.optimizer._before_accumulate(index)
     return hook
+
+
+def _begin_backward_hook(wrapper_ref):
+    def hook() -> int:
+        wrapper = wrapper_ref()
+        return wrapper._begin_backward() if wrapper is not None else _ext._C.PASS_IGNORE
+    return hook
+
+
+# Note [Parameters fixed at wrap time]
+# clip_grad_norm_(model.parameters(), c) and model.zero_grad() run every step;
+# walking a model of thousands of modules costs them milliseconds. As with
+# DDP, the parameters are fixed when the model is wrapped (the optimizer and
+# its flat buffer were built from them), so the wrapper answers parameters()
+# and named_parameters() (recurse=True, remove_duplicate=True: what those
+# idioms ask) from a list taken then, in the module's own order and names. A
+# parameter or module registered after that anywhere in the process (any
+# nn.Module's register_parameter / register_module / attribute assignment,
+# counted by torch's global registration hooks) makes the next call walk the
+# module again and take a new list, so an added parameter is always seen.
+# Deleting one (del module.weight) registers nothing: a managed parameter
+# stays the optimizer's anyway, and a frozen one deleted after wrapping stays
+# listed until the next registration anywhere.
+_REGISTRATIONS = [0]  # parameter and module registrations since import (any module)
+_COUNTING = []
+
+
+def _count_registrations() -> None:
+    if _COUNTING:
+        return
+
+    def bump(*args):
+        _REGISTRATIONS[0] += 1
+
+    from torch.nn.modules import module as nn_module
+    _COUNTING.append(nn_module.register_module_parameter_registration_hook(bump))
+    _COUNTING.append(nn_module.register_module_module_registration_hook(bump))
 
 
 def _check_in_place_hook(wrapper_ref):

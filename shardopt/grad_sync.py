@@ -1,13 +1,16 @@
 """Gradient sync: the end of each backward pass, the one all-reduce of flags a step needs, and what p.grad
 holds in between (Note [Sharded p.grad] in sharded_grad.py).
 
-    backward   -> ShardedDDP's hooks: before_accumulate(i), then the engine takes the gradient (on_grad)
+    backward   -> ShardedDDP's hooks. Stages 1-2 (C++, Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h):
+                  begin_backward() once, then the engine takes each gradient without Python; stage 3
+                  (Python hooks): before_accumulate(i), then on_grad(i)
     end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms),
                   every reached parameter's p.grad becomes its ShardedGrad
     step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step
 """
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -17,6 +20,8 @@ from shardopt import _ext
 from shardopt.config import ShardConfig
 from shardopt.layout import Layout
 from shardopt.sharded_grad import GradShard, ShardedGrad
+
+_GRAD = operator.attrgetter("grad")
 
 
 def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig, process_group, grad_dtype,
@@ -74,6 +79,7 @@ class GradSync:
         self.installed: list = list(grad_views) if stage == 1 else [None] * len(params)
         self.last_used = torch.zeros(len(params), dtype=torch.bool)  # global, at the last step
         self.reconciled = False    # this backward pass already reconciled user changes to p.grad
+        self.handles_out = False   # some installed[i] may be a ShardedGrad (else reconcile has nothing to do)
         self.backwards = 0         # backward passes reduced since the last step
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
@@ -91,6 +97,7 @@ class GradSync:
             if isinstance(p.grad, ShardedGrad):
                 p.grad = None
             self.installed[i] = p.grad
+        self.handles_out = False
         self.attached = False
 
     def had_grad(self) -> torch.Tensor:
@@ -116,6 +123,20 @@ class GradSync:
         if isinstance(p.grad, ShardedGrad):
             p.grad = self.grad_views[index] if self.stage == 1 else None
             self.installed[index] = p.grad
+
+    def begin_backward(self) -> None:
+        """A backward pass starts (the first C++ hook: Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h).
+
+        As before_accumulate, for every parameter at once: take in what user code
+        did to p.grad, then no p.grad holds a ShardedGrad while autograd accumulates.
+        """
+        if not self.handles_out:
+            return  # no ShardedGrad was installed since the last zero_grad
+        self.reconcile()
+        for i, p in enumerate(self.params):
+            if isinstance(p.grad, ShardedGrad):
+                p.grad = self.grad_views[i] if self.stage == 1 else None
+                self.installed[i] = p.grad
 
     def _end_reconciled(self) -> None:
         self.reconciled = False
@@ -156,12 +177,15 @@ class GradSync:
             dist.all_reduce(stats, group=self.world_group)
         self.shard.set_norms(2.0, (stats[n:] / self.replicas).sqrt())
         has = (stats[:n] > 0).tolist()
-        for i, (p, handle, h) in enumerate(zip(self.params, self.shard.handles, has)):
-            if h:
-                p.grad = handle
-            elif self.stage == 1:
-                p.grad = None  # not the zeroed view: DDP's p.grad is None here too
-            self.installed[i] = p.grad
+        self.handles_out = True
+        if all(has):  # the usual case: every parameter has a gradient
+            grads = list(self.shard.handles)
+        else:
+            # Without one: stage 1 None (not the zeroed view: DDP's p.grad is None here too); stage 2 as is.
+            keep = [None] * n if self.stage == 1 else list(map(_GRAD, self.params))
+            grads = [h if x else k for h, x, k in zip(self.shard.handles, has, keep)]
+        _ext._C.set_grads(self.params, grads)  # one C++ pass, not n Python assignments
+        self.installed = grads
 
     def reconcile(self) -> None:
         """Takes in replacements of a reduced p.grad by user code (Note [Sharded p.grad]).
@@ -169,6 +193,8 @@ class GradSync:
         None (nn.Module.zero_grad): the parameter's gradient is cleared, and it
         no longer counts as having one. A tensor: it becomes the gradient.
         """
+        if not self.handles_out or all(map(operator.is_, map(_GRAD, self.params), self.installed)):
+            return  # nothing installed, or nothing replaced (C loops)
         cleared = []
         for i, p in enumerate(self.params):
             handle = self.installed[i]
@@ -243,10 +269,12 @@ class GradSync:
         else:
             self.shard.kept.zero_()
             self.last_used.zero_()
-        for i, p in enumerate(self.params):
-            if set_to_none or not isinstance(p.grad, ShardedGrad):
-                # Stage 1: the view autograd accumulates into (zeroed by the engine).
-                p.grad = self.grad_views[i] if self.stage == 1 else None
-            self.installed[i] = p.grad
+            self.handles_out = False
+        # Stage 1: the view autograd accumulates into (zeroed by the engine).
+        fresh = list(self.grad_views) if self.stage == 1 else [None] * len(self.params)
+        if not set_to_none:  # the ShardedGrads stay (reading zeros)
+            fresh = [g if isinstance(g, ShardedGrad) else f for g, f in zip(map(_GRAD, self.params), fresh)]
+        _ext._C.set_grads(self.params, fresh)
+        self.installed = fresh
         self.backwards = 0
         self.global_used = None

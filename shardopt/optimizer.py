@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import time
 import warnings
 from typing import Callable
@@ -42,6 +43,9 @@ from shardopt.sharded_grad import GradShard
 from shardopt.sharded_param import ParamShard
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+_DTYPE = operator.attrgetter("dtype")
+
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Drop-in replacement for a torch.optim optimizer that shards its state over ranks.
@@ -406,6 +410,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # gathers] in sharded_param.py); anything else was put there by user code.
     def check_params_in_place(self, names: list[str] | None = None) -> None:
         """Raises if a managed parameter no longer lives in the flat buffer (see the Note above)."""
+        # Every forward: C loops over the parameters when nothing moved (the usual case).
+        if self.param_shard is None and list(map(torch.Tensor.data_ptr, self._params)) == self._param_ptrs \
+                and all(map(self.dtype.__eq__, map(_DTYPE, self._params))):
+            return
         for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
             moved = not self.param_shard.in_place(i) if self.param_shard is not None else p.data_ptr() != ptr
             if moved or p.dtype != self.dtype:

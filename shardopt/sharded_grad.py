@@ -164,9 +164,13 @@ def _zero(g):
 # those get the plain op.
 def _split(tensors):
     """(positions of plain tensors, {GradShard: (positions, parameter indices)}) of a foreach op's list."""
-    # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each.
-    if set(map(type, tensors)) == {ShardedGrad} and len(set(map(_SHARD, tensors))) == 1:
-        return [], {_owner(tensors[0]): (range(len(tensors)), list(map(_INDEX, tensors)))}
+    # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each:
+    # every tensor one of the first one's shard's handles (looked up by identity; the shard holds them).
+    if tensors and type(tensors[0]) is ShardedGrad:
+        owner = _owner(tensors[0])
+        indices = list(map(owner.index_of.get, map(id, tensors)))
+        if None not in indices:
+            return [], {owner: (range(len(tensors)), indices)}
     plain, shards = [], {}
     for pos, t in enumerate(tensors):
         if isinstance(t, ShardedGrad):
@@ -285,6 +289,7 @@ class GradShard:
         # The whole gradient shard, the pieces' storage (GradSync hands it over); None: pieces only.
         self.flat: torch.Tensor | None = None
         self.handles = [ShardedGrad(p, self, i) for i, p in enumerate(params)]
+        self.index_of = {id(h): i for i, h in enumerate(self.handles)}  # handle -> parameter index
         self._norms: dict[float, torch.Tensor] = {}
 
     @property
@@ -359,8 +364,11 @@ class GradShard:
     # ---------------------------------------------------------------- reads
     def norm_list(self, indices, ord: float, dtype, device) -> list[torch.Tensor]:
         """The listed parameters' global gradient norms, as 0-d tensors of `dtype` on `device`."""
-        out = self.norms(ord)[self._select(indices)]
-        return list(out.to(dtype).to(device).unbind(0))
+        out = self.norms(ord)[self._select(indices)].to(dtype).to(device)
+        # Below the view-tracking key: independent 0-d tensors (no view of `out`, which nobody else holds),
+        # 4x cheaper than tracked views at thousands of parameters.
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return list(out.unbind(0))
 
     def norms(self, ord: float) -> torch.Tensor:
         """Every parameter's global gradient norm of order `ord` (float64), from one all-reduce."""

@@ -297,6 +297,30 @@ def compile_model(rank, stage):
 
 
 # Idioms that cannot work: the shardopt loop must raise (checked on every rank).
+def parameter_registered_after_wrapping(rank, stage):
+    # Note [Parameters fixed at wrap time]: a parameter added after wrapping (a frozen one with a
+    # gradient set by hand) is in model.parameters() / named_parameters() and model.zero_grad()
+    # clears it, as under DDP.
+    pair = Pair(rank, stage)
+
+    def body(wrapper, opt, module, step, log):
+        if step == 1:
+            module.extra = nn.Parameter(torch.ones(3), requires_grad=False)
+        if step >= 1:
+            module.extra.grad = torch.full((3,), float(step))
+        pair.loss(wrapper, step).backward()
+        names = [n for n, _ in wrapper.named_parameters()]
+        params = list(wrapper.parameters())
+        # DDP's names in DDP's order (as a number: lengths weighted by position); the same objects.
+        order = sum(i * len(n) for i, n in enumerate(names))
+        same = all(a is b for a, b in zip(params, (p for _, p in wrapper.named_parameters())))
+        log.append([len(names), len(params), float("module.extra" in names), order, float(same)])
+        opt.step()
+        wrapper.zero_grad()
+        log.append(float(step >= 1 and module.extra.grad is None))
+    return _train(pair, body)
+
+
 def step_without_backward(rank, stage):
     pair = Pair(rank, stage)
     before = [p.detach().clone() for p in pair.module.parameters()]
@@ -347,7 +371,7 @@ MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,
          no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather,
-         ema_in_full_params, compile_model]
+         ema_in_full_params, compile_model, parameter_registered_after_wrapping]
 # overlap_gather is stage 1/2's; stage 3 refuses it at construction (test_zero_behaviour checks the message).
 NOT_AT_STAGE_3 = {"ema_after_step_overlap_gather", "compile_overlap_gather"}
 # idiom -> (exception type, text the message must contain)

@@ -414,3 +414,59 @@ def test_dropped_wrapper_frees_model_and_removes_its_hooks():
         assert out[f"orphan {what}"] is not None and "detach()" in out[f"orphan {what}"], out
     assert out["stage 3 rewrapped state equal"] and 0 < out["stage 3 rewrapped loss"] < 100
     assert out["detached state equal"]  # detach() leaves no refusal behind
+
+
+# ---------------------------------------------------------------- hooks in C++
+def _python_calls_in_backward(rank, world_size):
+    """Per stage and model size: Python hooks on the parameters, C++ hooks, Python calls per backward."""
+    import sys
+
+    import shardopt
+
+    out = {}
+    for stage in (1, 2):
+        for layers in (5, 40):
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=stage,
+                                            reduce_bucket_size=37)  # many buckets, straddling parameters
+            wrapper = shardopt.ShardedDDP(model, opt)
+            python_hooks = sum(bool(p._backward_hooks) + (p._post_accumulate_grad_hooks is not None)
+                               for p in model.parameters())
+            calls = []
+            for step in range(3):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+                loss = wrapper(x).square().sum()
+                count = [0]
+
+                def profile(frame, event, arg):
+                    if event == "call":
+                        count[0] += 1
+
+                sys.setprofile(profile)
+                try:
+                    if step == 1:
+                        with wrapper.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                finally:
+                    sys.setprofile(None)
+                calls.append(count[0])
+                if step != 1:
+                    opt.step()
+                    wrapper.zero_grad()
+            out[(stage, 2 * layers)] = (python_hooks, wrapper._grad_hooks.num_hooks, calls)
+    return out
+
+
+def test_stage_1_2_gradient_hooks_are_cpp():
+    # Note [Gradient hooks in C++]: no Python hook on any parameter, and the Python called during a
+    # backward pass (one call at its start, the end-of-backward reduction) does not grow with the number
+    # of parameters - a Python hook per parameter (or a per-parameter Python call) coming back fails here.
+    out = run_ranks(_python_calls_in_backward, 2)[0]
+    for stage in (1, 2):
+        (hooks_few, cpp_few, few), (hooks_many, cpp_many, many) = out[(stage, 10)], out[(stage, 80)]
+        assert hooks_few == hooks_many == 0, out
+        assert cpp_few == 2 * 10 and cpp_many == 2 * 80, out
+        assert few == many and 0 < few[1] <= few[0], f"stage {stage}: Python calls per backward {few} vs {many}"

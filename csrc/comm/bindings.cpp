@@ -5,6 +5,7 @@
 #include "bucket_engine.h"
 #include "copy_device.h"
 #include "fake_copy_device.h"
+#include "grad_hooks.h"
 #include "host_copier.h"
 
 namespace py = pybind11;
@@ -52,7 +53,7 @@ void init_comm_bindings(pybind11::module& m) {
       .def_readwrite("copy_device", &EngineOptions::copy_device);
 
   using gil_release = py::call_guard<py::gil_scoped_release>;
-  py::class_<BucketEngine>(m, "BucketEngine")
+  py::class_<BucketEngine, std::shared_ptr<BucketEngine>>(m, "BucketEngine")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, BucketPlan, EngineOptions, at::Tensor, at::Tensor>(),
            py::arg("process_group"), py::arg("plan"), py::arg("options"), py::arg("flat_grad"),
            py::arg("shard_grad"))
@@ -81,6 +82,19 @@ void init_comm_bindings(pybind11::module& m) {
       .def_property_readonly("num_staging_buffers", &BucketEngine::num_staging_buffers)
       .def_property_readonly("staging_bytes", &BucketEngine::staging_bytes)
       .def_property_readonly("copy_seconds", &BucketEngine::copy_seconds);
+
+  // Note [Gradient hooks in C++] in grad_hooks.h.
+  py::class_<GradHooks>(m, "GradHooks")
+      .def(py::init<std::vector<at::Tensor>, std::shared_ptr<BucketEngine>, std::vector<at::Tensor>, int64_t,
+                    py::object>(),
+           py::arg("params"), py::arg("engine"), py::arg("views"), py::arg("stage"), py::arg("begin"))
+      .def("remove", &GradHooks::remove, "Takes every hook off the parameters (idempotent).")
+      .def_property_readonly("num_hooks", &GradHooks::num_hooks);
+  m.def("set_grads", &set_grads, py::arg("params"), py::arg("grads"),
+        "p.grad = g for each pair (None: no gradient); shapes, dtypes and devices must match.");
+  m.attr("PASS_REDUCE") = static_cast<int64_t>(PassMode::kReduce);
+  m.attr("PASS_NOTE_USED") = static_cast<int64_t>(PassMode::kNoteUsed);
+  m.attr("PASS_IGNORE") = static_cast<int64_t>(PassMode::kIgnore);
 }
 
 }  // namespace shardopt
