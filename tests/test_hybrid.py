@@ -721,6 +721,13 @@ def _refusals(rank, world_size):
     opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-3, shard_group="node")
     if (opt.sharding.shape.replicas, opt.sharding.shape.shards, opt.world_size) != (2, 2, 2):
         out.append(f"node mesh is {opt.sharding.shape}")
+    # Its groups keep the world's timeout (60 s here), not c10d's 30 minutes: a lost node must fail the
+    # survivors as soon as the flat groups would.
+    from shardopt.parallel.mesh import _group_timeout
+    world_timeout = _group_timeout(torch.distributed.group.WORLD)
+    for name, group in (("shard", opt.sharding.shard), ("replicate", opt.sharding.replicate)):
+        if _group_timeout(group) != world_timeout:
+            out.append(f"the {name} group's timeout is {_group_timeout(group)}, the world's {world_timeout}")
     # DCP export of replicated shards is refused, naming the way out.
     from shardopt.checkpoint import dcp
     try:

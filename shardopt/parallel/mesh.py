@@ -159,8 +159,21 @@ def _node_groups(device_type: str) -> ShardingGroups:
                          f'torchrun numbers them); build the mesh yourself and pass mesh=')
     if not shape.hybrid:
         return _flat(dist.group.WORLD)
-    mesh = init_device_mesh(device_type, (shape.replicas, shape.shards), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = init_device_mesh(device_type, (shape.replicas, shape.shards), mesh_dim_names=MESH_DIM_NAMES,
+                            backend_override=_keep_world_timeout(device_type))
     return _from_device_mesh(mesh)
+
+
+def _keep_world_timeout(device_type: str):
+    """init_device_mesh's backend_override that gives the mesh's gloo groups the world's timeout: without it
+    they get c10d's 30 minutes, and a lost node would hang the survivors that long, not for the timeout the
+    user gave init_process_group (as _node_aware's subgroups, above). None (torch's defaults) off the CPU."""
+    timeout = _group_timeout(dist.group.WORLD)
+    if device_type != "cpu" or timeout is None:
+        return None
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return {name: ("gloo", options) for name in MESH_DIM_NAMES}
 
 
 def _from_device_mesh(mesh) -> ShardingGroups:
