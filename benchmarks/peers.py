@@ -52,6 +52,8 @@ VARIANTS = {
     "shardopt ZeRO-2, flat collectives (node_aware=False)": "shardopt-2-flat",
     "shardopt ZeRO-2 node-aware + bf16 inter-node phase": "shardopt-2-bf16",
     "shardopt ZeRO-2 node-aware + int8 inter-node phase": "shardopt-2-int8",
+    # ... and the parameters across nodes in bf16 too (Note [Parameters across nodes in bf16]).
+    "shardopt ZeRO-2 node-aware, gradients and parameters across nodes in bf16": "shardopt-2-bf16-bf16p",
     "shardopt ZeRO-2, 500k buckets": "shardopt-2-b500",
     "shardopt ZeRO-2, 1M buckets": "shardopt-2-b1000",
     "shardopt ZeRO-2, 2M buckets": "shardopt-2-b2000",
@@ -217,6 +219,8 @@ def _shardopt_kwargs(kind: str) -> dict:
             kw["node_aware"] = False
         elif option in ("bf16", "int8"):  # node-aware, its inter-node gradient phase compressed
             kw["inter_node_dtype"] = HOP_DTYPES[option]
+        elif option == "bf16p":  # node-aware, its inter-node parameter phase in bf16
+            kw["inter_node_param_dtype"] = torch.bfloat16
         elif option.startswith("b") and option[1:].isdigit():  # -b500: reduce buckets of 500k elements
             kw["reduce_bucket_size"] = int(option[1:]) * 1000
         else:
@@ -244,7 +248,8 @@ def _shardopt_kwargs(kind: str) -> dict:
 # - Flat ZeRO-1/2 with node-aware collectives (on by default when ranks span
 #   nodes; Note [Two-level collectives] in mesh_plan.py): (R-1)/R S of gradient
 #   in the inter-node phase's format, then (R-1)/R S of fp32 parameters:
-#   2 (R-1)/R S exact, 1.5 (R-1)/R S with a bf16 gradient phase. Flat stage 3
+#   2 (R-1)/R S exact, 1.5 (R-1)/R S with a bf16 gradient phase, (R-1)/R S with
+#   both phases in bf16 (inter_node_param_dtype). Flat stage 3
 #   falls back to flat collectives (above).
 # - Others (torch ZeRO's broadcasts, FSDP2 flat and DeepSpeed over gloo, whose
 #   reduce-scatter is an all-reduce): not derived here; the column stays empty.
@@ -264,8 +269,10 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
     parts = kind.split("-")
     node_aware = per_node < world and parts[0] == "shardopt" and parts[1] in ("1", "2") and "flat" not in parts
     if node_aware:
-        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[_shardopt_kwargs(kind).get("inter_node_dtype")]
-        return two_level_link_bytes(world // per_node, grad_bytes, fmt)
+        kw = _shardopt_kwargs(kind)
+        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[kw.get("inter_node_dtype")]
+        params = grad_bytes // 2 if kw.get("inter_node_param_dtype") is not None else grad_bytes
+        return two_level_link_bytes(world // per_node, grad_bytes, fmt, param_bytes=params)
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)
     shape = MeshShape(world // per_node, per_node)

@@ -145,6 +145,13 @@ class ShardConfig:
     dtype (exact); torch.bfloat16: half the bytes; "int8": about a quarter, with
     per-block scales and error feedback (Note [Compressed inter-node hop] in
     csrc/comm/replica_hop.h)."""
+    inter_node_param_dtype: object = None
+    """Node-aware flat sharding (stages 1-2, an fp32 model): what the parameter
+    gather's phase across nodes carries. None: the parameters' dtype (exact);
+    torch.bfloat16: half those bytes, and every rank's model then holds each
+    parameter rounded to bf16 (the same on every rank) while the optimizer
+    steps fp32 master values of its 1/W (Note [Parameters across nodes in
+    bf16] in parallel/mesh_plan.py)."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -204,6 +211,10 @@ class ShardConfig:
         if self.inter_node_dtype not in INTER_NODE_DTYPES:
             raise ValueError(f"inter_node_dtype must be None (exact), torch.bfloat16 or 'int8', got "
                              f"{self.inter_node_dtype!r}")
+
+        if self.inter_node_param_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"inter_node_param_dtype must be None (the parameters' dtype) or torch.bfloat16, got "
+                             f"{self.inter_node_param_dtype!r}")
 
     def hop_format(self) -> str:
         """The inter-node hop's format for the bucket engine."""

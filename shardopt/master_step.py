@@ -8,7 +8,10 @@ model, or offload="cpu", the optimizer steps separate fp32 master chunks
 (`master`, on the host with offload, laid out like the gradient shard); after
 a step each bucket's chunk is cast into the model's chunk (by the CPU Adam
 kernel itself when it can write the low-precision copy in the same pass) and
-then published to the other ranks (publish.py).
+then published to the other ranks (publish.py). With parameters crossing
+nodes in bf16 (Note [Parameters across nodes in bf16] in
+parallel/mesh_plan.py) an fp32 model gets fp32 master chunks too, and the
+cast into the model is a rounding to bf16 (`round_to`).
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ class MasterStep:
     """
 
     def __init__(self, layout: Layout, rank: int, model_chunks: list, shard_grad: torch.Tensor, param_groups,
-                 optim, optim_kwargs: dict, *, master_dtype: torch.dtype, offloaded: bool, pin: bool, ops):
+                 optim, optim_kwargs: dict, *, master_dtype: torch.dtype, offloaded: bool, pin: bool, ops,
+                 round_to: torch.dtype | None = None):
         model_dtype = model_chunks[0].dtype if model_chunks else master_dtype
         self.master = None  # see Note [Master weights]
-        if offloaded or master_dtype != model_dtype:
+        self.round_to = round_to
+        if offloaded or master_dtype != model_dtype or round_to is not None:
             self.master = _offload.zeros(layout.shard_numel(), master_dtype, shard_grad.device, pin, ops)
         chunk_offsets = layout.chunk_offsets()
         # Per bucket: (this rank's chunk of the model, its master chunk).
@@ -87,7 +92,8 @@ class MasterStep:
         if self.master is not None:
             for model_chunk, master_chunk in self.chunks:
                 non_blocking = _offload.copy_back_is_async(model_chunk, master_chunk, ops)
-                model_chunk.copy_(master_chunk, non_blocking=non_blocking)
+                src = master_chunk if self.round_to is None else master_chunk.to(self.round_to)
+                model_chunk.copy_(src, non_blocking=non_blocking)
                 queued |= non_blocking
         return queued
 

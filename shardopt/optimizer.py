@@ -38,6 +38,7 @@ from shardopt.publish import Publisher
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
 from shardopt.parallel.mesh import require_dist, resolve_groups
+from shardopt.parallel.mesh_plan import param_phase_dtype
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard
 from shardopt.sharded_param import ParamShard
@@ -65,7 +66,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  process_group=None, mesh=None, shard_group: str | None = None, inter_node_dtype=None,
                  num_staging_buffers: int = 2, comm_impl: str = "auto", reshard_after_forward: bool = True,
                  prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
-                 param_persistence_threshold: int = 0, node_aware: bool | None = None, **optim_kwargs):
+                 param_persistence_threshold: int = 0, node_aware: bool | None = None,
+                 inter_node_param_dtype=None, **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
                                   overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
@@ -76,7 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   prefetch_bucket_size=prefetch_bucket_size,
                                   max_live_parameters=max_live_parameters,
                                   param_persistence_threshold=param_persistence_threshold,
-                                  node_aware=node_aware)
+                                  node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype)
         # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
         optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
         if onebit_config is not None and self.config.stage == 3:
@@ -138,6 +140,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "(model.to_empty(device=...), then initialise or load it)")
         # fp32 master values for a low-precision model; otherwise the model's own dtype.
         self.master_dtype = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
+        # Parameters crossing nodes narrower than the model (Note [Parameters across nodes in bf16]).
+        self.param_round = param_phase_dtype(self.config.inter_node_param_dtype, self.sharding.shape, nodes,
+                                             self.config.stage, self.dtype)
         self.reduce_dtype = self.config.reduce_dtype or self.master_dtype
         scale_config = resolve_loss_scale(self.config.loss_scale, self.dtype)
         self.loss_scaler = LossScaler(scale_config) if scale_config is not None else None
@@ -189,7 +194,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device,
                                          offloaded and self.config.pin_memory, self._ops)
         self.stepper = MasterStep(self.layout, self.rank, model_chunks, self.shard_grad, self.param_groups, optim, optim_kwargs,
-                                  master_dtype=self.master_dtype, offloaded=offloaded,
+                                  master_dtype=self.master_dtype, offloaded=offloaded, round_to=self.param_round,
                                   pin=offloaded and self.config.pin_memory, ops=self._ops)
         self.master, self.inner = self.stepper.master, self.stepper.inner
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
@@ -257,6 +262,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
         if self.sharding.nodes is not None:  # Note [Two-level collectives] in parallel/mesh_plan.py
             self.engine.set_node_groups(self.sharding.node, self.sharding.across, self.config.hop_format())
+            if self.param_round is not None:
+                self.engine.set_gather_dtype(self.param_round)
         self.engine.set_loss_scale(self.loss_scale)
         self.grads.engine = self.publisher.engine = self.engine
         if self.param_shard is not None:

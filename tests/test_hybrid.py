@@ -250,8 +250,9 @@ class _Reference:
     """Single-process training on every rank's batch: the average of the per-rank gradients,
     fp32 master weights (a copy of the model's when it is bf16), clipped like clip_grad_norm_."""
 
-    def __init__(self, model, optim_name, world_size):
+    def __init__(self, model, optim_name, world_size, round_to=None):
         self.model = copy.deepcopy(model)
+        self.round_to = round_to  # the model holds the masters rounded to this dtype (inter_node_param_dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         cls, kw = _optim(optim_name)
@@ -280,17 +281,17 @@ class _Reference:
         self.opt.step()
         with torch.no_grad():
             for m, p in zip(self.master, self.params):
-                p.copy_(m)
+                p.copy_(m if self.round_to is None else m.to(self.round_to))
         return losses
 
 
 def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8,
-           agbs=None):
+           agbs=None, param_hop=None):
     import shardopt
 
     torch.manual_seed(0)
     base = AwkwardNet().to(dtype)
-    ref = _Reference(base, optim_name, world_size)
+    ref = _Reference(base, optim_name, world_size, round_to=param_hop)
     model = copy.deepcopy(base)
     cls, kw = _optim(optim_name)
     # ("nodes", R): flat sharding over ranks on R nodes (LOCAL_WORLD_SIZE), node-aware by default.
@@ -302,7 +303,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         where = {"mesh": _mesh(shape)}
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
                                     allgather_bucket_size=agbs, overlap_gather=gather, inter_node_dtype=hop,
-                                    **where, **kw)
+                                    inter_node_param_dtype=param_hop, **where, **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     if nodes is not None and stage < 3 and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
                                             or opt.layout.nodes != nodes):
@@ -311,7 +312,9 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     micro = 2 if accum else 1
     failures, losses = [], []
     where = f"nodes {nodes}" if nodes else f"mesh {shape}"
-    what = f"{where} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}"
+    what = f"{where} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}" + \
+        (f" params across nodes in {param_hop}" if param_hop is not None else "")
+    lowp = dtype != torch.float32 or param_hop is not None  # weights rounded to bf16: the bf16 bar
     for step in range(steps):
         total = 0.0
         for m in range(micro):
@@ -327,13 +330,13 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         ref_losses = ref.step(step, clip, micro)
         want = sum(ref_losses[rank * micro:(rank + 1) * micro])
         losses.append(total)
-        tol = 1e-5 if dtype == torch.float32 and hop is None else 2e-2
+        tol = 1e-5 if not lowp and hop is None else 2e-2
         if abs(total - want) > tol * max(1.0, abs(want)):
             failures.append(f"{what} step {step}: loss {total!r} vs reference {want!r}")
     opt.wait_params()
     # A compressed hop is held to the loss only: Adam normalizes every element's update, so
     # the rounding of tiny gradients moves single weights further than it moves the loss.
-    tol = 1e-5 if dtype == torch.float32 and hop is None else 2e-2 if hop is None else float("inf")
+    tol = 1e-5 if not lowp and hop is None else 2e-2 if hop is None else float("inf")
     with opt.full_params(writeback=False):  # stage 3: parameters are whole only inside
         for (name, p), q in zip(((n, p) for n, p in ref.model.named_parameters()), model.parameters()):
             err = ((p.float() - q.float()).abs().max() / p.float().abs().max().clamp_min(1e-12)).item()
@@ -352,6 +355,11 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         dist.all_gather(copies, opt.flat_param)
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: ranks hold different parameters")
+        # Parameters across nodes in bf16: every rank's model holds bf16 values, the masters fp32 ones.
+        if param_hop is not None and (not torch.equal(opt.flat_param, opt.flat_param.to(param_hop).float())
+                                      or opt.master is None
+                                      or torch.equal(opt.master, opt.master.to(param_hop).float())):
+            failures.append(f"{what}: the model is not rounded to {param_hop}, or the masters are")
     # Memory is that of flat sharding over the shard group (stage 3: the parameters' too).
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
@@ -385,6 +393,11 @@ def _parity(rank, world_size, shapes):
     for shape in shapes:
         for cfg in _CONFIGS:
             out += _train(rank, world_size, shape, *cfg)
+        if shape[0] == "nodes":  # the parameters across nodes in bf16: exact gradients, rounded weights
+            out += _train(rank, world_size, shape, "adamw", 2, 300, torch.float32, 0.5, False, False,
+                          param_hop=torch.bfloat16)
+            out += _train(rank, world_size, shape, "sgd", 1, 1000, torch.float32, None, True, True, agbs=300,
+                          param_hop=torch.bfloat16)
     return out
 
 
@@ -567,7 +580,8 @@ def test_checkpoints_move_between_meshes_and_flat(tmp_path):
 
 
 # ------------------------------------------------------------------ the int8 residual in checkpoints
-def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False, hop="int8", rbs=300):
+def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False, hop="int8", rbs=300,
+              param_hop=None):
     """AdamW on `shape` with the given hop: optionally load a checkpoint (path, tag) first, then train
     steps [first, first + steps), then optionally save (path, tag). Returns (model, optimizer, warnings)."""
     import shardopt
@@ -575,7 +589,7 @@ def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False
     torch.manual_seed(0 if load is None else 1)  # a loaded run starts from other weights
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                                    reduce_bucket_size=rbs, inter_node_dtype=hop,
+                                    reduce_bucket_size=rbs, inter_node_dtype=hop, inter_node_param_dtype=param_hop,
                                     **_where(shape, dist.get_world_size()))
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(model, opt)
@@ -643,6 +657,19 @@ def _residual_resume(rank, world_size, path):
     _, other, caught = _int8_run(rank, (2, 2), 0, load=(path, "nodes"))
     if other.engine.hop_residual.abs().max() != 0 or len(caught) != (1 if rank == 0 else 0):
         out.append(f"node-aware -> 2x2 mesh: the residual is not restarted from zero, or not said once: {caught}")
+    # Parameters across nodes in bf16: the checkpoint holds the fp32 masters; a resume at the same shape
+    # goes on exactly, and a run without the option loads those masters as its (fp32) parameters.
+    straight, _, _ = _int8_run(rank, ("nodes", 2), n, hop=None, param_hop=torch.bfloat16)
+    _, half, _ = _int8_run(rank, ("nodes", 2), n // 2, hop=None, param_hop=torch.bfloat16, save=(path, "bf16p"))
+    masters = half.master.clone()
+    resumed, _, _ = _int8_run(rank, ("nodes", 2), n - n // 2, first=n // 2, hop=None, param_hop=torch.bfloat16,
+                              load=(path, "bf16p"))
+    if not all(torch.equal(p, q) for p, q in zip(resumed.parameters(), straight.parameters())):
+        out.append("parameters across nodes in bf16: the resumed run differs from the straight one")
+    _, exact, _ = _int8_run(rank, ("nodes", 2), 0, hop=None, load=(path, "bf16p"))
+    mine = torch.cat([exact.flat_param[slice(*b.chunk(exact.rank))] for b in exact.layout.buckets])
+    if not torch.equal(mine, masters):
+        out.append("a bf16-parameter checkpoint loaded without the option: parameters are not the saved masters")
     # Elsewhere it restarts from zero, said once.
     _int8_run(rank, (2, 2), 1, hop=None, save=(path, "exact"))
     for shape, rbs, tag, why in (((4, 1), 300, "half", "mesh (2, 2)"), ((2, 2), 1000, "half", "other buckets"),
@@ -696,6 +723,18 @@ def _refusals(rank, world_size):
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     refused("stage 3", node_aware=True, stage=3)
     refused("OneBitAdam", node_aware=True, optim=shardopt.OneBitAdam)
+    # Parameters across nodes in bf16: only where node-aware flat sharding sends fp32 parameters across.
+    refused("must be None", inter_node_param_dtype="int8")
+    refused("hybrid sharding", inter_node_param_dtype=torch.bfloat16, mesh=mesh)
+    refused("stages 1-2", inter_node_param_dtype=torch.bfloat16, stage=3)
+    refused("node-aware collectives", inter_node_param_dtype=torch.bfloat16, node_aware=False)
+    try:
+        shardopt.ShardedOptimizer(AwkwardNet().bfloat16().parameters(), lr=1e-3,
+                                  inter_node_param_dtype=torch.bfloat16)
+        out.append("inter_node_param_dtype on a bf16 model was accepted")
+    except ValueError as e:
+        if "already cross" not in str(e):
+            out.append(f"inter_node_param_dtype on a bf16 model: unclear error {e}")
     # ... and left off, with a log line, when not asked for; on by default otherwise.
     if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3).sharding.nodes is not None:
         out.append("stage 3 got node-aware collectives")

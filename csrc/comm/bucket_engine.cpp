@@ -361,6 +361,15 @@ void BucketEngine::launch_two_level(int64_t b, const at::Tensor& input, InFlight
   f.hop = comm::start_replica_reduce_scatter(across_pg_, f.work, f.out, hop_format_, hop_residual_of(b, node_chunk));
 }
 
+void BucketEngine::set_gather_dtype(c10::ScalarType dtype) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK_VALUE(node_pg_, "set_gather_dtype: the parameters cross nodes only with node-aware collectives "
+                    "(set_node_groups first)");
+  TORCH_CHECK_VALUE(pending_gathers_ == 0, "set_gather_dtype: parameter gathers are in flight");
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16, "set_gather_dtype: only bfloat16 is built, got ", dtype);
+  gather_dtype_ = dtype;
+}
+
 void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket) {
   if (!work) return;
   try {
@@ -517,6 +526,12 @@ void BucketEngine::start_all_gather_params(const at::Tensor& flat) {
 // link), then the node's K ranks gather those (inside the node), chained on the
 // node group's worker. A whole-chunk span is gathered in place; a partial one
 // through two staging buffers, copied into the bucket's strided rows at finish.
+// With a narrower gather dtype (Note [Parameters across nodes in bf16] in
+// shardopt/parallel/mesh_plan.py) the phase across the link carries this
+// rank's span rounded to it (written back into the rank's own chunk, so that
+// the owner holds what everyone else receives), and the node chunk is widened
+// on the worker before the phase inside the node (or at finish, with one rank
+// per node).
 void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
   const int64_t k = node_pg_->getSize();
   for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
@@ -533,11 +548,27 @@ void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
       staged = at::empty({world_size_, span}, flat.options());  // rows in chunk order, like `rows`
       node_rows = k == 1 ? staged.view({-1}) : at::empty({nodes_ * span}, flat.options());
     }
-    auto across = comm::start_all_gather_auto(across_pg_, mine, node_rows, impl_);
-    auto work = k == 1 ? across
-                       : comm::start_all_gather_after(node_pg_, across, node_rows,
-                                                      staged.defined() ? staged.view({-1}) : bucket);
-    gathers_.push_back(Gather{std::move(work), b, rows, staged});
+    Gather g{c10::intrusive_ptr<c10d::Work>(), b, rows, staged};
+    c10::intrusive_ptr<c10d::Work> across;
+    std::function<void()> widen;
+    if (gather_dtype_) {
+      auto low_mine = mine.to(*gather_dtype_);
+      mine.copy_(low_mine);
+      auto low_rows = at::empty({nodes_ * span}, flat.options().dtype(*gather_dtype_));
+      across = comm::start_all_gather_auto(across_pg_, low_mine, low_rows, impl_);
+      if (k == 1) {
+        g.low = low_rows;
+        g.widened = node_rows;
+      } else {
+        widen = [low_rows, node_rows]() mutable { node_rows.copy_(low_rows); };
+      }
+    } else {
+      across = comm::start_all_gather_auto(across_pg_, mine, node_rows, impl_);
+    }
+    g.work = k == 1 ? across
+                    : comm::start_all_gather_after(node_pg_, across, node_rows,
+                                                   staged.defined() ? staged.view({-1}) : bucket, std::move(widen));
+    gathers_.push_back(std::move(g));
     n_all_gathers_ += 2;
   }
 }
@@ -550,6 +581,7 @@ void BucketEngine::finish_gather(Gather& gth) {
   gth = Gather{};
   --pending_gathers_;
   wait(done.work, "all-gather", done.bucket);
+  if (done.low.defined()) done.widened.copy_(done.low);
   if (done.staged.defined()) done.rows.copy_(done.staged);
 }
 

@@ -35,6 +35,7 @@
 
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,12 @@ class BucketEngine {
   // (exact). Call once, before the first backward.
   void set_node_groups(c10::intrusive_ptr<c10d::ProcessGroup> node, c10::intrusive_ptr<c10d::ProcessGroup> across,
                        const std::string& format);
+  // Node-aware flat sharding: the parameter gathers' phase across nodes carries
+  // each chunk in `dtype` (bfloat16: half the bytes of fp32) instead of the
+  // parameters' own; every rank, the chunk's owner included, then holds the
+  // chunk rounded to `dtype` (Note [Parameters across nodes in bf16] in
+  // shardopt/parallel/mesh_plan.py). Call after set_node_groups.
+  void set_gather_dtype(c10::ScalarType dtype);
   // Forgets the int8 hop's error feedback (after a step skipped for inf/nan).
   void reset_hop_residual();
   // Bytes of the int8 hop's error-feedback residual (0 without one).
@@ -175,6 +182,7 @@ class BucketEngine {
     int64_t bucket;
     at::Tensor rows;    // where the result belongs: [world_size, n], contiguous rows
     at::Tensor staged;  // defined when rows is strided: gathered here, copied to rows after
+    at::Tensor low, widened;  // one node per rank: the narrow phase's result, widened into `widened` at finish
   };
 
   at::Tensor chunk_view(int64_t bucket) const;
@@ -217,6 +225,7 @@ class BucketEngine {
   // Node-aware flat sharding (null without): the in-node and the across-nodes group.
   c10::intrusive_ptr<c10d::ProcessGroup> node_pg_, across_pg_;
   int64_t nodes_ = 1, node_ = 0, local_ = 0;  // R, this rank's node and local rank
+  std::optional<c10::ScalarType> gather_dtype_;  // the parameters' dtype across nodes, if narrower
   at::Tensor hop_residual_;                 // int8: error feedback, per bucket chunk + chunk / replicas
   std::vector<int64_t> residual_offset_;
   at::Tensor found_;

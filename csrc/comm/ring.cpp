@@ -322,7 +322,8 @@ WorkPtr start_all_gather(const GroupPtr& pg, at::Tensor input, at::Tensor output
   return start_all_gather_after(pg, WorkPtr(), std::move(input), std::move(output));
 }
 
-WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor input, at::Tensor output) {
+WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor input, at::Tensor output,
+                               std::function<void()> then) {
   constexpr const char* op = "ring all_gather";
   check_all_gather(pg, input, output, op);
   TORCH_CHECK_VALUE(input.device().is_cpu(), op, ": the ring needs CPU tensors, got ",
@@ -330,8 +331,9 @@ WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor inp
   const auto timeout = group_timeout(pg);
   const int64_t piece = piece_elems(input);
   return enqueue(pg, c10d::OpType::_ALLGATHER_BASE, {output},
-                 [pg, after = std::move(after), input, output, timeout, piece](int tag) {
+                 [pg, after = std::move(after), then = std::move(then), input, output, timeout, piece](int tag) {
                    if (after) after->wait();
+                   if (then) then();
                    const Ring ring(pg, tag, timeout, "ring all_gather");
                    ring_all_gather(ring, input, output, piece);
                  });

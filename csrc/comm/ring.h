@@ -29,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -56,8 +57,11 @@ WorkPtr start_reduce_scatter(const GroupPtr& pg, at::Tensor input, at::Tensor ou
 WorkPtr start_all_gather(const GroupPtr& pg, at::Tensor input, at::Tensor output);
 // The same ring all-gather, run on pg's worker once `after` (an op of another
 // group, e.g. the first phase of a two-level gather; may be null) has finished;
-// its failure is this op's failure.
-WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor input, at::Tensor output);
+// its failure is this op's failure. `then` (may be empty) runs on the worker
+// between the two, e.g. to widen what the first phase received in a narrower
+// dtype into `input`.
+WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor input, at::Tensor output,
+                               std::function<void()> then = {});
 
 // The group's own collectives (reduce_scatter_single / all_gather_single), with
 // the same checks. Native reduce-scatter leaves input unchanged.

@@ -61,10 +61,32 @@ Exactness: every sum is the fp32 sum of the same W addends as a flat ring's,
 only grouped differently (node sums first), so results equal flat sharding's
 up to summation order: the parity bar is that of any two reduction orders
 (a few ulps of the gradient per step), not bitwise.
+
+Note [Parameters across nodes in bf16]
+--------------------------------------
+Once the gradient phase is compressed (bf16: (R-1)/R * S/2 per node), the
+parameter phase is most of what crosses the link: (R-1)/R * S in fp32, two
+thirds of the 12.7 MB per step of a 17 MB model at 2 x 2. With
+inter_node_param_dtype=torch.bfloat16 it crosses in bf16, halving it. Sending
+a rounded chunk alone would leave the owner with its fp32 values and every
+other rank with their rounding: the ranks' models would differ. So the model
+itself holds every parameter rounded to bf16, on every rank, owner included,
+and the optimizer keeps fp32 master values of its own 1/W (as for a bf16
+model: Note [Master weights] in master_step.py), rounding them into the
+model after each step. The model stays fp32 (its activations, gradients and
+reductions too); only its weights take bf16 values, as in bf16 mixed
+precision with fp32 masters (DeepSpeed's ZeRO++ quantizes the weights it
+gathers in the same way, to int8). Memory: +4 bytes per parameter / W for
+the master. Every rank holds the same parameters bit for bit; against the
+exact run, the difference is that of training with bf16-rounded weights.
+Built for node-aware flat sharding at stages 1-2 (hybrid sharding sends no
+parameter across nodes; stage 3's gathers are its own).
 """
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 # What the inter-node hop carries: None (the reduction dtype, exact), or a compressed format.
 HOP_DTYPES = ("bfloat16", "int8", "onebit")
@@ -127,6 +149,28 @@ def node_mesh(world_size: int, local_world_size: int | None) -> MeshShape:
         raise ValueError(f'shard_group="node": {world_size} ranks do not split into nodes of LOCAL_WORLD_SIZE='
                          f'{local_world_size} ranks; every node must run the same number of ranks')
     return MeshShape(replicas=world_size // local_world_size, shards=local_world_size)
+
+
+def param_phase_dtype(requested, shape: MeshShape, nodes: MeshShape | None, stage: int, model_dtype):
+    """The dtype the parameter gather's phase across nodes carries if narrower than the model's, or None
+    (Note [Parameters across nodes in bf16]); refuses what cannot work, naming the fix."""
+    if requested is None:
+        return None
+    if shape.hybrid:
+        raise ValueError("inter_node_param_dtype: hybrid sharding (mesh= / shard_group=) never sends parameters "
+                         "across nodes (each node gathers its own); drop inter_node_param_dtype")
+    if stage == 3:
+        raise NotImplementedError("inter_node_param_dtype is built for stages 1-2 (stage 3 gathers parameters "
+                                  "bucket by bucket on its own schedule); drop it or use stage=2")
+    if nodes is None:
+        raise ValueError("inter_node_param_dtype narrows the parameters' phase across nodes of node-aware "
+                         "collectives, which are off here (one node, LOCAL_WORLD_SIZE = world size, node_aware="
+                         "False, or a configuration that falls back to flat collectives): drop it, or run "
+                         "ranks on several nodes with node_aware left on")
+    if model_dtype != torch.float32:
+        raise ValueError(f"inter_node_param_dtype={requested} narrows fp32 parameters; this model is {model_dtype}, "
+                         f"whose parameters already cross nodes in that dtype: drop inter_node_param_dtype")
+    return requested
 
 
 def hop_link_bytes(shape: MeshShape, grad_bytes: int, hop_dtype: str | None = None,
