@@ -7,6 +7,7 @@
 
 #include "../precision/unscale.h"
 #include "ring.h"
+#include "two_level.h"
 
 namespace shardopt {
 
@@ -220,6 +221,7 @@ int64_t BucketEngine::acquire_slot() {
   if (wait_for_staging_) {
     while (free_slots_.empty() && !inflight_.empty()) free_a_slot();
   } else {
+    release_reduced_slots();
     while (free_slots_.empty() && !inflight_.empty() && oldest_done_soon()) finish_oldest();
   }
   if (free_slots_.empty()) {
@@ -392,6 +394,21 @@ void BucketEngine::free_a_slot() {
   finish_oldest();
 }
 
+// Stage 3 with two-level reductions: a bucket's staging buffer is read only by
+// its in-node reduce-scatter (the node chunk crosses the link from a buffer of
+// its own), so every one whose in-node phase is done is taken back at once,
+// without waiting: the pool does not grow while the slow link is busy.
+void BucketEngine::release_reduced_slots() {
+  if (!node_pg_) return;
+  for (auto& f : inflight_) {
+    if (f.slot < 0 || (f.work && !f.work->isCompleted())) continue;
+    wait(f.work, "reduce-scatter", f.bucket);  // done: returns at once, or rethrows its failure
+    f.work.reset();
+    free_slots_.push_back(f.slot);
+    f.slot = -1;
+  }
+}
+
 void BucketEngine::finish_oldest() {
   InFlight f = std::move(inflight_.front());
   inflight_.pop_front();
@@ -515,10 +532,11 @@ void BucketEngine::start_all_gather_params(const at::Tensor& flat) {
 // The mirror of the two-level reduction, one span at a time: the R ranks of
 // this local rank gather their chunks' span into the node chunk's (across the
 // link), then the node's K ranks gather those (inside the node), chained on the
-// node group's worker. A whole-chunk span is gathered in place; a partial one
-// through two staging buffers, copied into the bucket's strided rows at finish.
+// node group's worker (comm::start_two_level_all_gather, csrc/comm/two_level.h,
+// which stage 3's parameter gathers use too). A whole-chunk span is gathered in
+// place; a partial one through a staging buffer in chunk order, copied into the
+// bucket's strided rows at finish.
 void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
-  const int64_t k = node_pg_->getSize();
   for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
     const int64_t b = plan_.gather_bucket[i];
     const int64_t chunk = plan_.bucket_numel[b] / world_size_;
@@ -526,17 +544,9 @@ void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
     auto bucket = flat.narrow(0, plan_.bucket_start[b], plan_.bucket_numel[b]);
     auto rows = bucket.view({world_size_, chunk}).narrow(1, lo, span);  // chunk c = local * R + node
     auto mine = rows.select(0, local_ * nodes_ + node_);
-    at::Tensor staged, node_rows;
-    if (rows.is_contiguous()) {
-      node_rows = bucket.narrow(0, local_ * nodes_ * chunk, nodes_ * chunk);
-    } else {
-      staged = at::empty({world_size_, span}, flat.options());  // rows in chunk order, like `rows`
-      node_rows = k == 1 ? staged.view({-1}) : at::empty({nodes_ * span}, flat.options());
-    }
-    auto across = comm::start_all_gather_auto(across_pg_, mine, node_rows, impl_);
-    auto work = k == 1 ? across
-                       : comm::start_all_gather_after(node_pg_, across, node_rows,
-                                                      staged.defined() ? staged.view({-1}) : bucket);
+    at::Tensor staged = rows.is_contiguous() ? at::Tensor() : at::empty({world_size_, span}, flat.options());
+    auto work = comm::start_two_level_all_gather(node_pg_, across_pg_, mine,
+                                                 staged.defined() ? staged.view({-1}) : bucket, impl_);
     gathers_.push_back(Gather{std::move(work), b, rows, staged});
     n_all_gathers_ += 2;
   }
