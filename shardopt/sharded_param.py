@@ -6,8 +6,8 @@ parameters live in storage of their own (`full[b]`; Note [Stage-3 buckets
 hold whole parameters] in layout.py) that exists only while the bucket is
 gathered: a gather allocates it and all-gathers every rank's chunk into it
 (in two levels over ranks on several nodes: Note [Two-level collectives] in
-parallel/mesh_plan.py), a free gives the memory back. Which gather comes when is Note [Stage-3
-schedule] in prefetch.py; this module carries it out.
+parallel/mesh_plan.py), a free gives the memory back. Which gather comes
+when is Note [Stage-3 schedule] in prefetch.py; this module carries it out.
 
 Note [Parameters between gathers]
 ---------------------------------

@@ -126,6 +126,10 @@ def test_two_level_link_bytes_arithmetic():
     assert two_level_link_bytes(4, s) == 1.5 * s
     assert two_level_link_bytes(2, s, "int8") == pytest.approx(s / 4 * (1 + 4 / 256) / 2 + s / 2)
     assert two_level_link_bytes(1, s) == 0
+    # Stage 3 gathers the parameters twice: 3 (R-1)/R S against a flat ring's 3 (W-1)/W S.
+    assert two_level_link_bytes(2, s, param_gathers=2) == 1.5 * s
+    assert two_level_link_bytes(2, s, param_gathers=2) / (1.5 * ring_link_bytes(4, 2, s)) == pytest.approx(2 / 3)
+    assert two_level_link_bytes(2, s, "bfloat16", param_gathers=2) == 1.25 * s
 
 
 # ------------------------------------------------------------------ the int8 codec

@@ -66,6 +66,7 @@ node sends 3 (R-1)/R * S per step (gradient phase + two parameter gathers; less
 the buckets backward starts with, gathered once: Note [The seam between
 forward and backward] in sharded_param.py) where a flat ring sends
 3 (W-1)/W * S, with parameters, gradients and optimizer state at 1/W.
+
 Exactness: every sum is the fp32 sum of the same W addends as a flat ring's,
 only grouped differently (node sums first), so results equal flat sharding's
 up to summation order: the parity bar is that of any two reduction orders
