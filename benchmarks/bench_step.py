@@ -36,7 +36,8 @@ network namespace whose link is shaped to --rate; ranks started by torchrun, one
 of on 127.0.0.1, and adds the bytes each node sent over its link per step (its veth's counter, read
 around each variant's turn; the busiest node's) to the tables. With --peers the rounds
 are CLUSTER_ROUNDS: DDP, torch ZeRO, FSDP2 flat and HSDP, DeepSpeed ZeRO-2, shardopt ZeRO-1/2, and
-flat ZeRO-2 against the three hybrids (exact, bf16 and int8 inter-node hop). Next to the bytes measured,
+flat ZeRO-2 against the three hybrids (exact, bf16 and int8 inter-node hop), and shardopt ZeRO-3
+node-aware (the default across nodes) against ZeRO-3 with flat collectives and on a 2-D mesh. Next to the bytes measured,
 the --peers table gives the bytes expected by arithmetic where it is known and their ratio (Note [Link
 bytes by arithmetic] in peers.py). On 127.0.0.1, --nodes groups the ranks into nodes for the hybrid and
 HSDP variants (LOCAL_WORLD_SIZE; default 2 nodes at 4 ranks): their hop runs over loopback.
@@ -74,6 +75,7 @@ CLUSTER_ROUNDS = [
     ["FSDP2 HSDP (replicate across nodes, shard within)", "DeepSpeed ZeRO-2"],
     ["shardopt ZeRO-2 + overlap_gather", "shardopt hybrid (fp32 hop) + overlap_gather",
      "shardopt hybrid + bf16 hop + overlap_gather", "shardopt hybrid + int8 hop + overlap_gather"],
+    ["shardopt ZeRO-3", "shardopt ZeRO-3, flat collectives (node_aware=False)", "shardopt ZeRO-3 hybrid (fp32 hop)"],
 ]
 # How ranks are started: run_ranks (127.0.0.1) or, with --cluster, run_ranks_on_cluster (main()).
 RUNNER = run_ranks

@@ -47,6 +47,10 @@ VARIANTS = {
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
     "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
     "shardopt ZeRO-3": "shardopt-3",
+    # Stage 3 across nodes: node-aware by default (shardopt-3 above: the gradient phase and both parameter
+    # gathers in two levels); these name the choices.
+    "shardopt ZeRO-3, flat collectives (node_aware=False)": "shardopt-3-flat",
+    "shardopt ZeRO-3 node-aware + bf16 inter-node phase": "shardopt-3-bf16",
     # Flat sharding when the ranks span nodes: node-aware collectives are on by default (shardopt-2 above);
     # these name the choices (Note [Two-level collectives] in shardopt/parallel/mesh_plan.py).
     "shardopt ZeRO-2, flat collectives (node_aware=False)": "shardopt-2-flat",
@@ -188,7 +192,7 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
 
 
 def _shardopt_kwargs(kind: str) -> dict:
-    """ShardedOptimizer's arguments for a kind: shardopt-{1,2}[-gather|-offload] or
+    """ShardedOptimizer's arguments for a kind: shardopt-{1,2,3}[-gather|-offload|-flat|-bf16|-int8|-b500] or
     shardopt-hybrid-{fp32,bf16,int8}[-gather|-s3] (ZeRO-2, or ZeRO-3 with -s3, sharded inside a node,
     the gradient's inter-node hop in that format)."""
     import shardopt
@@ -236,10 +240,11 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   all-gather of the parameters): the ring crosses each node's link once per
 #   direction, carrying 2 (W-1)/W S. It does not depend on K, and the DDP rows
 #   of 2026-11-23-multinode.md measured it (25.5 MB for 17.0 MB at 2x2).
-# - Flat ZeRO-3 (shardopt stage 3): the reduce-scatter plus a parameter all-gather
-#   before forward and another before backward, each (W-1)/W S: 3 (W-1)/W S, less
-#   the buckets backward starts with, which are not gathered twice (Note [The seam
-#   between forward and backward] in shardopt/sharded_param.py).
+# - Flat ZeRO-3 with flat collectives (shardopt stage 3, node_aware=False, or on
+#   one host): the reduce-scatter plus a parameter all-gather before forward and
+#   another before backward, each (W-1)/W S: 3 (W-1)/W S, less the buckets
+#   backward starts with, which are not gathered twice (Note [The seam between
+#   forward and backward] in shardopt/sharded_param.py).
 # - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
 #   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
@@ -249,16 +254,16 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   nodes; Note [Two-level collectives] in mesh_plan.py): (R-1)/R S of gradient
 #   in the inter-node phase's format, then (R-1)/R S of fp32 parameters:
 #   2 (R-1)/R S exact, 1.5 (R-1)/R S with a bf16 gradient phase, (R-1)/R S with
-#   both phases in bf16 (inter_node_param_dtype). Flat stage 3
-#   falls back to flat collectives (above).
+#   both phases in bf16 (inter_node_param_dtype, stages 1-2). Stage 3
+#   (node-aware by default too) gathers the parameters twice, each (R-1)/R S:
+#   3 (R-1)/R S exact (2.5 with a bf16 gradient phase), less the seam's buckets
+#   as above.
 # - Others (torch ZeRO's broadcasts, FSDP2 flat and DeepSpeed over gloo, whose
 #   reduce-scatter is an all-reduce): not derived here; the column stays empty.
 def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -> float | None:
     """Note [Link bytes by arithmetic]: bytes one node sends per step, or None where not derived."""
     from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes, two_level_link_bytes
 
-    if kind == "shardopt-3":  # a reduce-scatter and two all-gathers (forward, backward): 3 (W-1)/W S
-        return 1.5 * ring_link_bytes(world, per_node, grad_bytes)
     if kind.startswith("shardopt-2-onebit"):
         # Note [1-bit Adam under ZeRO]: 1-bit messages from each rank to every rank of the other nodes
         # ((W-K) K / W of the gradient's elements per node at 1/8 byte + a scale per 1024), then the
@@ -267,12 +272,15 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
         return (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
             + ring_link_bytes(world, per_node, grad_bytes) / 2
     parts = kind.split("-")
-    node_aware = per_node < world and parts[0] == "shardopt" and parts[1] in ("1", "2") and "flat" not in parts
-    if node_aware:
+    flat_sharding = parts[0] == "shardopt" and parts[1] in ("1", "2", "3")
+    gathers = 2 if flat_sharding and parts[1] == "3" else 1  # stage 3: before forward and before backward
+    if flat_sharding and per_node < world and "flat" not in parts:  # node-aware (the default across nodes)
         kw = _shardopt_kwargs(kind)
         fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[kw.get("inter_node_dtype")]
         params = grad_bytes // 2 if kw.get("inter_node_param_dtype") is not None else grad_bytes
-        return two_level_link_bytes(world // per_node, grad_bytes, fmt, param_bytes=params)
+        return two_level_link_bytes(world // per_node, grad_bytes, fmt, param_bytes=params, param_gathers=gathers)
+    if flat_sharding and gathers == 2:  # a reduce-scatter and two all-gathers (forward, backward): 3 (W-1)/W S
+        return 1.5 * ring_link_bytes(world, per_node, grad_bytes)
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):
         return ring_link_bytes(world, per_node, grad_bytes)
     shape = MeshShape(world // per_node, per_node)

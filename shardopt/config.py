@@ -135,11 +135,12 @@ class ShardConfig:
     """Flat sharding over ranks that span nodes: reduce-scatter inside each node,
     then across nodes on 1/K of it, and the mirror for the parameter all-gather
     (Note [Two-level collectives] in parallel/mesh_plan.py): a node's link
-    carries 2 (R-1)/R of the gradient bytes per step instead of 2 (W-1)/W, with
-    optimizer state still 1/W. None: on when LOCAL_WORLD_SIZE < world size (as
-    torchrun sets it) and built for this run (stages 1-2, CPU/gloo, not
-    OneBitAdam; otherwise flat, said once in the log); True: required (refused
-    where not built); False: flat collectives."""
+    carries 2 (R-1)/R of the gradient bytes per step instead of 2 (W-1)/W (stage
+    3, which gathers parameters twice: 3 (R-1)/R instead of 3 (W-1)/W), with
+    optimizer state (and stage 3's parameters) still 1/W. None: on when
+    LOCAL_WORLD_SIZE < world size (as torchrun sets it) and built for this run
+    (CPU/gloo, not OneBitAdam; otherwise flat, said once in the log); True:
+    required (refused where not built); False: flat collectives."""
     inter_node_dtype: object = None
     """Hybrid sharding, or node-aware flat sharding: what the inter-node hop (its gradient phase) carries. None: the reduction
     dtype (exact); torch.bfloat16: half the bytes; "int8": about a quarter, with

@@ -82,9 +82,11 @@ class EstimateConfig:
     node_aware: bool = False
     """With `shards` (the ranks per node): flat sharding over every rank with
     node-aware collectives instead of hybrid sharding (Note [Two-level
-    collectives] in parallel/mesh_plan.py): state 1/world_size; an int8
-    inter-node phase keeps a residual per node chunk (1 + 1/nodes fp32 values per
-    1/shards of the model), and each bucket in flight holds a node chunk."""
+    collectives] in parallel/mesh_plan.py): state (and stage 3's parameter
+    chunks) 1/world_size; an int8 inter-node phase keeps a residual per node
+    chunk (1 + 1/nodes fp32 values per 1/shards of the model), and each bucket in
+    flight holds a node chunk. Stage 3's two-level parameter gathers write in
+    place: nothing more."""
     inter_node_dtype: str | None = None
     """Hybrid sharding: "int8" keeps an error-feedback residual (1 + 1/replicas
     fp32 values per shard element); None and "bfloat16" keep nothing."""
@@ -116,8 +118,8 @@ class EstimateConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.shards is not None and (self.shards < 1 or self.world_size % self.shards):
             raise ValueError(f"shards must divide world_size ({self.world_size}), got {self.shards}")
-        if self.node_aware and (self.shards is None or self.shards == self.world_size or self.stage == 3):
-            raise ValueError("node_aware needs shards (ranks per node) below world_size, at stage 1 or 2")
+        if self.node_aware and (self.shards is None or self.shards == self.world_size):
+            raise ValueError("node_aware needs shards (ranks per node, --ranks-per-node) below world_size")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage}")
         if self.offload not in ("none", "cpu"):
@@ -146,6 +148,9 @@ class MemoryEstimate:
     """The int8 inter-node hop's error feedback (hybrid sharding)."""
     gathered: int = 0
     """Stage 3: the part of `params` that is buckets gathered at once (Note [Estimate for stage 3])."""
+    in_flight: int = 0
+    """Node-aware collectives: the part of `staging` that is the node chunks of buckets being reduced,
+    allocated per bucket in backward (memory_stats(), between steps, does not see them)."""
 
     @property
     def total(self) -> int:
@@ -170,7 +175,7 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     # With hybrid sharding a copy is sharded over `shards` ranks: state per rank is 1/shards.
     shards = cfg.shards or cfg.world_size
     replicas = cfg.world_size // shards
-    nodes = 1
+    nodes, in_flight = 1, 0
     if cfg.node_aware:  # flat over the world, node by node (Note [Node-aware chunk order] in layout.py)
         nodes, shards, replicas = replicas, cfg.world_size, 1
     layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
@@ -196,13 +201,14 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     if nodes > 1:  # node chunks: R chunks each (the residual's, and those of buckets in flight)
         node_chunks = shard * nodes
         residual = node_chunks * 4 + shard * 4 if cfg.inter_node_dtype == "int8" else 0
-        staging += slots * (biggest // cfg.shards) * rbytes
+        in_flight = slots * (biggest // cfg.shards) * rbytes
+        staging += in_flight
     params, gathered = layout.total_numel * pbytes, 0
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
         params = shard * pbytes + gathered
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
-                          staging=staging, master=master, host=host, hop_residual=residual)
+                          staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight)
 
 
 def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> MemoryEstimate:

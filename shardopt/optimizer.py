@@ -100,14 +100,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_params()
         # Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
         # process_group / rank / world_size are the shard group's: the layout is split over it.
-        self.sharding = resolve_groups(process_group, mesh, shard_group, self._params[0].device.type,
+        where = _device_ops.materialization_device(self._params[0].device)  # a meta model's too
+        self.sharding = resolve_groups(process_group, mesh, shard_group, where.type,
                                        node_aware=self.config.node_aware,
                                        why_not=_node_aware_not_built(self.config, onebit_config))
         self.process_group = self.sharding.shard
         self.world_group = self.sharding.world
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
-        where = _device_ops.materialization_device(self._params[0].device)  # a meta model's too
         if self.sharding.shape.hybrid and where.type != "cpu":
             raise NotImplementedError(
                 f"hybrid sharding's inter-node hop runs on CPU tensors (gloo) in this release; the model is on "
@@ -165,7 +165,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 impl=self.config.comm_impl, reshard_after_forward=self.config.reshard_after_forward,
                 prefetch=1 if prefetch_bucket_size is None else -(-prefetch_bucket_size // bucket),
                 max_live=None if max_live_parameters is None else max(1, max_live_parameters // bucket),
-                phase=self._phase)
+                phase=self._phase, nodes=nodes)
             model_chunks = self.param_shard.chunks
         else:
             self.flat_param = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
@@ -535,8 +535,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 def _node_aware_not_built(config, onebit_config) -> str | None:
     """Why node-aware collectives cannot run with this configuration (None: they can)."""
-    if config.stage == 3:
-        return "stage 3 (its parameter gathers are flat)"
     if onebit_config is not None:
         return "OneBitAdam (its compression stage exchanges with the flat chunk owners)"
     return None

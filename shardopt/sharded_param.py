@@ -4,9 +4,10 @@ Between uses each rank holds only its chunk of every bucket (`shard`, the
 chunks concatenated in bucket order, in the model's dtype). A bucket's full
 parameters live in storage of their own (`full[b]`; Note [Stage-3 buckets
 hold whole parameters] in layout.py) that exists only while the bucket is
-gathered: a gather allocates it and all-gathers every rank's chunk into it,
-a free gives the memory back. Which gather comes when is Note [Stage-3
-schedule] in prefetch.py; this module carries it out.
+gathered: a gather allocates it and all-gathers every rank's chunk into it
+(in two levels over ranks on several nodes: Note [Two-level collectives] in
+parallel/mesh_plan.py), a free gives the memory back. Which gather comes
+when is Note [Stage-3 schedule] in prefetch.py; this module carries it out.
 
 Note [Parameters between gathers]
 ---------------------------------
@@ -49,6 +50,8 @@ import torch.distributed as dist
 
 from shardopt.layout import Layout
 from shardopt.parallel import comm
+from shardopt.parallel.mesh import copy_group, two_level_groups
+from shardopt.parallel.mesh_plan import MeshShape
 from shardopt.prefetch import Stage3Schedule
 
 FREE, GATHERING, LIVE = "free", "gathering", "live"
@@ -72,7 +75,8 @@ class ParamShard:
     """This rank's chunks of the parameters and the buckets gathered now (stage 3)."""
 
     def __init__(self, layout: Layout, rank: int, params: list, process_group, world_group, device, *, impl: str,
-                 prefetch: int, max_live: int | None, reshard_after_forward: bool, phase: dict):
+                 prefetch: int, max_live: int | None, reshard_after_forward: bool, phase: dict,
+                 nodes: MeshShape | None = None):
         self.layout = layout
         self.rank = rank
         self.params = params
@@ -83,10 +87,20 @@ class ParamShard:
         self.phase = phase
         self.dtype, self.device = params[0].dtype, device
         self.world_size = dist.get_world_size(process_group)
-        # Parameter gathers run on a group of their own: the bucket engine's reduce-scatters run on
-        # `process_group` in backward at the same time, in an order of their own.
-        ranks = dist.get_process_group_ranks(process_group)
-        self.group = dist.new_group(ranks, use_local_synchronization=True) if self.world_size > 1 else process_group
+        # Parameter gathers run on groups of their own, with the world's timeout: the bucket engine's
+        # reduce-scatters run on `process_group` (or its node groups) in backward at the same time, in an
+        # order of their own. Over ranks on several nodes (`nodes`: node-aware flat sharding) they gather
+        # in two levels (Note [Two-level collectives] in parallel/mesh_plan.py): the chunks are then in the
+        # node-aware order (Note [Node-aware chunk order] in layout.py), which a flat all-gather in rank
+        # order would put in the wrong places.
+        self.nodes = nodes
+        self.group = self.node_group = self.across_group = None
+        if nodes is not None:
+            self.node_group, self.across_group = two_level_groups(nodes, process_group)
+        else:
+            self.group = copy_group(process_group) if self.world_size > 1 else process_group
+        # Where this rank's chunk lies inside each bucket (Bucket.chunk knows the node-aware order).
+        self._lo = [b.chunk(rank)[0] - b.start for b in layout.buckets]
         offsets = layout.chunk_offsets()
         self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
         self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
@@ -161,7 +175,7 @@ class ParamShard:
         full, bucket = self.full[b], self.layout.buckets[b]
         if dist.get_world_size(self._world) > 1:
             dist.broadcast(full, dist.get_global_rank(self._world, 0), group=self._world)
-        lo = self.rank * bucket.chunk_numel
+        lo = self._lo[b]
         self.chunks[b].copy_(full[lo:lo + bucket.chunk_numel])
         self._free(b)
 
@@ -262,9 +276,17 @@ class ParamShard:
     def _issue(self, b: int) -> None:
         """Starts gathering bucket b into freshly allocated storage."""
         self._allocate(b, views=False)
-        self.handles[b] = comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group, impl=self.impl)
+        self.handles[b] = self._start_gather(b)
         self.state[b] = GATHERING
         self.num_gathers += 1
+
+    def _start_gather(self, b: int):
+        """Starts every rank's chunk of bucket b into its full storage (through `_comm`): flat, or in two
+        levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
+        if self.nodes is not None:
+            return comm.start_two_level_all_gather(self.chunks[b], self._comm[b], self.node_group,
+                                                   self.across_group, impl=self.impl)
+        return comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group, impl=self.impl)
 
     def _wait(self, b: int) -> None:
         t0 = time.perf_counter()
@@ -500,15 +522,14 @@ class ParamShard:
         """This rank's chunk of every gathered bucket from the full parameters (after they were written)."""
         for b in self.layout.buckets:
             if self.state[b.index] == LIVE:
-                lo = self.rank * b.chunk_numel
+                lo = self._lo[b.index]
                 self.chunks[b.index].copy_(self.full[b.index][lo:lo + b.chunk_numel])
 
     def refresh_persistent(self) -> None:
         """After a step: the persistent buckets take every rank's updated chunk (as stage 2 publishes)."""
         keep = [b.index for b in self.layout.buckets if b.persistent]
         for b in keep:
-            self.handles[b] = comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group,
-                                                    impl=self.impl)
+            self.handles[b] = self._start_gather(b)
             self.state[b] = GATHERING
             self.num_gathers += 1
         for b in keep:

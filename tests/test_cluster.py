@@ -138,7 +138,8 @@ def test_cluster_is_isolated_and_shaped(cluster):
 @needs_cluster
 @pytest.mark.parametrize("nodes,nproc", [(2, 2), (3, 1)])
 def test_zero_matches_single_process_reference(cluster, tmp_path, nodes, nproc):
-    """ZeRO-1/2, fp32 and bf16, clipping and no_sync (the cases of cluster_parity_worker.py)."""
+    """ZeRO-1/2/3 (node-aware collectives, on by default across nodes), fp32 and bf16, clipping and no_sync
+    (the cases of cluster_parity_worker.py)."""
     import json
 
     rdzv_id, port = cluster.new_job()

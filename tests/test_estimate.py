@@ -13,6 +13,8 @@ TOLERANCE = 0.10
 
 
 def _measure(rank, world_size):
+    import os
+
     import shardopt
     from shardopt.tools.gpt import example_batch, tiny_model
 
@@ -20,15 +22,21 @@ def _measure(rank, world_size):
     cases = [("awkward", AwkwardNet, rbs, torch.float32, "none") for rbs in (None, 1000)] \
         + [("gpt-tiny", tiny_model, 20_000, torch.float32, "none"), ("awkward", AwkwardNet, 1000, torch.float32, "cpu"),
            ("awkward", AwkwardNet, 1000, torch.bfloat16, "none"), ("gpt-tiny", tiny_model, 20_000, torch.bfloat16, "cpu")]
+    # One rank per node (LOCAL_WORLD_SIZE=1): node-aware collectives, stage 3's two-level gathers too.
+    cases += [("awkward-nodes", AwkwardNet, 1000, torch.float32, "none")] if world_size > 1 else []
     for name, factory, rbs, dtype, offload in cases:
         for stage in (1, 2, 3):
             torch.manual_seed(0)
             model = factory().to(dtype)
             shapes = trainable_shapes(model)  # before stage 3 empties the parameters between uses
+            if name.endswith("-nodes"):
+                os.environ["LOCAL_WORLD_SIZE"] = "1"
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, stage=stage,
                                             reduce_bucket_size=rbs, offload=offload)
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+            assert (opt.sharding.nodes is not None) == name.endswith("-nodes"), (name, stage, opt.sharding)
             wrapper = shardopt.ShardedDDP(model, opt)
-            if name == "awkward":
+            if name.startswith("awkward"):
                 x, y = batch(0, rank)
                 out_ = wrapper(x, True)  # the branch too: every parameter gets a gradient, so all have state
             else:
@@ -45,12 +53,16 @@ def test_estimate_matches_memory_stats(world_size):
     for i, (name, rbs, stage, shapes, _, dtype, offload) in enumerate(per_rank[0]):
         # The estimate is for the rank holding the most (rank 0: the padding sits in the last rank's chunk).
         measured = {k: max(r[i][4][k] for r in per_rank) for k in per_rank[0][i][4]}
+        nodes = dict(shards=1, node_aware=True) if name.endswith("-nodes") else {}
         est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, reduce_bucket_size=rbs,
-                                              param_dtype=dtype, offload=offload, device="cpu"))
+                                              param_dtype=dtype, offload=offload, device="cpu", **nodes))
         predicted = est.as_stats()
-        # Stage 3 between steps holds its chunks only; the estimate adds the peak of gathered buckets.
-        predicted["params"] -= est.gathered
-        predicted["on_device"] -= est.gathered
+        # Stage 3 between steps holds its chunks only; the estimate adds the peak of gathered buckets. Node-aware:
+        # the node chunks of buckets being reduced exist only in backward.
+        for key in ("params", "on_device"):
+            predicted[key] -= est.gathered
+        for key in ("staging", "on_device"):
+            predicted[key] -= est.in_flight
         where = f"{name} rbs={rbs} stage={stage} ws={world_size} {dtype} offload={offload}"
         assert set(predicted) == set(measured), where
         for key, value in measured.items():
@@ -88,3 +100,22 @@ def test_bad_estimate_input_names_the_fix():
         meta_model("shardopt.tools.gpt:GPT")
     with pytest.raises(ValueError, match="stage"):
         EstimateConfig(stage=4)
+    with pytest.raises(ValueError, match="ranks-per-node"):
+        EstimateConfig(world_size=4, node_aware=True)
+
+
+def test_node_aware_stage3_estimate():
+    """`shardopt estimate --node-aware --stage 3`: flat stage 3's memory (parameters, gradients and state 1/W),
+    not the hybrid's 1/K, plus the node chunks of buckets in flight; the CLI prints its row."""
+    from shardopt.tools import cli
+
+    shapes = [("w", (1000, 1000)), ("b", (1000,))]
+    node_aware = estimate(shapes, EstimateConfig(world_size=8, shards=2, node_aware=True, stage=3))
+    flat = estimate(shapes, EstimateConfig(world_size=8, stage=3))
+    hybrid = estimate(shapes, EstimateConfig(world_size=8, shards=2, stage=3))
+    for key in ("params", "grads", "optimizer_state", "gathered"):
+        assert getattr(node_aware, key) == getattr(flat, key), key
+    assert node_aware.optimizer_state < hybrid.optimizer_state / 3
+    assert node_aware.in_flight > 0 and node_aware.staging == flat.staging + node_aware.in_flight
+    assert cli.main(["estimate", "1M", "--world-size", "8", "--ranks-per-node", "2", "--node-aware",
+                     "--stage", "3"]) == 0

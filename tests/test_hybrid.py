@@ -126,6 +126,10 @@ def test_two_level_link_bytes_arithmetic():
     assert two_level_link_bytes(4, s) == 1.5 * s
     assert two_level_link_bytes(2, s, "int8") == pytest.approx(s / 4 * (1 + 4 / 256) / 2 + s / 2)
     assert two_level_link_bytes(1, s) == 0
+    # Stage 3 gathers the parameters twice: 3 (R-1)/R S against a flat ring's 3 (W-1)/W S.
+    assert two_level_link_bytes(2, s, param_gathers=2) == 1.5 * s
+    assert two_level_link_bytes(2, s, param_gathers=2) / (1.5 * ring_link_bytes(4, 2, s)) == pytest.approx(2 / 3)
+    assert two_level_link_bytes(2, s, "bfloat16", param_gathers=2) == 1.25 * s
 
 
 # ------------------------------------------------------------------ the int8 codec
@@ -286,7 +290,7 @@ class _Reference:
 
 
 def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8,
-           agbs=None, param_hop=None):
+           agbs=None, persist=0, param_hop=None):
     import shardopt
 
     torch.manual_seed(0)
@@ -301,13 +305,17 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         shape, where = (1, world_size), {}
     else:
         where = {"mesh": _mesh(shape)}
+    persistence = {"param_persistence_threshold": persist} if persist else {}
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
                                     allgather_bucket_size=agbs, overlap_gather=gather, inter_node_dtype=hop,
-                                    inter_node_param_dtype=param_hop, **where, **kw)
+                                    inter_node_param_dtype=param_hop, **where, **persistence, **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
-    if nodes is not None and stage < 3 and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
-                                            or opt.layout.nodes != nodes):
+    if nodes is not None and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
+                              or opt.layout.nodes != nodes):
         return [f"{nodes} nodes stage {stage}: node-aware collectives are not on ({opt.sharding.nodes})"]
+    # Stage 3 gathers its parameters in two levels, on groups of its own (not the engine's).
+    if nodes is not None and stage == 3 and not _two_level_param_gathers(opt, nodes):
+        return [f"{nodes} nodes stage 3: the parameter gathers are not two-level on groups of their own"]
     wrapper = shardopt.ShardedDDP(model, opt)
     micro = 2 if accum else 1
     failures, losses = [], []
@@ -349,10 +357,13 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         dist.all_gather(copies, mine, group=opt.sharding.replicate)
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: replicas hold different parameters")
-    # Node-aware: every rank holds the same parameters bit for bit (the parameter phase is exact).
-    if nodes is not None and stage < 3:
-        copies = [torch.empty_like(opt.flat_param) for _ in range(world_size)]
-        dist.all_gather(copies, opt.flat_param)
+    # Node-aware: every rank holds the same parameters bit for bit (the parameter phase is exact; at stage 3
+    # the whole weights each rank gathers).
+    if nodes is not None:
+        with opt.full_params(writeback=False):
+            mine = torch.cat([p.detach().reshape(-1) for p in opt._params])
+        copies = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(copies, mine)
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: ranks hold different parameters")
         # Parameters across nodes in bf16: every rank's model holds bf16 values, the masters fp32 ones.
@@ -364,10 +375,25 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
     if stage == 3 and (opt.param_shard.shard.numel() * shape[1] != opt.layout.total_numel
-                       or opt.param_shard.live_bytes()):
+                       or opt.param_shard.live_bytes() != _persistent_bytes(opt)):
         failures.append(f"{what}: parameter shard has {opt.param_shard.shard.numel()} elements (not 1/{shape[1]}) "
                         f"and {opt.param_shard.live_bytes()} bytes gathered between steps")
     return failures
+
+
+def _two_level_param_gathers(opt, nodes):
+    """Stage 3's ParamShard gathers in two levels over the node-aware shape, on a node and an across group of
+    its own (the bucket engine reduces on the optimizer's pair meanwhile)."""
+    ps, sh = opt.param_shard, opt.sharding
+    return (ps.nodes == sh.nodes and ps.nodes.replicas == nodes and ps.group is None
+            and dist.get_world_size(ps.across_group) == nodes
+            and dist.get_world_size(ps.node_group) == dist.get_world_size() // nodes
+            and ps.node_group is not sh.node and ps.across_group is not sh.across)
+
+
+def _persistent_bytes(opt):
+    """Stage 3: bytes of the buckets that stay gathered between steps (param_persistence_threshold)."""
+    return sum(b.numel for b in opt.layout.buckets if b.persistent) * opt.param_shard.full[0].element_size()
 
 
 class _null:
@@ -401,7 +427,7 @@ def _parity(rank, world_size, shapes):
     return out
 
 
-# ("nodes", R): flat sharding with node-aware collectives over R nodes (stage 3 falls back to flat ones).
+# ("nodes", R): flat sharding with node-aware collectives over R nodes (stage 3's parameter gathers too).
 @pytest.mark.parametrize("world_size,shapes", [(4, [(2, 2), (1, 4), ("nodes", 2)]), (2, [(2, 1), ("nodes", 2)])])
 def test_hybrid_matches_single_process(world_size, shapes):
     for rank, failures in enumerate(run_ranks(_parity, world_size, shapes, timeout=600)):
@@ -422,11 +448,17 @@ def _compressed(rank, world_size):
     # Node-aware flat sharding: its gradient phase compressed; and exact with partial gather spans
     # (allgather_bucket_size below the chunk: the two-level gather's staged path), stages 1 and 2.
     for hop in (torch.bfloat16, "int8"):
-        out += _train(rank, world_size, ("nodes", 2), "adamw", 2, 1000, torch.float32, 0.5, False, False, hop=hop)
+        for stage in (2, 3):
+            out += _train(rank, world_size, ("nodes", 2), "adamw", stage, 1000, torch.float32, 0.5, False, False,
+                          hop=hop)
     for stage, gather in ((1, True), (2, False)):
         out += _train(rank, world_size, ("nodes", 2), "sgd", stage, 1000, torch.float32, 0.3, True, gather,
                       agbs=300)
+    # Stage 3 node-aware with small parameters persistent (refreshed by a two-level gather after each step).
+    out += _train(rank, world_size, ("nodes", 2), "sgd", 3, 300, torch.float32, 0.3, True, False, persist=40)
+    out += _two_level_gather(rank, world_size)
     out += _meta_on_a_mesh(rank)
+    out += _meta_on_a_mesh(rank, ("nodes", 2))
     torch.manual_seed(0)
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-2, reduce_bucket_size=1000, mesh=_mesh((2, 2)),
@@ -451,9 +483,10 @@ def _compressed(rank, world_size):
     return out
 
 
-def _meta_on_a_mesh(rank):
-    """Stage 3 on a 2 x 2 mesh builds a meta-device model shard by shard: the eager build's values, and
-    each rank holds 1/K of them."""
+def _meta_on_a_mesh(rank, shape=(2, 2)):
+    """Stage 3 on a 2 x 2 mesh (or node-aware over 2 nodes: each rank keeps its chunk in the node-aware
+    order) builds a meta-device model shard by shard: the eager build's values, and each rank holds 1/K
+    (1/W) of them."""
     import shardopt
 
     torch.manual_seed(0)
@@ -462,14 +495,52 @@ def _meta_on_a_mesh(rank):
     with torch.device("meta"):
         lazy = AwkwardNet()
     opt = shardopt.ShardedOptimizer(lazy.parameters(), lr=1e-2, stage=3, reduce_bucket_size=300,
-                                    mesh=_mesh((2, 2)))
+                                    **_where(shape, dist.get_world_size()))
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(lazy, opt)
-    out = []
+    out = [] if (opt.sharding.nodes is not None) == (shape[0] == "nodes") else [f"meta {shape}: {opt.sharding}"]
     if opt.param_shard.peak_live >= opt.layout.total_numel * 4:
         out.append(f"meta on a mesh: {opt.param_shard.peak_live} bytes gathered at once while building")
     got = wrapper.module.state_dict()  # whole weights (a collective)
     out += [f"meta on a mesh: {k} differs from the eager build" for k, v in eager.state_dict().items()
             if not torch.equal(v, got[k])]
+    return out
+
+
+def _two_level_gather(rank, world_size):
+    """comm.start_two_level_all_gather on its own, 2 nodes x 2 ranks: rank r's input lands at chunk
+    chunk_index(r) (Note [Node-aware chunk order]), bit for bit, in place and not, fp32 and bf16, several in
+    flight; an input that overlaps the output elsewhere is refused before anything is sent."""
+    from shardopt.layout import chunk_index
+    from shardopt.parallel import comm
+    from shardopt.parallel.mesh import two_level_groups
+    from shardopt.parallel.mesh_plan import MeshShape
+
+    out = []
+    node, across = two_level_groups(MeshShape(2, 2), dist.group.WORLD)
+    for dtype, n in ((torch.float32, 1000), (torch.bfloat16, 77), (torch.float32, 3 * 2**18 + 5)):
+        inputs = [torch.arange(n, dtype=torch.float32).mul_(0.5).add_(1000 * r).to(dtype) for r in range(world_size)]
+        want = torch.empty(world_size * n, dtype=dtype)
+        for r in range(world_size):
+            c = chunk_index(r, world_size, 2)
+            want[c * n:(c + 1) * n] = inputs[r]
+        apart = torch.full((world_size * n,), -1.0, dtype=dtype)
+        in_place = torch.full((world_size * n,), -1.0, dtype=dtype)
+        c = chunk_index(rank, world_size, 2)
+        in_place[c * n:(c + 1) * n] = inputs[rank]
+        handles = [comm.start_two_level_all_gather(inputs[rank], apart, node, across),
+                   comm.start_two_level_all_gather(in_place[c * n:(c + 1) * n], in_place, node, across)]
+        for name, got in zip(("apart", "in place"), comm.finish(handles)):
+            if not torch.equal(got, want):
+                out.append(f"two-level all-gather {name} {dtype} n={n}: wrong chunks")
+    buf = torch.zeros(world_size * 8)
+    other = (chunk_index(rank, world_size, 2) + 1) % world_size
+    try:
+        comm.start_two_level_all_gather(buf[other * 8:(other + 1) * 8], buf, node, across)
+        out.append("an input overlapping another chunk of the output was accepted")
+    except ValueError as e:
+        if "in-place" not in str(e):
+            out.append(f"two-level all-gather: unclear error {e}")
     return out
 
 
@@ -560,10 +631,13 @@ def _ckpt_loads_then_saves(rank, world_size, path, loads, saves):
 def test_checkpoints_move_between_meshes_and_flat(tmp_path):
     # One launch per world size (several meshes per process) keeps this test short.
     path = str(tmp_path)
-    files = run_ranks(_ckpt_saves, 4, path, [((2, 2),), (None,), ((2, 2), 3), (("nodes", 2),)], timeout=300)[0]
-    # Node-aware 2 x 2 -> flat at 3 ranks; and a node-aware 3 x 1 save, read below at 2 x 2 (one launch).
-    for rank, failures in enumerate(run_ranks(_ckpt_loads_then_saves, 3, path, [(("nodes", 2), None)],
-                                              [(("nodes", 3),)], timeout=300)):
+    files = run_ranks(_ckpt_saves, 4, path, [((2, 2),), (None,), ((2, 2), 3), (("nodes", 2),), (("nodes", 2), 3)],
+                      timeout=300)[0]
+    # Node-aware 2 x 2 -> flat at 3 ranks (stage 3 too, and node-aware 3 x 1 at stage 3); and node-aware 3 x 1
+    # saves, read below at 2 x 2 (one launch).
+    loads3 = [(("nodes", 2), None), (("nodes", 2), None, 3, 3), (("nodes", 2), ("nodes", 3), 3, 3)]
+    for rank, failures in enumerate(run_ranks(_ckpt_loads_then_saves, 3, path, loads3,
+                                              [(("nodes", 3),), (("nodes", 3), 3)], timeout=300)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
     # Only the first replica writes: one rank file per shard, not per rank; stage 3 on a mesh too.
     for listing in (files[0], files[2]):
@@ -571,7 +645,10 @@ def test_checkpoints_move_between_meshes_and_flat(tmp_path):
     # (saved mesh, load mesh[, saved stage, load stage]): stage-3 checkpoints are the same format, read at
     # any stage and shape.
     cases4 = [((2, 2), None), (None, (2, 2)), ((2, 2), (1, 4)), ((2, 2), None, 3, 2), (None, (2, 2), 2, 3),
-              (("nodes", 2), (2, 2)), (("nodes", 3), ("nodes", 2)), (None, ("nodes", 2)), (("nodes", 2), None, 2, 3)]
+              (("nodes", 2), (2, 2)), (("nodes", 3), ("nodes", 2)), (None, ("nodes", 2)), (("nodes", 2), None, 2, 3),
+              # Node-aware stage 3: flat at the same world size, back from 3 x 1, from a mesh, to stage 2.
+              (("nodes", 2), None, 3, 3), (("nodes", 3), ("nodes", 2), 3, 3), ((2, 2), ("nodes", 2), 3, 3),
+              (("nodes", 2), ("nodes", 2), 3, 2)]
     for rank, failures in enumerate(run_ranks(_ckpt_loads, 4, path, cases4, timeout=300)):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
     cases2 = [((2, 2), (2, 1)), ((2, 2), (2, 1), 3, 3)]
@@ -721,7 +798,6 @@ def _refusals(rank, world_size):
     refused("node_aware must be", node_aware="yes")
     refused("node_aware=True is for flat", node_aware=True, mesh=mesh)
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    refused("stage 3", node_aware=True, stage=3)
     refused("OneBitAdam", node_aware=True, optim=shardopt.OneBitAdam)
     # Parameters across nodes in bf16: only where node-aware flat sharding sends fp32 parameters across.
     refused("must be None", inter_node_param_dtype="int8")
@@ -735,19 +811,26 @@ def _refusals(rank, world_size):
     except ValueError as e:
         if "already cross" not in str(e):
             out.append(f"inter_node_param_dtype on a bf16 model: unclear error {e}")
-    # ... and left off, with a log line, when not asked for; on by default otherwise.
-    if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3).sharding.nodes is not None:
-        out.append("stage 3 got node-aware collectives")
+    # ... and left off, with a log line, when not asked for; on by default otherwise, stage 3 included
+    # (asked for, too), whose parameter gathers are two-level on groups of its own.
     sharding = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3).sharding
     if sharding.nodes is None:
         out.append("node-aware collectives are not on by default at LOCAL_WORLD_SIZE=2 of 4")
-    # Its subgroups fail within the world's timeout, not c10d's default 30 minutes (a lost node).
+    s3 = [shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3, **kw)
+          for kw in ({}, {"node_aware": True})]
+    if not all(o.sharding.nodes is not None and _two_level_param_gathers(o, 2) for o in s3):
+        out.append(f"stage 3 did not get node-aware collectives: {[o.sharding for o in s3]}")
+    # Its subgroups (the parameter shard's too) fail within the world's timeout, not c10d's default 30
+    # minutes (a lost node); so does stage 3's flat gather group.
     from shardopt.parallel.mesh import _group_timeout
     world_timeout = _group_timeout(dist.group.WORLD)
+    flat3 = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3, node_aware=False).param_shard
+    groups = [sharding.node, sharding.across, s3[0].param_shard.node_group, s3[0].param_shard.across_group,
+              flat3.group]
     if world_timeout is None or world_timeout.total_seconds() >= 1800 or \
-            {_group_timeout(sharding.node), _group_timeout(sharding.across)} != {world_timeout}:
-        out.append(f"node-aware groups' timeouts {_group_timeout(sharding.node)} / {_group_timeout(sharding.across)}"
-                   f" differ from the world's {world_timeout}")
+            {_group_timeout(g) for g in groups} != {world_timeout}:
+        out.append(f"node-aware groups' timeouts {[_group_timeout(g) for g in groups]} differ from the world's "
+                   f"{world_timeout}")
     if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, node_aware=False).sharding.nodes is not None:
         out.append("node_aware=False was ignored")
     # Ranks that disagree on the mesh: every rank is told, before any group is built.

@@ -9,6 +9,7 @@ parameters live differs.
 """
 import contextlib
 import copy
+import os
 import time
 
 import pytest
@@ -32,7 +33,7 @@ def _train(rank, world_size, cfg):
     import shardopt
 
     cfg = dict(dict(optim="adamw", net="stack", rbs=1000, accum="none", clip=True, checkpoint=False,
-                    reshard=True, prefetch=None, max_live=None, persist=0, offload="none"), **cfg)
+                    reshard=True, prefetch=None, max_live=None, persist=0, offload="none", nodes=None), **cfg)
     cls, kw = _opt_kwargs(cfg["optim"])
     torch.manual_seed(0)
     base = StackNet() if cfg["net"] == "stack" else AwkwardNet()
@@ -43,10 +44,16 @@ def _train(rank, world_size, cfg):
     if cfg["offload"] == "cpu":
         kw = dict(kw, adamw=True) if cls is torch.optim.AdamW else kw
         cls = shardopt.CPUAdam if cls is torch.optim.AdamW else cls
+    if cfg["nodes"]:  # ranks on several nodes (as torchrun says): node-aware collectives, on by default
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size // cfg["nodes"])
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=cls, stage=3, reduce_bucket_size=cfg["rbs"],
                                     reshard_after_forward=cfg["reshard"], prefetch_bucket_size=cfg["prefetch"],
                                     max_live_parameters=cfg["max_live"],
                                     param_persistence_threshold=cfg["persist"], offload=cfg["offload"], **kw)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if cfg["nodes"] and not (opt.sharding.nodes is not None and opt.param_shard.nodes == opt.sharding.nodes
+                             and opt.sharding.nodes.replicas == cfg["nodes"] and opt.param_shard.group is None):
+        return [f"node-aware collectives are not on for stage 3's gathers ({opt.sharding.nodes})"], 0, 0
     sharded = shardopt.ShardedDDP(model, opt)
     loss_fn = torch.nn.CrossEntropyLoss()
     failures, most_live = [], 0
@@ -106,9 +113,17 @@ CONFIGS = [
 ]
 
 
+# Ranks on 2 nodes of 2 (LOCAL_WORLD_SIZE=2 at 4 ranks): node-aware collectives (Note [Two-level
+# collectives]), the parameter gathers two-level; the same bar as flat (only the summation order differs).
+NODE_CONFIGS = [
+    dict(optim="sgd", rbs=300, accum="accumulate", clip=False, persist=100, checkpoint=True, nodes=2),
+    dict(optim="adamw", rbs=1000, accum="no_sync", reshard=False, prefetch=2000, max_live=3000, nodes=2),
+]
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_stage3_matches_ddp(world_size):
-    configs = CONFIGS if world_size == 2 else CONFIGS[world_size % 2::2]
+    configs = CONFIGS if world_size == 2 else CONFIGS[world_size % 2::2] + (NODE_CONFIGS if world_size == 4 else [])
     results = run_ranks(_matrix, world_size, configs, timeout=600)
     for cfg in results[0]:
         for rank, res in enumerate(results):

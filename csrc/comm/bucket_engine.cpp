@@ -7,6 +7,7 @@
 
 #include "../precision/unscale.h"
 #include "ring.h"
+#include "two_level.h"
 
 namespace shardopt {
 
@@ -220,6 +221,7 @@ int64_t BucketEngine::acquire_slot() {
   if (wait_for_staging_) {
     while (free_slots_.empty() && !inflight_.empty()) free_a_slot();
   } else {
+    release_reduced_slots();
     while (free_slots_.empty() && !inflight_.empty() && oldest_done_soon()) finish_oldest();
   }
   if (free_slots_.empty()) {
@@ -401,6 +403,21 @@ void BucketEngine::free_a_slot() {
   finish_oldest();
 }
 
+// Stage 3 with two-level reductions: a bucket's staging buffer is read only by
+// its in-node reduce-scatter (the node chunk crosses the link from a buffer of
+// its own), so every one whose in-node phase is done is taken back at once,
+// without waiting: the pool does not grow while the slow link is busy.
+void BucketEngine::release_reduced_slots() {
+  if (!node_pg_) return;
+  for (auto& f : inflight_) {
+    if (f.slot < 0 || (f.work && !f.work->isCompleted())) continue;
+    wait(f.work, "reduce-scatter", f.bucket);  // done: returns at once, or rethrows its failure
+    f.work.reset();
+    free_slots_.push_back(f.slot);
+    f.slot = -1;
+  }
+}
+
 void BucketEngine::finish_oldest() {
   InFlight f = std::move(inflight_.front());
   inflight_.pop_front();
@@ -524,16 +541,14 @@ void BucketEngine::start_all_gather_params(const at::Tensor& flat) {
 // The mirror of the two-level reduction, one span at a time: the R ranks of
 // this local rank gather their chunks' span into the node chunk's (across the
 // link), then the node's K ranks gather those (inside the node), chained on the
-// node group's worker. A whole-chunk span is gathered in place; a partial one
-// through two staging buffers, copied into the bucket's strided rows at finish.
-// With a narrower gather dtype (Note [Parameters across nodes in bf16] in
-// shardopt/parallel/mesh_plan.py) the phase across the link carries this
-// rank's span rounded to it (written back into the rank's own chunk, so that
-// the owner holds what everyone else receives), and the node chunk is widened
-// on the worker before the phase inside the node (or at finish, with one rank
-// per node).
+// node group's worker (comm::start_two_level_all_gather, csrc/comm/two_level.h,
+// which stage 3's parameter gathers use too). A whole-chunk span is gathered in
+// place; a partial one through a staging buffer in chunk order, copied into the
+// bucket's strided rows at finish. With a narrower gather dtype (Note
+// [Parameters across nodes in bf16] in shardopt/parallel/mesh_plan.py) the
+// phase across the link carries the spans in it, and every rank, this chunk's
+// owner included, ends with the rounded values.
 void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
-  const int64_t k = node_pg_->getSize();
   for (size_t i = 0; i < plan_.gather_bucket.size(); ++i) {
     const int64_t b = plan_.gather_bucket[i];
     const int64_t chunk = plan_.bucket_numel[b] / world_size_;
@@ -541,34 +556,10 @@ void BucketEngine::start_two_level_gathers(const at::Tensor& flat) {
     auto bucket = flat.narrow(0, plan_.bucket_start[b], plan_.bucket_numel[b]);
     auto rows = bucket.view({world_size_, chunk}).narrow(1, lo, span);  // chunk c = local * R + node
     auto mine = rows.select(0, local_ * nodes_ + node_);
-    at::Tensor staged, node_rows;
-    if (rows.is_contiguous()) {
-      node_rows = bucket.narrow(0, local_ * nodes_ * chunk, nodes_ * chunk);
-    } else {
-      staged = at::empty({world_size_, span}, flat.options());  // rows in chunk order, like `rows`
-      node_rows = k == 1 ? staged.view({-1}) : at::empty({nodes_ * span}, flat.options());
-    }
-    Gather g{c10::intrusive_ptr<c10d::Work>(), b, rows, staged};
-    c10::intrusive_ptr<c10d::Work> across;
-    std::function<void()> widen;
-    if (gather_dtype_) {
-      auto low_mine = mine.to(*gather_dtype_);
-      mine.copy_(low_mine);
-      auto low_rows = at::empty({nodes_ * span}, flat.options().dtype(*gather_dtype_));
-      across = comm::start_all_gather_auto(across_pg_, low_mine, low_rows, impl_);
-      if (k == 1) {
-        g.low = low_rows;
-        g.widened = node_rows;
-      } else {
-        widen = [low_rows, node_rows]() mutable { node_rows.copy_(low_rows); };
-      }
-    } else {
-      across = comm::start_all_gather_auto(across_pg_, mine, node_rows, impl_);
-    }
-    g.work = k == 1 ? across
-                    : comm::start_all_gather_after(node_pg_, across, node_rows,
-                                                   staged.defined() ? staged.view({-1}) : bucket, std::move(widen));
-    gathers_.push_back(std::move(g));
+    at::Tensor staged = rows.is_contiguous() ? at::Tensor() : at::empty({world_size_, span}, flat.options());
+    auto work = comm::start_two_level_all_gather(node_pg_, across_pg_, mine,
+                                                 staged.defined() ? staged.view({-1}) : bucket, impl_, gather_dtype_);
+    gathers_.push_back(Gather{std::move(work), b, rows, staged});
     n_all_gathers_ += 2;
   }
 }
@@ -581,7 +572,6 @@ void BucketEngine::finish_gather(Gather& gth) {
   gth = Gather{};
   --pending_gathers_;
   wait(done.work, "all-gather", done.bucket);
-  if (done.low.defined()) done.widened.copy_(done.low);
   if (done.staged.defined()) done.rows.copy_(done.staged);
 }
 

@@ -182,7 +182,6 @@ class BucketEngine {
     int64_t bucket;
     at::Tensor rows;    // where the result belongs: [world_size, n], contiguous rows
     at::Tensor staged;  // defined when rows is strided: gathered here, copied to rows after
-    at::Tensor low, widened;  // one node per rank: the narrow phase's result, widened into `widened` at finish
   };
 
   at::Tensor chunk_view(int64_t bucket) const;
@@ -196,6 +195,7 @@ class BucketEngine {
   bool oldest_is_done() const;
   bool oldest_done_soon() const;
   void free_a_slot();
+  void release_reduced_slots();
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
   void launch_two_level(int64_t bucket, const at::Tensor& input, InFlight& f);

@@ -7,6 +7,7 @@
 #include "int8_codec.h"
 #include "replica_hop.h"
 #include "ring.h"
+#include "two_level.h"
 
 namespace py = pybind11;
 
@@ -33,6 +34,15 @@ void init_ring_bindings(py::module& m) {
         py::arg("group"), py::arg("input"), py::arg("output"), py::arg("impl") = "auto", nogil,
         "Starts an all-gather of every rank's 1-D `input` into `output`, in rank order; returns\n"
         "a Work. `input` may be output's chunk `rank` (in place). See csrc/comm/ring.h.");
+  m.def("two_level_all_gather",
+        [](const GroupPtr& node, const GroupPtr& across, at::Tensor input, at::Tensor output,
+           const std::string& impl) {
+          return comm::start_two_level_all_gather(node, across, input, output, comm::parse_impl(impl));
+        },
+        py::arg("node"), py::arg("across"), py::arg("input"), py::arg("output"), py::arg("impl") = "auto", nogil,
+        "Starts the node-aware all-gather (Note [Two-level collectives]): across the nodes among the ranks\n"
+        "of this local rank into the node chunk, then inside the node; `output` gets rank (node i, local j)'s\n"
+        "input at chunk j * nodes + i. Returns a Work. See csrc/comm/two_level.h.");
   m.def("ring_is_default", &comm::ring_is_default, py::arg("group"), nogil,
         "Whether impl=\"auto\" picks the ring for CPU tensors of this group.");
   m.def("replica_all_reduce",

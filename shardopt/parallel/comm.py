@@ -3,7 +3,8 @@
 Thin wrappers over the C++ collectives in csrc/comm/ring.h: on gloo a pipelined
 ring over the group's send/recv (from 4 MB buckets up, 1.5-5x faster than torch's
 reduce_scatter_tensor and 1.1-3.7x faster than all_gather_into_tensor there; see
-benchmarks/results/2026-11-22-collectives.md), elsewhere the group's native collectives.
+benchmarks/results/2026-11-22-collectives.md), elsewhere the group's native collectives;
+and the node-aware all-gather over ranks on several nodes (csrc/comm/two_level.h).
 
     h = start_reduce_scatter(flat_grad, grad_chunk)   # returns at once
     ...                                              # compute meanwhile
@@ -64,9 +65,25 @@ def start_all_gather(input, output, group=None, impl="auto"):
     return CollectiveHandle(_C.ring_all_gather(_resolve(group), input, output, impl), output)
 
 
+def start_two_level_all_gather(input, output, node_group, across_group, impl="auto"):
+    """Starts the node-aware all-gather (Note [Two-level collectives] in mesh_plan.py); returns a CollectiveHandle.
+
+    W = R * K ranks on R nodes of K, rank = node * K + local; `node_group` is
+    this rank's node, `across_group` the R ranks with this local rank. output
+    (W * input.numel() elements) gets rank (node i, local j)'s input at chunk
+    j * R + i (Note [Node-aware chunk order] in layout.py): the ranks of
+    `across_group` gather into node chunk j across the link, then each node
+    gathers its K node chunks inside. `input` may be output's own chunk (in
+    place). impl applies to the first phase; the second is the ring, chained
+    after it (csrc/comm/two_level.h).
+    """
+    return CollectiveHandle(_C.two_level_all_gather(node_group, across_group, input, output, impl), output)
+
+
 def finish(handles):
     """Waits for every handle in order (the order they run in); returns their outputs."""
     return [h.wait() for h in handles]
 
 
-__all__ = ["CollectiveHandle", "IMPLS", "finish", "start_all_gather", "start_reduce_scatter"]
+__all__ = ["CollectiveHandle", "IMPLS", "finish", "start_all_gather", "start_reduce_scatter",
+           "start_two_level_all_gather"]

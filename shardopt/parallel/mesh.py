@@ -122,6 +122,17 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
             logger.warning("shardopt: ranks span %d nodes, but node-aware collectives are not built for %s: "
                            "flat collectives (each gradient crosses the link as with DDP)", shape.replicas, why_not)
         return _flat(group)
+    node, across = two_level_groups(shape, group)
+    return dataclasses.replace(_flat(group), nodes=shape, node=node, across=across)
+
+
+def two_level_groups(shape: MeshShape, group) -> tuple:
+    """A new (node, across) pair of process groups for node-aware collectives over `group` (the world, W = R * K
+    ranks, rank = node * K + local): this rank's node, and the ranks with its local rank on every node.
+
+    Collective over every rank of `group` (call it in the same order everywhere). Stage 3 makes a pair of its
+    own for its parameter gathers, which run beside the bucket engine's reductions on the first pair
+    (sharded_param.py)."""
     # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
     # fail every survivor within the timeout the user gave init_process_group.
     timeout = _group_timeout(group)
@@ -129,7 +140,13 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
                                                 timeout=timeout)
     across, _ = dist.new_subgroups_by_enumeration([shape.replicate_ranks(j) for j in range(shape.shards)],
                                                   timeout=timeout)
-    return dataclasses.replace(_flat(group), nodes=shape, node=node, across=across)
+    return node, across
+
+
+def copy_group(group):
+    """A new process group of `group`'s ranks with `group`'s timeout (only those ranks call it)."""
+    return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True,
+                          timeout=_group_timeout(group))
 
 
 def _group_timeout(group):

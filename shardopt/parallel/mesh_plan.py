@@ -57,6 +57,16 @@ DDP. Node-aware ("two-level") collectives send the hybrid's bytes instead:
 Per node 2 (R-1)/R * S, the hybrid's, with flat's memory. The gradient phase
 may be compressed (inter_node_dtype: bf16, or int8 with error feedback); the
 parameter phase never is, so every rank holds the same parameters bit for bit.
+
+Stage 3 keeps only its 1/W chunk of the parameters and gathers a bucket
+before each use, in forward and again in backward (Note [Stage-3 schedule] in
+prefetch.py): both gathers are this two-level gather (csrc/comm/two_level.h,
+on groups of the parameter shard's own, beside the engine's reductions), so a
+node sends 3 (R-1)/R * S per step (gradient phase + two parameter gathers; less
+the buckets backward starts with, gathered once: Note [The seam between
+forward and backward] in sharded_param.py) where a flat ring sends
+3 (W-1)/W * S, with parameters, gradients and optimizer state at 1/W.
+
 Exactness: every sum is the fp32 sum of the same W addends as a flat ring's,
 only grouped differently (node sums first), so results equal flat sharding's
 up to summation order: the parity bar is that of any two reduction orders
@@ -210,13 +220,14 @@ def ring_link_bytes(world_size: int, ranks_per_node: int, grad_bytes: int) -> fl
 
 
 def two_level_link_bytes(nodes: int, grad_bytes: int, hop_dtype: str | None = None,
-                         param_bytes: int | None = None) -> float:
+                         param_bytes: int | None = None, param_gathers: int = 1) -> float:
     """Bytes one node sends over its link per step with node-aware flat sharding (Note [Two-level collectives]).
 
     (R-1)/R of the gradient in the hop's format, then (R-1)/R of the parameters
-    (param_bytes; default grad_bytes) in their own dtype.
+    (param_bytes; default grad_bytes) in their own dtype, param_gathers times
+    (stage 3: 2, before forward and before backward).
     """
     if nodes <= 1:
         return 0.0
     one_way = hop_link_bytes(MeshShape(nodes, 1), grad_bytes, hop_dtype) / 2
-    return one_way + (nodes - 1) / nodes * (grad_bytes if param_bytes is None else param_bytes)
+    return one_way + param_gathers * (nodes - 1) / nodes * (grad_bytes if param_bytes is None else param_bytes)

@@ -1,0 +1,42 @@
+#include "two_level.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+namespace shardopt::comm {
+
+WorkPtr start_two_level_all_gather(const GroupPtr& node, const GroupPtr& across, at::Tensor input,
+                                   at::Tensor output, Impl impl, std::optional<at::ScalarType> across_dtype) {
+  constexpr const char* op = "two-level all_gather";
+  TORCH_CHECK(node && across, op, ": the node group and the across-nodes group must both be given");
+  TORCH_CHECK_VALUE(input.defined() && output.defined() && input.dim() == 1 && output.dim() == 1, op,
+                    ": input and output must be 1-D tensors");
+  const int64_t k = node->getSize(), r = across->getSize(), n = input.numel();
+  const int64_t local = node->getRank(), at_node = across->getRank();
+  TORCH_CHECK_VALUE(output.numel() == n * k * r, op, ": output numel ", output.numel(), " must be (ranks per node ",
+                    k, ") * (nodes ", r, ") * input numel ", n);
+  // The in-place form is output's chunk local * R + node (Note [Node-aware chunk order]); any other
+  // overlap would be overwritten before it is sent.
+  const int64_t mine = local * r + at_node;
+  if (n > 0 && input.data_ptr() != output.narrow(0, mine * n, n).data_ptr()) {
+    TORCH_CHECK_VALUE(at::get_overlap_status(output, input) == at::MemOverlapStatus::No, op,
+                      ": input overlaps output but is not exactly its chunk ", mine, " (output[", mine * n, ":",
+                      (mine + 1) * n, "], chunk local * nodes + node); only that in-place form is supported");
+  }
+  if (r == 1) return start_all_gather_auto(node, input, output, impl);  // one node: a flat gather
+  auto node_chunk = output.narrow(0, local * r * n, r * n);
+  if (across_dtype && *across_dtype != input.scalar_type()) {
+    auto narrow_in = input.to(*across_dtype);
+    auto narrow_chunk = at::empty({r * n}, input.options().dtype(*across_dtype));
+    auto first = start_all_gather_auto(across, narrow_in, narrow_chunk, impl);
+    // Widened on the node group's worker once the first phase is done; with one rank per node the
+    // phase inside the node is then an in-place no-op (a ring of one), kept so that wait() covers it.
+    return start_all_gather_after(node, std::move(first), node_chunk, output,
+                                  [narrow_chunk, node_chunk]() mutable { node_chunk.copy_(narrow_chunk); });
+  }
+  auto first = start_all_gather_auto(across, input, node_chunk, impl);
+  if (k == 1) return first;  // one rank per node: the node chunk is the whole output
+  return start_all_gather_after(node, std::move(first), node_chunk, output);
+}
+
+}  // namespace shardopt::comm
