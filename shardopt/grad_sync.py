@@ -19,6 +19,7 @@ import torch.distributed as dist
 from shardopt import _ext
 from shardopt.config import ShardConfig
 from shardopt.layout import Layout
+from shardopt.parallel import comm
 from shardopt.sharded_grad import GradShard, ShardedGrad
 
 _GRAD = operator.attrgetter("grad")
@@ -174,7 +175,7 @@ class GradSync:
         n = len(self.params)
         stats = torch.cat([self.had_grad().double(), self.shard.local_square_norms()])
         if dist.get_world_size(self.world_group) > 1:
-            dist.all_reduce(stats, group=self.world_group)
+            comm.all_reduce(stats, self.world_group, "end-of-backward (which parameters have gradients, their norms)")
         self.shard.set_norms(2.0, (stats[n:] / self.replicas).sqrt())
         has = (stats[:n] > 0).tolist()
         self.handles_out = True
@@ -235,7 +236,7 @@ class GradSync:
             flags = torch.cat([used.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
                                engine.found_nonfinite().cpu().to(torch.int32)])
             if dist.get_world_size(self.world_group) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.world_group)
+                comm.all_reduce(flags, self.world_group, "gradient flags", op=dist.ReduceOp.MAX)
             backwards, found = flags[-2:].tolist()
             if backwards == 0:
                 raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "

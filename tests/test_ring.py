@@ -245,3 +245,22 @@ def test_dead_peer_makes_wait_raise(how):
         assert elapsed > GROUP_TIMEOUT * 0.9, f"gave up after {elapsed:.1f}s, before the group timeout"
     assert later < 1.0, f"the op after the failure took {later:.1f}s to fail"
 
+
+
+def _native_peer_fails(rank, world_size):
+    """Rank 1 idles past the group's timeout while rank 0 is in a native all-reduce (gloo's own, as the
+    end-of-backward flags are): rank 0's error must say a peer is probably gone and what was reduced, not
+    only gloo's "Timed out waiting ...ms for send operation"."""
+    from shardopt.parallel import comm
+
+    if rank == 1:
+        time.sleep(GROUP_TIMEOUT + 2)
+        return None
+    with pytest.raises(RuntimeError) as err:  # gloo's own type (RuntimeError or DistBackendError), kept
+        comm.all_reduce(torch.ones(4), dist.group.WORLD, "end-of-backward")
+    return str(err.value)
+
+
+def test_native_all_reduce_failure_names_the_cause():
+    msg, _ = run_ranks(_native_peer_fails, 2, timeout=60, collective_timeout=GROUP_TIMEOUT)
+    assert "the end-of-backward all-reduce failed on rank 0" in msg and "peer rank has probably exited" in msg, msg

@@ -80,10 +80,27 @@ def start_two_level_all_gather(input, output, node_group, across_group, impl="au
     return CollectiveHandle(_C.two_level_all_gather(node_group, across_group, input, output, impl), output)
 
 
+def all_reduce(tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
+    """torch's dist.all_reduce (gloo's or NCCL's own), whose failure names what was being reduced and the
+    likely cause, as the ring's errors do: gloo alone says "Timed out waiting ...ms for send operation to
+    complete" when a peer or its node is gone."""
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except RuntimeError as e:
+        msg = (f"shardopt: the {what} all-reduce failed on rank {dist.get_rank()}: {e}\nA peer rank has probably "
+               f"exited, crashed, lost its link, or is not running the same sequence of backward()/step() calls; "
+               f"see the other ranks' logs.")
+        try:
+            err = type(e)(msg)
+        except Exception:  # noqa: BLE001 - an error type that takes no message
+            err = RuntimeError(msg)
+        raise err from e
+
+
 def finish(handles):
     """Waits for every handle in order (the order they run in); returns their outputs."""
     return [h.wait() for h in handles]
 
 
-__all__ = ["CollectiveHandle", "IMPLS", "finish", "start_all_gather", "start_reduce_scatter",
+__all__ = ["CollectiveHandle", "IMPLS", "all_reduce", "finish", "start_all_gather", "start_reduce_scatter",
            "start_two_level_all_gather"]
