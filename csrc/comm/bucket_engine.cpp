@@ -392,10 +392,7 @@ void BucketEngine::free_a_slot() {
   for (auto& f : inflight_) {
     if (f.slot < 0) continue;
     if (f.hop && (f.direct || node_pg_)) {
-      wait(f.work, "reduce-scatter", f.bucket);
-      f.work.reset();
-      free_slots_.push_back(f.slot);
-      f.slot = -1;
+      give_back_slot(f);
       return;
     }
     break;
@@ -411,11 +408,17 @@ void BucketEngine::release_reduced_slots() {
   if (!node_pg_) return;
   for (auto& f : inflight_) {
     if (f.slot < 0 || (f.work && !f.work->isCompleted())) continue;
-    wait(f.work, "reduce-scatter", f.bucket);  // done: returns at once, or rethrows its failure
-    f.work.reset();
-    free_slots_.push_back(f.slot);
-    f.slot = -1;
+    give_back_slot(f);  // its reduce-scatter is done: the wait returns at once, or rethrows its failure
   }
+}
+
+// A bucket whose in-node reduce-scatter no longer needs its staging buffer
+// (the rest of its reduction reads a buffer of its own) gives the buffer back.
+void BucketEngine::give_back_slot(InFlight& f) {
+  wait(f.work, "reduce-scatter", f.bucket);
+  f.work.reset();
+  free_slots_.push_back(f.slot);
+  f.slot = -1;
 }
 
 void BucketEngine::finish_oldest() {

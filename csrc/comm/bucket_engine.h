@@ -196,6 +196,7 @@ class BucketEngine {
   bool oldest_done_soon() const;
   void free_a_slot();
   void release_reduced_slots();
+  void give_back_slot(InFlight& f);
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
   void launch_two_level(int64_t bucket, const at::Tensor& input, InFlight& f);

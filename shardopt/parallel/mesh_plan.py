@@ -56,7 +56,8 @@ DDP. Node-aware ("two-level") collectives send the hybrid's bytes instead:
 
 Per node 2 (R-1)/R * S, the hybrid's, with flat's memory. The gradient phase
 may be compressed (inter_node_dtype: bf16, or int8 with error feedback); the
-parameter phase never is, so every rank holds the same parameters bit for bit.
+parameter phase is exact unless asked (Note [Parameters across nodes in
+bf16]), and either way every rank holds the same parameters bit for bit.
 
 Stage 3 keeps only its 1/W chunk of the parameters and gathers a bucket
 before each use, in forward and again in backward (Note [Stage-3 schedule] in
