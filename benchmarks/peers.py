@@ -265,11 +265,12 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
     from shardopt.parallel.mesh_plan import MeshShape, hop_link_bytes, ring_link_bytes, two_level_link_bytes
 
     if kind.startswith("shardopt-2-onebit"):
-        # Note [1-bit Adam under ZeRO]: 1-bit messages from each rank to every rank of the other nodes
-        # ((W-K) K / W of the gradient's elements per node at 1/8 byte + a scale per 1024), then the
-        # parameters' ring all-gather, (W-1)/W S.
+        # Note [1-bit Adam under ZeRO]: 1-bit messages from each rank to every rank of the other nodes,
+        # twice (the rows to their owners, then each owner's mean to every rank): 2 (W-K) K / W of the
+        # gradient's elements per node at 1/8 byte + a scale per 1024; then the parameters' ring
+        # all-gather, (W-1)/W S.
         elements = grad_bytes / 4
-        return (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
+        return 2 * (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
             + ring_link_bytes(world, per_node, grad_bytes) / 2
     parts = kind.split("-")
     flat_sharding = parts[0] == "shardopt" and parts[1] in ("1", "2", "3")

@@ -13,8 +13,8 @@ Note [1-bit Adam under ZeRO]
 Adam's variance v and communicates only the momentum, one sign bit per element and a scale, with
 error feedback: what a compression loses is kept and added to the same elements next time, so the
 errors do not accumulate. In DeepSpeed every worker holds the whole momentum m and all-reduces its
-local momentum b1*m + (1-b1)*g_i; under ZeRO no rank holds the whole m, rank r owns the shard of
-every bucket's chunk r (layout.py), and m is the same on every rank that holds it. So:
+local momentum b1*m + (1-b1)*g_i; under ZeRO rank r owns the shard of every bucket's chunk r
+(layout.py) and steps it. So:
 
   warm-up (steps 1..freeze_step): our AdamW path, unchanged: exact gradient reduce-scatter, the
     inner optimizer (torch AdamW, or CPUAdam with offload) on the shard. Bit for bit the AdamW run.
@@ -24,16 +24,20 @@ every bucket's chunk r (layout.py), and m is the same on every rank that holds i
   in the units of its own update: one scale per block then fits elements of very different variance,
   and an element with a tiny v no longer turns a block's sign noise into a huge step. d is constant,
   so error feedback in those units telescopes exactly as in the raw ones.
-    flat mesh (W ranks, one shard group). The increment (1-b1)*G_i is what differs between ranks;
-      b1*m is common and never travels (no rank holds the whole m under ZeRO). Rank i cuts it into W
-      rows (row j: chunk j of every bucket, the gradient shard's layout), divides row j by owner j's d
-      (all-gathered once, at the freeze), adds its sending-side residual e_i, encodes each row in the
-      1-bit format and sends row j to rank j (one all-to-all: a reduce-scatter of 1-bit messages);
-      e_i becomes what the encoding lost. Owner j sums the decoded rows in rank order in fp32, its own
-      row exact (it never leaves the rank), divides by W, multiplies by d and sets
-          m_j = b1*m_j + that.
-      Nothing leaves the owner again (it steps its shard and the parameters are gathered as at
-      every step), so the summing side loses nothing and keeps no residual.
+    flat mesh (W ranks, one shard group): DeepSpeed's exchange, with rows for owners. Every rank
+      keeps U, every chunk's momentum over its owner's d, as the last step's exchange left it: not as
+      fp32 (that would be the whole m, 4 bytes per parameter on every rank) but as the W 1-bit messages
+      it was decoded from (1/8 byte per parameter; at the first compression step the owners' exact
+      m / d, all-gathered once). Rank i forms its local momentum M_i = b1*U + (1-b1)*G_i / d in rows
+      (row j: chunk j of every bucket, the gradient shard's layout, over owner j's d, all-gathered
+      once at the freeze), and the rows go through the two-phase compressed all-reduce below, owner j
+      summing row j (its own row exact) and encoding the mean with its summing-side residual. Every
+      rank decodes the same W messages: that is the new U, and owner j's m_j = U_j * d_j.
+      (Before 2026-11-25 the flat mesh exchanged the increments (1-b1)*G_i / d, one phase, and added
+      their mean to b1*m: half the bytes, but on the small GPT of benchmarks/onebit_loss_curve.py,
+      simulated at 4 ranks over 375 steps with the freeze at 75 (benchmarks/results/
+      2026-11-25-onebit-momentum.md), it ended 12.5% above AdamW and this exchange 1.7%: error feedback
+      on the momentum, whose signs are stable, loses far less than on increments, mostly noise.)
     hybrid mesh (R replicas of S shards, the link between replicas). Inside the shard group the
       increments are reduced exactly (an fp32 all-to-all: the intra-node hop stays exact, as in
       warm-up), giving replica k the increment of its shard D_k (mean over its S ranks of (1-b1)*G_i).
@@ -46,8 +50,7 @@ every bucket's chunk r (layout.py), and m is the same on every rank that holds i
       replicas decode the same bytes: m stays bit-equal on all of them. (hybrid_exchange="increment"
       exchanges D_k / d instead and adds it to b1*m: the same bytes, but in a loss diagnosis on the
       small GPT it trained worse than the momentum, 4.9% against 3.7% above AdamW after 100 compressed
-      steps: the momentum's signs are stable, the increment's are mostly noise. On the flat mesh only
-      the increment can travel without every rank holding all of m.)
+      steps: the momentum's signs are stable, the increment's are mostly noise.)
   Then each rank steps its shard with v frozen at step T = freeze_step (bias corrections as AdamW's:
   bc1 at the current step t, bc2 frozen at T):
       p = p * (1 - lr*wd) - lr / bc1(t) * m / (sqrt(v) / sqrt(bc2(T)) + eps)
@@ -57,30 +60,36 @@ every bucket's chunk r (layout.py), and m is the same on every rank that holds i
 
 Bytes per step once compressing (P parameters, fp32 messages of 1/8 byte per element plus 4 bytes per
 block of B = ONEBIT_BLOCK elements; n = P / S the shard):
-  flat:   every rank sends (W-1) rows of P/W elements: (W-1)/W * (P/8 + 4 P/(W B)) bytes, instead of
-          (W-1)/W * 4P (fp32 reduce-scatter); the parameter all-gather is unchanged.
+  flat:   every rank sends (W-1) rows of P/W elements, then its owner's message to the W-1 others:
+          2 (W-1)/W * (P/8 + 4 P/(W B)) bytes, instead of (W-1)/W * 4P (fp32 reduce-scatter); the
+          parameter all-gather is unchanged.
   hybrid: every rank sends (R-1) parts twice: 2 (R-1)/R * n/8 (+ scales); per node, S ranks,
           2 (R-1)/R * P/8 bytes over the link, 32x less than the exact fp32 hop (2 (R-1)/R * 4P).
-Memory: the flat mesh's sending-side residual is the full local increment (4 bytes per parameter
-per rank, as DeepSpeed's worker error), plus every owner's d (4 more), and a compression-stage backward
-keeps full local gradients (as DDP or no_sync). Hybrid: residuals of n + n / R fp32 and d (n) per rank.
+Memory per rank, besides the AdamW path's: flat: the sending-side residual over all of M_i (4 bytes per
+parameter, as DeepSpeed's worker error), every owner's d (4 more), U as messages (1/8), the server
+residual (4 / W) and the sketch's signs (1); a compression-stage backward keeps full local gradients
+(as DDP or no_sync). Hybrid: residuals of n + n / R fp32, d (n) and the signs. The residuals, and the
+flat mesh's messages, are one tensor saved per rank (Note [Hop residual in checkpoints]): a resume at
+the same mesh continues bit for bit; another mesh restarts them from zero and U from the owners' m.
 Speed: the exchange happens at step(), not overlapped with backward (the momentum needs the whole
 gradient), in pure PyTorch ops (encode, decode, all-to-all on the group).
 
 Clipping in the compression stage: the averaged gradient never exists on any rank, so clip_grad_norm
-does the exchange (as the reduction completes in clip_grad_norm during warm-up) and clips the averaged
-increment each owner received, by its norm over all shards (one scalar all-reduce): the norm of the
-gradient as the exchange delivered it, compression error included. (Clipping each rank's local gradient
-by its own norm, as DeepSpeed's engine does, or by sqrt(mean_i |G_i|^2) clips far harder than AdamW at
-small per-rank batches: the local gradients' noise dominates their norms.) A step with inf/nan anywhere
-is skipped before anything is encoded (residuals untouched), as in warm-up; skipped steps do not count
-toward freeze_step.
+estimates its norm from a sketch (Note [Clipping by a sketch]: one all-reduce of 8192 floats, exact
+for gradients of at most 8192 elements) and step() multiplies every rank's local gradient by the clip
+coefficient before the exchange, which scales their mean as AdamW's clipping does. (Clipping each
+rank's local gradient by its own norm, as DeepSpeed's engine does, or by sqrt(mean_i |G_i|^2) clips far
+harder than AdamW at small per-rank batches: the local gradients' noise dominates their norms.) A step
+with inf/nan anywhere is skipped before anything is encoded (residuals untouched), as in warm-up;
+skipped steps do not count toward freeze_step.
 
 Note [1-bit format]
 -------------------
-Per block of ONEBIT_BLOCK (1024) consecutive elements of a message: one fp32 scale, the mean |x| of
-the block's elements (summed in fp64, the scale that minimises the squared error of x ~ s*sign(x);
-DeepSpeed uses the RMS), then one bit per element, 1 for x >= 0, packed eight to a byte, element
+Per block of ONEBIT_BLOCK (1024) consecutive elements of a message: one fp32 scale, the root mean
+square of the block's elements (summed in fp64; DeepSpeed's choice: the decoded block keeps the norm of
+what was encoded. Until 2026-11-25 it was the mean |x|, the scale of least squared error, which shrinks
+every decoded block by sqrt(|x|_1^2 / (n |x|_2^2)) and trained worse: benchmarks/results/
+2026-11-25-onebit-momentum.md), then one bit per element, 1 for x >= 0, packed eight to a byte, element
 8k+i in bit i of byte k. A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives
 +scale or -scale. The pure-PyTorch reference is in reference.py (onebit_*_reference).
 """
@@ -158,10 +167,10 @@ def encode(rows: torch.Tensor, block: int = ONEBIT_BLOCK) -> torch.Tensor:
     k, n = rows.shape
     nb = -(-n // block)
     a = torch.zeros(k, nb * block, dtype=torch.float64)
-    a[:, :n] = rows.abs()
+    a[:, :n] = rows
     counts = torch.full((nb,), float(block), dtype=torch.float64)
     counts[-1] = n - (nb - 1) * block
-    scales = (a.view(k, nb, block).sum(-1) / counts).float()
+    scales = (a.view(k, nb, block).square().sum(-1) / counts).sqrt().float()
     nbytes = -(-n // 8)
     ge = torch.zeros(k, nbytes * 8, dtype=torch.uint8)
     ge[:, :n] = rows >= 0
@@ -198,22 +207,14 @@ def encode_feedback(rows: torch.Tensor, residual: torch.Tensor | None, keep: int
 
 
 # -------------------------------------------------------------- the exchanges
-def reduce_rows(rows: torch.Tensor, group, rank: int, residual: torch.Tensor | None, compress: bool,
-                block: int = ONEBIT_BLOCK) -> torch.Tensor:
-    """Row `rank` of the mean over the group's ranks of `rows` ([W, n] fp32, row j for rank j): one
-    all-to-all, 1-bit with the sending-side residual when `compress`, fp32 otherwise. The sum is in
-    rank order in fp32 with this rank's own row exact (reference.onebit_reduce_scatter_reference)."""
+def mean_rows(rows: torch.Tensor, group, rank: int) -> torch.Tensor:
+    """Row `rank` of the exact mean over the group's ranks of `rows` ([S, n] fp32, row j for rank j): one
+    fp32 all-to-all, summed in rank order with this rank's own row as it is."""
     w, n = rows.shape
     if w == 1:
         return rows[0].clone()
-    if compress:
-        msgs, _ = encode_feedback(rows, residual, keep=rank, block=block)
-        got = torch.empty_like(msgs)
-        dist.all_to_all_single(got, msgs, group=group)
-        parts = decode(got, n, block)
-    else:
-        parts = torch.empty_like(rows)
-        dist.all_to_all_single(parts, rows.contiguous(), group=group)
+    parts = torch.empty_like(rows)
+    dist.all_to_all_single(parts, rows.contiguous(), group=group)
     parts[rank] = rows[rank]
     total = parts[0].clone()
     for i in range(1, w):
@@ -222,9 +223,10 @@ def reduce_rows(rows: torch.Tensor, group, rank: int, residual: torch.Tensor | N
 
 
 def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tensor, server: torch.Tensor,
-                       block: int = ONEBIT_BLOCK) -> torch.Tensor:
-    """The replicas' mean of `chunk` (n fp32, n % R == 0), 1-bit both ways with error feedback
-    (reference.onebit_allreduce_reference): worker residual n, server residual n / R, in place."""
+                   block: int = ONEBIT_BLOCK):
+    """The group's mean of `chunk` (n fp32, n % R == 0), 1-bit both ways with error feedback
+    (reference.onebit_allreduce_reference): worker residual n, server residual n / R, in place. Returns
+    (the mean as every rank decodes it, n fp32; the R server messages it was decoded from, uint8 [R, bytes])."""
     r = dist.get_world_size(group)
     n = chunk.numel()
     m = n // r
@@ -239,7 +241,34 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     mine, _ = encode_feedback((total / r).view(1, m), server.view(1, m), block=block)
     every = torch.empty(r * mine.numel(), dtype=torch.uint8)
     _all_gather(every, mine.view(-1), group)
-    return decode(every.view(r, -1), m, block).reshape(-1)
+    every = every.view(r, -1)
+    return decode(every, m, block).reshape(-1), every
+
+
+# Note [Clipping by a sketch]: the compression stage never forms the averaged gradient, so its norm is
+# estimated from a count sketch: every rank folds its local gradient, each element times a fixed random
+# sign, into SKETCH sums (element e into sum e mod SKETCH); one all-reduce of those sums gives the sketch
+# of the mean gradient, and the squares of its sums estimate |mean|^2 without bias (the signs' cross terms
+# average out), with a relative standard deviation of at most sqrt(2 / SKETCH), 1.6% (0.8% on the norm).
+# A gradient of at most SKETCH elements has one element per sum: the norm is then exact.
+SKETCH = 8192
+_SKETCH_SEED = 0x1B17
+
+
+def sketch_signs(total: int) -> torch.Tensor:
+    """The fixed +-1 signs (int8) of the sketch, the same on every rank."""
+    g = torch.Generator().manual_seed(_SKETCH_SEED)
+    return torch.randint(0, 2, (total,), generator=g, dtype=torch.int8).mul_(2).sub_(1)
+
+
+def sketch(flat: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """[total] fp32 -> its SKETCH (or total, if fewer) signed sums (Note [Clipping by a sketch])."""
+    total = flat.numel()
+    k = min(SKETCH, total)
+    x = flat * signs
+    if total % k:
+        x = torch.cat([x, x.new_zeros(k - total % k)])
+    return x.view(-1, k).sum(0)
 
 
 def _kernel_freezes() -> bool:
@@ -290,18 +319,28 @@ class OneBitRoom:
         # Training state: steps taken (also in the inner optimizer's state) and the residuals, one fp32
         # tensor, saved per rank like the int8 hop's (Note [Hop residual in checkpoints]).
         self.steps = 0
-        if self.replicas == 1:
-            w = self.world if self.world > 1 else 0
-            self.residual = torch.zeros(w * self.n, dtype=torch.float32)
-            self.worker, self.server = self.residual.view(-1, self.n) if w else None, None
+        if self.replicas == 1 and self.world > 1:
+            # worker residual (W rows of n), server residual (n), a flag (1: the messages below hold every
+            # chunk's momentum), and the last step's W server messages, as bytes (Note [1-bit Adam under ZeRO]).
+            w, n = self.world, self.n
+            words = -(-w * message_bytes(n, config.block) // 4)
+            self.residual = torch.zeros(w * n + n + 1 + words, dtype=torch.float32)
+            self.worker, self.server = self.residual[:w * n], self.residual[w * n:w * n + n]
+            self.known = self.residual[w * n + n:w * n + n + 1]
+            self.messages = self.residual[w * n + n + 1:].view(torch.uint8)[:w * message_bytes(n, config.block)]
+            self.messages = self.messages.view(w, -1)
+        elif self.replicas == 1:
+            self.residual = torch.zeros(0, dtype=torch.float32)
         else:
             part = self.n // self.replicas
             self.residual = torch.zeros(self.n + part, dtype=torch.float32)
             self.worker, self.server = self.residual[:self.n], self.residual[self.n:]
         self.started_at = None  # the step at which compression started in this run (for logs and tests)
         self.m = self.v = self.denom = self.denom_rows = None
+        self.signs = None    # the clipping sketch's signs (Note [Clipping by a sketch]), made at the freeze
         self._local = None   # this step's local gradient, fp32 [total] (built once per step)
-        self._pending = None  # this step's (used, skip, delta) once exchanged
+        self._flagged = None  # this step's (used, skip)
+        self._coef = 1.0     # this step's clipping coefficient, applied to the local gradients before the exchange
 
         self._state = "warmup"
 
@@ -349,51 +388,66 @@ class OneBitRoom:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=opt.world_group)
         return flags[:-1].bool(), bool(flags[-1])
 
-    def _exchange(self):
-        """This step's (used, skip, delta): the flags, then, unless some rank saw inf/nan, the exchange of
-        the increments (delta: the mean of (1-b1) * G_i on this rank's shard, as decoded). Once per step:
-        clip_grad_norm and step share it."""
-        if self._pending is None:
-            used, skip = self._flags()
-            delta = None
-            if not skip:
-                opt = self.opt
-                if self.m is None:
-                    self._start()
-                b1 = self.beta1
-                rows = self._rows(self._local_grad()).mul_(1.0 - b1)
-                if self.replicas == 1:  # 1-bit increments over d to their owners
-                    delta = reduce_rows(rows.div_(self.denom_rows), opt.process_group, self.rank, self.worker,
-                                        compress=True, block=self.config.block).mul_(self.denom)
-                else:  # exact inside the shard group, then the replicas' mean, 1-bit both ways
-                    delta = reduce_rows(rows, opt.process_group, self.rank, None, compress=False)
-                    base = self.m.float().cpu().mul(b1)
-                    if self.config.hybrid_exchange == "momentum":
-                        u = allreduce_1bit((base + delta).div_(self.denom), opt.sharding.replicate,
-                                           opt.sharding.replica, self.worker, self.server, self.config.block)
-                        delta = u.mul_(self.denom).sub_(base)
-                    else:
-                        delta = allreduce_1bit(delta.div_(self.denom), opt.sharding.replicate, opt.sharding.replica,
-                                               self.worker, self.server, self.config.block).mul_(self.denom)
-            self._pending = (used, skip, delta)
-        return self._pending
+    def _checked(self):
+        """This step's (used, skip), once: clip_grad_norm and step share it."""
+        if self._flagged is None:
+            self._flagged = self._flags()
+            if not self._flagged[1] and self.m is None:
+                self._start()
+        return self._flagged
+
+    def _momentum_rows(self) -> torch.Tensor:
+        """Flat mesh: every chunk's momentum over its owner's d, [W, n], as every rank holds it: the last
+        step's server messages decoded, or at the first compression step (and after residuals restarted)
+        the owners' exact m / d, all-gathered once in fp32."""
+        if float(self.known[0]) == 1.0:
+            return decode(self.messages, self.n, self.config.block)
+        mine = self.m.float().cpu() / self.denom
+        every = torch.empty(self.world * self.n, dtype=torch.float32)
+        _all_gather(every, mine, self.opt.process_group)
+        return every.view(self.world, self.n)
+
+    def _exchange(self) -> torch.Tensor:
+        """This step's momentum on this rank's shard (fp32, CPU) after the exchange of the (clipped) local
+        gradients (Note [1-bit Adam under ZeRO])."""
+        opt, b1 = self.opt, self.beta1
+        rows = self._rows(self._local_grad()).mul_((1.0 - b1) * self._coef)
+        if self.world == 1:  # nothing to exchange
+            return self.m.float().cpu().mul_(b1).add_(rows[0])
+        if self.replicas == 1:  # every rank's momentum over d, 1-bit both ways
+            x = rows.div_(self.denom_rows).add_(self._momentum_rows(), alpha=b1)
+            x[self.padding_rows] = 0.0
+            u, msgs = allreduce_1bit(x.view(-1), opt.process_group, self.rank, self.worker, self.server,
+                                     self.config.block)
+            self.messages.copy_(msgs)
+            self.known.fill_(1.0)
+            return u.view(self.world, self.n)[self.rank].mul_(self.denom)
+        # exact inside the shard group, then the replicas' mean, 1-bit both ways
+        delta = mean_rows(rows, opt.process_group, self.rank)
+        base = self.m.float().cpu().mul(b1)
+        group, replica = opt.sharding.replicate, opt.sharding.replica
+        if self.config.hybrid_exchange == "momentum":
+            u, _ = allreduce_1bit((base + delta).div_(self.denom), group, replica, self.worker, self.server,
+                                  self.config.block)
+            return u.mul_(self.denom)
+        u, _ = allreduce_1bit(delta.div_(self.denom), group, replica, self.worker, self.server, self.config.block)
+        return u.mul_(self.denom).add_(base)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Compression-stage clipping (Note [1-bit Adam under ZeRO]): the exchange happens here (as the
-        reduction does in warm-up), and the averaged increment is scaled by the clip coefficient of its norm
-        over every shard (one scalar all-reduce); returns that norm divided by (1 - b1): the norm of the
-        averaged gradient, as the ranks received it."""
+        """Compression-stage clipping: the norm of the mean gradient over the world, estimated by a sketch
+        (Note [Clipping by a sketch]), and a coefficient that step() applies to every rank's local gradient
+        before the exchange (so to their mean). Returns that norm (of the gradient as already clipped)."""
         if float(norm_type) != 2.0:
             raise NotImplementedError("in OneBitAdam's compression stage only the 2-norm can be clipped")
-        _, skip, delta = self._exchange()
+        _, skip = self._checked()
         if skip:
             return torch.tensor(float("nan"))
-        sq = torch.linalg.vector_norm(delta).double().square().reshape(1)  # fp32 norm: 40x faster than in fp64
-        if self.world > 1:
-            dist.all_reduce(sq, group=self.opt.process_group)  # replicas hold equal deltas: the shard group
-        total = (sq.sqrt() / (1.0 - self.beta1)).float()[0]
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        delta.mul_(coef)
+        sums = sketch(self._local_grad(), self.signs)
+        if dist.get_world_size(self.opt.world_group) > 1:
+            dist.all_reduce(sums, group=self.opt.world_group)
+        total = (sums.double().square().sum().sqrt() / dist.get_world_size(self.opt.world_group)).float()
+        total = total * self._coef
+        self._coef *= min(1.0, float(max_norm) / (float(total) + 1e-6))
         return total
 
     # --------------------------------------------------------------- state
@@ -402,6 +456,8 @@ class OneBitRoom:
         optimizer's state tensors become views of them (checkpoints keep reading them there)."""
         opt = self.opt
         inner = opt.inner
+        if self.signs is None:
+            self.signs = sketch_signs(opt.layout.total_numel)
         self.m = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         self.v = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         for at, t in zip(self.piece_at, opt._piece_params):
@@ -423,6 +479,11 @@ class OneBitRoom:
         for at, t in zip(self.piece_at, opt._piece_params):
             covered[at:at + t.numel()] = True
         self.padding = (~covered).nonzero().reshape(-1)
+        if self.replicas == 1 and self.world > 1:  # every chunk's padding: no momentum crosses there
+            flat = torch.ones(opt.layout.total_numel, dtype=torch.bool)
+            for slot in opt.layout.params:
+                flat[slot.offset:slot.end] = False
+            self.padding_rows = self._rows(flat)
         # The frozen denominator d = sqrt(v) / sqrt(bc2(T)) + eps: what crosses is divided by it
         # (Note [1-bit Adam under ZeRO]); eps per element from its bucket's parameter group.
         layout, offsets = opt.layout, opt.layout.chunk_offsets()
@@ -455,12 +516,12 @@ class OneBitRoom:
         """One compression-stage step on every rank; returns True if it was skipped (inf/nan)."""
         opt = self.opt
         try:
-            used, skip, delta = self._exchange()
+            used, skip = self._checked()
             if skip:
                 return True
             if opt.config.max_grad_norm is not None:
                 self.clip_grad_norm(opt.config.max_grad_norm)
-            new_m = self.m.to(torch.float32, copy=True).mul_(self.beta1).add_(delta.to(self.m.device))
+            new_m = self._exchange().to(self.m.device)
             if self.padding.numel():
                 new_m[self.padding] = 0.0
 
@@ -469,7 +530,8 @@ class OneBitRoom:
             return False
         finally:
             self._local = None
-            self._pending = None
+            self._flagged = None
+            self._coef = 1.0
 
     def _apply(self, new_m: torch.Tensor, used: torch.Tensor) -> None:
         """m takes the exchanged values and the shard steps with the frozen variance (used pieces only)."""
@@ -517,7 +579,7 @@ class OneBitRoom:
             # d as computed at the freeze (_start: the same operations, so the same bits as recomputing it)
             torch._foreach_addcdiv_(ps, ms, ds, value=-lr / bc1)
 
-    format_name = "onebit"
+    format_name = "onebit-momentum"  # the residuals' layout (hop_residual.signature); "onebit": before 2026-11-25
 
     def after_load(self) -> None:
         """A checkpoint was loaded into the inner optimizer: the steps taken come from its state (the
@@ -549,8 +611,8 @@ class OneBitRoom:
     def link_bytes_per_step(self) -> dict:
         """The arithmetic of Note [1-bit Adam under ZeRO]: bytes this rank sends per compression step."""
         b = self.config.block
-        if self.replicas == 1:
-            return {"reduce": (self.world - 1) * message_bytes(self.n, b)}
+        if self.replicas == 1:  # W-1 rows to their owners, then the owner's message to the W-1 others
+            return {"reduce": 2 * (self.world - 1) * message_bytes(self.n, b)}
         part = self.n // self.replicas
         return {"intra": (self.world - 1) * self.n * 4,
                 "inter": 2 * (self.replicas - 1) * message_bytes(part, b)}

@@ -139,7 +139,7 @@ def int8_hop_reference(chunks, residuals=None, block=256):
 
 # ------------------------------------------------------------------ 1-bit format
 # Note [1-bit format] in shardopt/onebit.py: per block of ONEBIT_BLOCK elements one fp32 scale (the
-# mean |x| of the block's real elements) and one sign bit per element (1: x >= 0), packed 8 to a
+# root mean square of the block's real elements) and one sign bit per element (1: x >= 0), packed 8 to a
 # byte, element 8k+i in bit i of byte k; a value decodes to +scale or -scale.
 def onebit_encode_reference(x, block=1024):
     """fp32 ``x`` (n elements) -> (scales fp32 [ceil(n / block)], bits uint8 [ceil(n / 8)])."""
@@ -149,7 +149,7 @@ def onebit_encode_reference(x, block=1024):
     scales = torch.empty(nb, dtype=torch.float32)
     for k in range(nb):
         part = x[k * block:(k + 1) * block]
-        scales[k] = (part.double().abs().sum() / part.numel()).float()  # summed in fp64
+        scales[k] = (part.double().square().sum() / part.numel()).sqrt().float()  # summed in fp64
     bits = torch.zeros(-(-n // 8), dtype=torch.uint8)
     for i in range(n):
         if x[i] >= 0:
@@ -177,25 +177,9 @@ def onebit_encode_feedback_reference(x, residual=None, block=1024):
     return scales, bits, decoded
 
 
-def onebit_reduce_scatter_reference(rows, residuals, block=1024):
-    """The flat mesh's compressed exchange (Note [1-bit Adam under ZeRO] in shardopt/onebit.py) of all W
-    ranks at once: ``rows[i]`` is rank i's [W, n] fp32 contribution, row j for owner j; ``residuals[i]`` its
-    [W, n] sending-side residual (updated in place). Owner j's result: the mean over i, in rank order in
-    fp32, of rank i's row j as j receives it (its own row exactly, the others' decoded)."""
-    w = len(rows)
-    out = []
-    for j in range(w):
-        total = None
-        for i in range(w):
-            x = rows[i][j].float()
-            part = x.clone() if i == j else onebit_encode_feedback_reference(x, residuals[i][j], block)[2]
-            total = part if total is None else total + part
-        out.append(total / w)
-    return out
-
-
 def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024):
-    """The hybrid mesh's compressed all-reduce of the momentum increment over R replicas (Note [1-bit Adam under ZeRO]):
+    """The compressed all-reduce of 1-bit Adam's momentum over R ranks, replicas on a hybrid mesh or every rank on a flat
+    one (Note [1-bit Adam under ZeRO]):
     ``chunks[k]`` replica k's fp32 momentum (n elements, n % R == 0), ``worker_residuals[k]`` (n) and
     ``server_residuals[k]`` (n / R) its residuals, updated in place. Part j is owned by replica j: the
     others send it 1-bit with their worker residual, j averages in rank order in fp32 (its own part
