@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardopt.onebit import encode_feedback  # noqa: E402
+from shardopt.onebit import decode, encode_feedback  # noqa: E402
 
 CASES = [(0.0, 1024, False), (0.5, 1024, False), (1.0, 1024, False), (1.0, 128, False), (1.0, 1024, True)]
 
@@ -44,7 +44,7 @@ def simulate(spread: float, block: int, normalized: bool, steps: int, n: int, wo
         incs = [(1 - b1) * (common + torch.randn(n, generator=gen) * scale) for _ in range(world)]
         m_true = b1 * m_true + sum(incs) / world
         unit = scale if normalized else torch.ones(n)
-        decoded = [encode_feedback((x / unit).view(1, -1), r, block=block)[1][0] * unit
+        decoded = [decode(encode_feedback((x / unit).view(1, -1), r, block=block), n, block)[0] * unit
                    for x, r in zip(incs, residuals)]
         m_dec = b1 * m_dec + sum(decoded) / world
         p_true += m_true

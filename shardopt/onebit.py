@@ -153,10 +153,7 @@ def split_options(optim, optim_kwargs: dict, offload: str):
 
 
 # ------------------------------------------------------------------- the codec
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
+# The fused C++ codec (Note [Fused 1-bit codec] in csrc/comm/onebit_codec.h), one message per row.
 def message_bytes(n: int, block: int = ONEBIT_BLOCK) -> int:
     """Bytes of one 1-bit message of n elements (Note [1-bit format])."""
     return 4 * (-(-n // block)) + (-(-n // 8))
@@ -164,46 +161,34 @@ def message_bytes(n: int, block: int = ONEBIT_BLOCK) -> int:
 
 def encode(rows: torch.Tensor, block: int = ONEBIT_BLOCK) -> torch.Tensor:
     """fp32 [k, n] -> uint8 [k, message_bytes(n)]: per row the scales (fp32 bytes), then the sign bits."""
-    k, n = rows.shape
-    nb = -(-n // block)
-    a = torch.zeros(k, nb * block, dtype=torch.float64)
-    a[:, :n] = rows
-    counts = torch.full((nb,), float(block), dtype=torch.float64)
-    counts[-1] = n - (nb - 1) * block
-    scales = (a.view(k, nb, block).square().sum(-1) / counts).sqrt().float()
-    nbytes = -(-n // 8)
-    ge = torch.zeros(k, nbytes * 8, dtype=torch.uint8)
-    ge[:, :n] = rows >= 0
-    bits = (ge.view(k, nbytes, 8) * _BIT_WEIGHTS).sum(-1, dtype=torch.uint8)
-    return torch.cat([scales.contiguous().view(torch.uint8), bits], dim=1)
+    return encode_feedback(rows, None, block=block)
 
 
 def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK) -> torch.Tensor:
     """uint8 [k, message_bytes(n)] -> fp32 [k, n]."""
-    k = msgs.shape[0]
-    nb = -(-n // block)
-    scales = msgs[:, :4 * nb].reshape(-1).clone().view(torch.float32).view(k, nb)
-    bits = msgs[:, 4 * nb:]
-    sign = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).reshape(k, -1)[:, :n].float() * 2 - 1
-    padded = torch.zeros(k, nb * block, dtype=torch.float32)
-    padded[:, :n] = sign
-    return (padded.view(k, nb, block) * scales.unsqueeze(-1)).view(k, -1)[:, :n]
+    from shardopt import _C
+
+    out = torch.empty(msgs.shape[0], n, dtype=torch.float32)
+    for i in range(msgs.shape[0]):
+        _C.onebit_decode(msgs[i], out[i], block=block)
+    return out
 
 
 def encode_feedback(rows: torch.Tensor, residual: torch.Tensor | None, keep: int | None = None,
-                    block: int = ONEBIT_BLOCK):
-    """Encodes rows + residual; residual becomes what the encoding lost. Row `keep` is not sent (the
-    caller's own): it is encoded as is and its residual stays zero. Returns (messages, decoded)."""
-    v = rows if residual is None else rows + residual
-    if keep is not None and residual is not None:
-        v[keep] = rows[keep]
-    msgs = encode(v, block)
-    decoded = decode(msgs, rows.shape[1], block)
-    if residual is not None:
-        residual.copy_(v - decoded)
-        if keep is not None:
-            residual[keep].zero_()
-    return msgs, decoded
+                    block: int = ONEBIT_BLOCK) -> torch.Tensor:
+    """The messages of rows + residual ([k, n] fp32 each); residual becomes what the encoding lost. Row
+    `keep` is not sent (the caller's own): it is encoded as is and its residual stays zero."""
+    from shardopt import _C
+
+    k, n = rows.shape
+    rows = rows.contiguous()
+    msgs = torch.empty(k, message_bytes(n, block), dtype=torch.uint8)
+    for i in range(k):
+        own = residual is None or i == keep
+        _C.onebit_encode(rows[i], msgs[i], residual=None if own else residual[i], block=block)
+    if residual is not None and keep is not None:
+        residual[keep].zero_()
+    return msgs
 
 
 # -------------------------------------------------------------- the exchanges
@@ -230,7 +215,7 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     r = dist.get_world_size(group)
     n = chunk.numel()
     m = n // r
-    msgs, _ = encode_feedback(chunk.view(r, m), worker.view(r, m), keep=replica, block=block)
+    msgs = encode_feedback(chunk.view(r, m), worker.view(r, m), keep=replica, block=block)
     got = torch.empty_like(msgs)
     dist.all_to_all_single(got, msgs, group=group)
     parts = decode(got, m, block)
@@ -238,7 +223,7 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     total = parts[0].clone()
     for i in range(1, r):
         total += parts[i]
-    mine, _ = encode_feedback((total / r).view(1, m), server.view(1, m), block=block)
+    mine = encode_feedback((total / r).view(1, m), server.view(1, m), block=block)
     every = torch.empty(r * mine.numel(), dtype=torch.uint8)
     _all_gather(every, mine.view(-1), group)
     every = every.view(r, -1)

@@ -149,7 +149,10 @@ def onebit_encode_reference(x, block=1024):
     scales = torch.empty(nb, dtype=torch.float32)
     for k in range(nb):
         part = x[k * block:(k + 1) * block]
-        scales[k] = (part.double().square().sum() / part.numel()).sqrt().float()  # summed in fp64
+        acc = 0.0  # fp64, in element order (each square of an fp32 value is exact in fp64)
+        for f in part.tolist():
+            acc += f * f
+        scales[k] = torch.tensor(math.sqrt(acc / part.numel()), dtype=torch.float64).float()
     bits = torch.zeros(-(-n // 8), dtype=torch.uint8)
     for i in range(n):
         if x[i] >= 0:

@@ -73,10 +73,23 @@ def test_codec_matches_reference(n):
     # Error feedback: residual = what was lost, so decoded + residual gives back x (up to one rounding).
     res, ref_res = torch.randn(3, n, generator=g), None
     ref_res = res.clone()
-    _, decoded = onebit.encode_feedback(x, res)
+    decoded = onebit.decode(onebit.encode_feedback(x, res), n)
     for r in range(3):
         want = onebit_encode_feedback_reference(x[r], ref_res[r])[2]
         assert torch.equal(decoded[r], want) and torch.equal(res[r], ref_res[r])
+    # The fused codec's other entry points: decoded written during the encode, decode-and-add, bad input.
+    from shardopt import _C
+    payload = torch.empty(onebit.message_bytes(n), dtype=torch.uint8)
+    out = torch.empty(n)
+    _C.onebit_encode(x[2].contiguous(), payload, decoded=out)
+    assert torch.equal(out, dec[2])
+    base = torch.randn(n, generator=g)
+    _C.onebit_decode(payload, out, base=base)
+    assert torch.equal(out, base + dec[2])
+    with pytest.raises(ValueError, match="a 1-bit message of"):
+        _C.onebit_decode(payload[1:], out)
+    with pytest.raises(ValueError, match="positive multiple of 8"):
+        _C.onebit_encode(x[2].contiguous(), payload, block=12)
 
 
 def test_sketch_estimates_the_norm():
@@ -101,12 +114,13 @@ def test_sketch_estimates_the_norm():
 def test_hand_computed_block():
     from shardopt import onebit
 
-    x = torch.tensor([[2.0, -4.0, 0.0, 4.0, -2.0]])
-    msgs = onebit.encode(x, block=4)
-    # Blocks [2, -4, 0, 4] (root mean square sqrt(36 / 4) = 3) and [-2] (2); signs 1 0 1 1 0 -> 0b01101.
+    x = torch.tensor([[2.0, -4.0, 0.0, 4.0, 2.0, -4.0, 0.0, 4.0, -2.0]])
+    msgs = onebit.encode(x, block=8)
+    # Blocks [2, -4, 0, 4, 2, -4, 0, 4] (root mean square sqrt(72 / 8) = 3) and [-2] (2); signs
+    # 1 0 1 1 1 0 1 1 (element i in bit i: 0b11011101) and 0.
     assert msgs[0, :8].clone().view(torch.float32).tolist() == [3.0, 2.0]
-    assert msgs[0, 8:].tolist() == [0b01101]
-    assert onebit.decode(msgs, 5, block=4).tolist() == [[3.0, -3.0, 3.0, 3.0, -2.0]]
+    assert msgs[0, 8:].tolist() == [0b11011101, 0]
+    assert onebit.decode(msgs, 9, block=8).tolist() == [[3.0, -3.0, 3.0, 3.0, 3.0, -3.0, 3.0, 3.0, -2.0]]
 
 
 def test_warmup_lr_is_deepspeeds():

@@ -5,6 +5,7 @@
 
 #include "../module.h"
 #include "int8_codec.h"
+#include "onebit_codec.h"
 #include "replica_hop.h"
 #include "ring.h"
 #include "two_level.h"
@@ -79,6 +80,23 @@ void init_ring_bindings(py::module& m) {
         },
         py::arg("payload"), py::arg("out"), py::arg("base") = py::none(), nogil,
         "Decodes an int8 message into float32 `out`: out = decoded, or base + decoded (base may be out).");
+  m.def("onebit_encode",
+        [](const at::Tensor& x, const at::Tensor& payload, std::optional<at::Tensor> residual,
+           std::optional<at::Tensor> decoded, int64_t block) {
+          comm::onebit_encode(x, residual.value_or(at::Tensor()), payload, decoded.value_or(at::Tensor()), block);
+        },
+        py::arg("x"), py::arg("payload"), py::arg("residual") = py::none(), py::arg("decoded") = py::none(),
+        py::arg("block") = comm::kOneBitBlock, nogil,
+        "OneBitAdam's fused encode (Note [Fused 1-bit codec] in csrc/comm/onebit_codec.h): the message of\n"
+        "x + residual into `payload` (uint8, onebit_message_bytes(n)); updates `residual` (error feedback) and\n"
+        "writes the decoded message into `decoded` (may be x) when given.");
+  m.def("onebit_decode",
+        [](const at::Tensor& payload, const at::Tensor& out, std::optional<at::Tensor> base, int64_t block) {
+          comm::onebit_decode(payload, out, base.value_or(at::Tensor()), block);
+        },
+        py::arg("payload"), py::arg("out"), py::arg("base") = py::none(), py::arg("block") = comm::kOneBitBlock, nogil,
+        "Decodes a 1-bit message into float32 `out`: out = decoded, or base + decoded (base may be out).");
+  m.def("onebit_message_bytes", &comm::onebit_message_bytes, py::arg("n"), py::arg("block") = comm::kOneBitBlock);
   m.def("ring_piece_bytes", &comm::ring_piece_bytes);
   m.def("set_ring_piece_bytes", &comm::set_ring_piece_bytes, py::arg("bytes"),
         "Ring message size; must be equal on all ranks. For benchmarks.");

@@ -1,0 +1,134 @@
+// The fused 1-bit codec: what it computes is Note [Fused 1-bit codec] in
+// onebit_codec.h. Plain C++ loops, split over threads by block.
+#include "onebit_codec.h"
+
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+namespace shardopt::comm {
+
+namespace {
+
+// Blocks per task of at::parallel_for: about 32768 values, as ATen's grain.
+int64_t grain(int64_t block) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / block);
+}
+
+int64_t num_blocks(int64_t n, int64_t block) {
+  return (n + block - 1) / block;
+}
+
+void check_block(int64_t block, const char* what) {
+  TORCH_CHECK_VALUE(block > 0 && block % 8 == 0 && block <= (int64_t{1} << 20), what,
+                    ": the block must be a positive multiple of 8 (its signs then fill whole bytes), at most 2^20; "
+                    "got ", block);
+}
+
+void check_values(const at::Tensor& t, const char* what, const char* name, int64_t n) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(),
+                    what, ": ", name, " must be a contiguous 1-D float32 CPU tensor, got ", t.scalar_type(), " ",
+                    t.sizes(), " on ", t.device());
+  TORCH_CHECK_VALUE(t.numel() == n, what, ": ", name, " has ", t.numel(), " elements, expected ", n);
+}
+
+uint8_t* message(const at::Tensor& payload, int64_t n, int64_t block, const char* what) {
+  TORCH_CHECK_VALUE(payload.device().is_cpu() && payload.scalar_type() == at::kByte && payload.dim() == 1 &&
+                        payload.is_contiguous(),
+                    what, ": the message must be a contiguous 1-D uint8 CPU tensor, got ", payload.scalar_type(),
+                    " ", payload.sizes());
+  TORCH_CHECK_VALUE(payload.numel() == onebit_message_bytes(n, block), what, ": a 1-bit message of ", n,
+                    " values in blocks of ", block, " has ", onebit_message_bytes(n, block), " bytes, got ",
+                    payload.numel());
+  return payload.data_ptr<uint8_t>();
+}
+
+// Blocks [b0, b1): scales are memcpy'd (a message inside a row of messages need not be 4-byte aligned).
+void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded, int64_t n, int64_t block,
+                   int64_t b0, int64_t b1) {
+  uint8_t* bits = msg + 4 * num_blocks(n, block);
+  std::vector<float> buffer(static_cast<size_t>(block));
+  float* v = buffer.data();
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * block;
+    const int64_t c = std::min(block, n - lo);
+    double sum = 0.0;
+    for (int64_t i = 0; i < c; ++i) {
+      const float vi = residual ? x[lo + i] + residual[lo + i] : x[lo + i];
+      v[i] = vi;
+      sum += static_cast<double>(vi) * static_cast<double>(vi);
+    }
+    const float scale = static_cast<float>(std::sqrt(sum / static_cast<double>(c)));
+    std::memcpy(msg + 4 * b, &scale, sizeof(float));
+    // lo is a multiple of 8: the block's bytes are its own.
+    for (int64_t i = 0; i < c; i += 8) {
+      uint8_t byte = 0;
+      const int64_t e = std::min<int64_t>(8, c - i);
+      for (int64_t k = 0; k < e; ++k) {
+        const bool one = v[i + k] >= 0.0f;
+        byte |= static_cast<uint8_t>(one) << k;
+        const float d = one ? scale : -scale;
+        if (residual) residual[lo + i + k] = v[i + k] - d;
+        if (decoded) decoded[lo + i + k] = d;
+      }
+      bits[(lo + i) / 8] = byte;
+    }
+  }
+}
+
+void decode_blocks(const uint8_t* msg, float* out, const float* base, int64_t n, int64_t block, int64_t b0,
+                   int64_t b1) {
+  const uint8_t* bits = msg + 4 * num_blocks(n, block);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * block;
+    const int64_t c = std::min(block, n - lo);
+    float scale;
+    std::memcpy(&scale, msg + 4 * b, sizeof(float));
+    for (int64_t i = 0; i < c; ++i) {
+      const float d = (bits[(lo + i) / 8] >> ((lo + i) % 8)) & 1 ? scale : -scale;
+      out[lo + i] = base ? base[lo + i] + d : d;
+    }
+  }
+}
+
+}  // namespace
+
+int64_t onebit_message_bytes(int64_t n, int64_t block) {
+  check_block(block, "onebit_message_bytes");
+  return 4 * num_blocks(n, block) + (n + 7) / 8;
+}
+
+void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& payload,
+                   const at::Tensor& decoded, int64_t block) {
+  constexpr const char* what = "1-bit encode";
+  check_block(block, what);
+  const int64_t n = x.numel();
+  check_values(x, what, "x", n);
+  if (residual.defined()) check_values(residual, what, "the residual", n);
+  if (decoded.defined()) check_values(decoded, what, "decoded", n);
+  uint8_t* msg = message(payload, n, block, what);
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  float* dp = decoded.defined() ? decoded.data_ptr<float>() : nullptr;
+  at::parallel_for(0, num_blocks(n, block), grain(block),
+                   [&](int64_t b0, int64_t b1) { encode_blocks(xp, rp, msg, dp, n, block, b0, b1); });
+}
+
+void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base, int64_t block) {
+  constexpr const char* what = "1-bit decode";
+  check_block(block, what);
+  const int64_t n = out.numel();
+  check_values(out, what, "out", n);
+  if (base.defined()) check_values(base, what, "base", n);
+  const uint8_t* msg = message(payload, n, block, what);
+  float* op = out.data_ptr<float>();
+  const float* bp = base.defined() ? base.data_ptr<float>() : nullptr;
+  at::parallel_for(0, num_blocks(n, block), grain(block),
+                   [&](int64_t b0, int64_t b1) { decode_blocks(msg, op, bp, n, block, b0, b1); });
+}
+
+}  // namespace shardopt::comm

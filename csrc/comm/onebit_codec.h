@@ -1,0 +1,54 @@
+// OneBitAdam's 1-bit format (Note [1-bit format] in shardopt/onebit.py), fused:
+// one pass to encode a message with error feedback, one to decode it (or
+// decode and add).
+//
+// Note [Fused 1-bit codec]
+// ------------------------
+// A message of n values is [one fp32 scale per block (1024 by default; any
+// multiple of 8)][ceil(n / 8)
+// bytes of signs] (the last block may be short; element 8k+i is bit i of byte
+// k). Encoding x with residual r, per block of c values:
+//     v     = x + r                      fp32 (v = x without a residual)
+//     scale = fp32(sqrt(S / c))          S = the fp64 sum of v*v in element
+//                                        order (each v*v is exact in fp64)
+//     bit   = v >= 0                     (nan -> 0)
+//     d     = bit ? scale : -scale       what every receiver decodes
+//     r     = v - d                      fp32: the error fed back next time
+// and decoding writes d into out, or adds it to a base (out = base + d, fp32).
+// Every step is exact or one IEEE rounding, and S is summed in a fixed order,
+// so the result is bitwise that of the pure-PyTorch reference
+// (shardopt.reference: onebit_encode_reference, onebit_decode_reference,
+// onebit_encode_feedback_reference; tests/test_onebit.py). A nan or inf in a
+// block makes its scale nan or inf (the step checks for them before encoding).
+//
+// Why fused: in ATen ops an encode was a dozen passes with allocations (abs or
+// square, the block sums in fp64, the bit packing as a multiply-and-sum over
+// bytes, the decode again for the residual) and was most of OneBitAdam's step
+// on the emulated cluster (benchmarks/results/2026-11-24-onebit-cluster.md);
+// here x and r are read once and the block stays in L1 for its second loop.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+namespace shardopt::comm {
+
+constexpr int64_t kOneBitBlock = 1024;  // keep equal to shardopt/onebit.py ONEBIT_BLOCK
+
+int64_t onebit_message_bytes(int64_t n, int64_t block = kOneBitBlock);
+
+// Encodes float32 `x` (1-D, contiguous, CPU) into `payload` (uint8, 1-D,
+// onebit_message_bytes(x.numel(), block) bytes, any alignment). `residual`
+// (optional, undefined for none): float32, x's size; x + residual is encoded
+// and residual becomes what the encoding lost. `decoded` (optional): float32,
+// x's size, receives the decoded message; it may be x itself.
+void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& payload,
+                   const at::Tensor& decoded, int64_t block = kOneBitBlock);
+// Decodes `payload` (a message of out.numel() values) into float32 `out`
+// (1-D, contiguous): out = decoded, or, given `base` (float32, out's size; it
+// may be out itself), out = base + decoded.
+void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base,
+                   int64_t block = kOneBitBlock);
+
+}  // namespace shardopt::comm
