@@ -486,9 +486,23 @@ class OneBitRoom:
             self.denom_rows = self.denom.view(1, -1)
         if self.started_at is None:
             self.started_at = self.steps + 1
+            # Note [Zero variance at the freeze]: an element that had no gradient in the whole warm-up (an
+            # embedding row of a token not yet seen) freezes v = 0, so d = eps, and once it gets a gradient
+            # its step is lr * m / eps, and its block's 1-bit scale with it: the loss blows up. Said once.
+            zero = torch.tensor([int(((self.v == 0).cpu() & covered).sum())], dtype=torch.int64)
+            if self.world > 1:
+                dist.all_reduce(zero, group=opt.process_group)  # replicas hold the same shards
+            total = sum(slot.numel for slot in opt.layout.params)
             if dist.get_rank(opt.world_group) == 0:
                 warnings.warn(f"OneBitAdam: variance frozen after {self.config.freeze_step} steps; 1-bit "
                               f"momentum exchange from step {self.started_at}", UserWarning, stacklevel=4)
+                if int(zero):
+                    warnings.warn(
+                        f"OneBitAdam: {int(zero):,} of {total:,} parameters ({int(zero) / total:.1%}) had a zero "
+                        f"gradient in all {self.config.freeze_step} warm-up steps, so their variance froze at 0: "
+                        f"if they get a gradient later, their step is lr * momentum / eps and the loss can blow up "
+                        f"(typically embedding rows of tokens the warm-up never saw). Freeze later (freeze_step) "
+                        f"or freeze parameters that never train.", UserWarning, stacklevel=4)
 
     def _rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[total] -> [W, n]: row j is chunk j of every bucket, concatenated (the gradient shard's layout)."""

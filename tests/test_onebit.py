@@ -450,3 +450,29 @@ def _resume(rank, world_size, path, shape):
 @pytest.mark.parametrize("shape", [None, (2, 2)])
 def test_resume_in_compression_stage(tmp_path, shape):
     assert all(run_ranks(_resume, 4, str(tmp_path / "ckpt"), shape))
+
+
+def _zero_variance(rank, world_size):
+    """Note [Zero variance at the freeze]: rows of an embedding that the warm-up never looked up are named."""
+    import shardopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=1e-2, freeze_step=2)
+    ddp = shardopt.ShardedDDP(model, opt)
+    caught = []
+    for step in range(3):
+        x = torch.tensor([[1, 2, 3]]) + 3 * rank  # tokens 1-6 only: 44 of the 50 rows never get a gradient
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            nn.functional.cross_entropy(ddp(x).reshape(-1, 50), x.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        caught += [str(w.message) for w in got]
+    return caught
+
+
+def test_zero_variance_at_the_freeze_is_said():
+    caught = run_ranks(_zero_variance, 2)[0]
+    said = [m for m in caught if "had a zero gradient in all 2 warm-up steps" in m]
+    assert len(said) == 1 and said[0].startswith("OneBitAdam: 352 of 850 parameters (41.4%)")  # 44 rows x 8, caught
