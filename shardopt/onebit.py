@@ -164,13 +164,14 @@ def encode(rows: torch.Tensor, block: int = ONEBIT_BLOCK) -> torch.Tensor:
     return encode_feedback(rows, None, block=block)
 
 
-def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK) -> torch.Tensor:
-    """uint8 [k, message_bytes(n)] -> fp32 [k, n]."""
+def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK, skip: int | None = None) -> torch.Tensor:
+    """uint8 [k, message_bytes(n)] -> fp32 [k, n] (row `skip` left unwritten: the caller fills it)."""
     from shardopt import _C
 
     out = torch.empty(msgs.shape[0], n, dtype=torch.float32)
     for i in range(msgs.shape[0]):
-        _C.onebit_decode(msgs[i], out[i], block=block)
+        if i != skip:
+            _C.onebit_decode(msgs[i], out[i], block=block)
     return out
 
 
@@ -218,7 +219,7 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     msgs = encode_feedback(chunk.view(r, m), worker.view(r, m), keep=replica, block=block)
     got = torch.empty_like(msgs)
     dist.all_to_all_single(got, msgs, group=group)
-    parts = decode(got, m, block)
+    parts = decode(got, m, block, skip=replica)
     parts[replica] = chunk.view(r, m)[replica]
     total = parts[0].clone()
     for i in range(1, r):
@@ -349,9 +350,14 @@ class OneBitRoom:
             return self._local
         opt = self.opt
         layout = opt.layout
+        flat = opt.flat_grad
+        if flat is not None and flat.dtype == torch.float32 and flat.device.type == "cpu" \
+                and opt.loss_scaler is None and flat.numel() == layout.total_numel:
+            self._local = flat  # read only (the step's users copy: _rows, sketch)
+            return flat
         g = torch.zeros(layout.total_numel, dtype=torch.float32)
-        if opt.flat_grad is not None:
-            g.copy_(opt.flat_grad)
+        if flat is not None:
+            g.copy_(flat)
         else:
             for slot, p in zip(layout.params, opt._params):
                 if p.grad is not None:
@@ -368,7 +374,9 @@ class OneBitRoom:
         used = torch.tensor([p.grad is not None for p in opt._params], dtype=torch.int32)
         if opt.engine is not None:
             used |= opt.engine.used().to(torch.int32)
-        flags = torch.cat([used, torch.tensor([0 if torch.isfinite(g).all() else 1], dtype=torch.int32)])
+        # inf/nan anywhere makes the sum inf/nan (one pass, no mask; a finite gradient whose sum overflows
+        # fp32, beyond 3e38, is skipped too)
+        flags = torch.cat([used, torch.tensor([0 if torch.isfinite(g.sum()) else 1], dtype=torch.int32)])
         if dist.get_world_size(opt.world_group) > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=opt.world_group)
         return flags[:-1].bool(), bool(flags[-1])

@@ -48,6 +48,8 @@ uint8_t* message(const at::Tensor& payload, int64_t n, int64_t block, const char
 }
 
 // Blocks [b0, b1): scales are memcpy'd (a message inside a row of messages need not be 4-byte aligned).
+// Templated on the optional outputs so that the loops carry no per-element branches.
+template <bool kResidual, bool kDecoded>
 void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded, int64_t n, int64_t block,
                    int64_t b0, int64_t b1) {
   uint8_t* bits = msg + 4 * num_blocks(n, block);
@@ -56,30 +58,34 @@ void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * block;
     const int64_t c = std::min(block, n - lo);
-    double sum = 0.0;
-    for (int64_t i = 0; i < c; ++i) {
-      const float vi = residual ? x[lo + i] + residual[lo + i] : x[lo + i];
-      v[i] = vi;
-      sum += static_cast<double>(vi) * static_cast<double>(vi);
+    const float* xb = x + lo;
+    if constexpr (kResidual) {
+      const float* rb = residual + lo;
+      for (int64_t i = 0; i < c; ++i) v[i] = xb[i] + rb[i];
+    } else {
+      std::memcpy(v, xb, sizeof(float) * static_cast<size_t>(c));
     }
+    double sum = 0.0;  // in element order: the reference's order
+    for (int64_t i = 0; i < c; ++i) sum += static_cast<double>(v[i]) * static_cast<double>(v[i]);
     const float scale = static_cast<float>(std::sqrt(sum / static_cast<double>(c)));
     std::memcpy(msg + 4 * b, &scale, sizeof(float));
+    const float pm[2] = {-scale, scale};
     // lo is a multiple of 8: the block's bytes are its own.
     for (int64_t i = 0; i < c; i += 8) {
-      uint8_t byte = 0;
       const int64_t e = std::min<int64_t>(8, c - i);
-      for (int64_t k = 0; k < e; ++k) {
-        const bool one = v[i + k] >= 0.0f;
-        byte |= static_cast<uint8_t>(one) << k;
-        const float d = one ? scale : -scale;
-        if (residual) residual[lo + i + k] = v[i + k] - d;
-        if (decoded) decoded[lo + i + k] = d;
-      }
+      uint8_t byte = 0;
+      for (int64_t k = 0; k < e; ++k) byte |= static_cast<uint8_t>(v[i + k] >= 0.0f) << k;
       bits[(lo + i) / 8] = byte;
+      for (int64_t k = 0; k < e; ++k) {
+        const float d = pm[(byte >> k) & 1];
+        if constexpr (kResidual) residual[lo + i + k] = v[i + k] - d;
+        if constexpr (kDecoded) decoded[lo + i + k] = d;
+      }
     }
   }
 }
 
+template <bool kBase>
 void decode_blocks(const uint8_t* msg, float* out, const float* base, int64_t n, int64_t block, int64_t b0,
                    int64_t b1) {
   const uint8_t* bits = msg + 4 * num_blocks(n, block);
@@ -88,9 +94,18 @@ void decode_blocks(const uint8_t* msg, float* out, const float* base, int64_t n,
     const int64_t c = std::min(block, n - lo);
     float scale;
     std::memcpy(&scale, msg + 4 * b, sizeof(float));
-    for (int64_t i = 0; i < c; ++i) {
-      const float d = (bits[(lo + i) / 8] >> ((lo + i) % 8)) & 1 ? scale : -scale;
-      out[lo + i] = base ? base[lo + i] + d : d;
+    const float pm[2] = {-scale, scale};
+    for (int64_t i = 0; i < c; i += 8) {
+      const uint8_t byte = bits[(lo + i) / 8];
+      const int64_t e = std::min<int64_t>(8, c - i);
+      float* o = out + lo + i;
+      for (int64_t k = 0; k < e; ++k) {
+        if constexpr (kBase) {
+          o[k] = base[lo + i + k] + pm[(byte >> k) & 1];
+        } else {
+          o[k] = pm[(byte >> k) & 1];
+        }
+      }
     }
   }
 }
@@ -114,8 +129,10 @@ void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Te
   const float* xp = x.data_ptr<float>();
   float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
   float* dp = decoded.defined() ? decoded.data_ptr<float>() : nullptr;
+  auto kernel = rp ? (dp ? encode_blocks<true, true> : encode_blocks<true, false>)
+                  : (dp ? encode_blocks<false, true> : encode_blocks<false, false>);
   at::parallel_for(0, num_blocks(n, block), grain(block),
-                   [&](int64_t b0, int64_t b1) { encode_blocks(xp, rp, msg, dp, n, block, b0, b1); });
+                   [&](int64_t b0, int64_t b1) { kernel(xp, rp, msg, dp, n, block, b0, b1); });
 }
 
 void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base, int64_t block) {
@@ -127,8 +144,9 @@ void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::T
   const uint8_t* msg = message(payload, n, block, what);
   float* op = out.data_ptr<float>();
   const float* bp = base.defined() ? base.data_ptr<float>() : nullptr;
+  auto kernel = bp ? decode_blocks<true> : decode_blocks<false>;
   at::parallel_for(0, num_blocks(n, block), grain(block),
-                   [&](int64_t b0, int64_t b1) { decode_blocks(msg, op, bp, n, block, b0, b1); });
+                   [&](int64_t b0, int64_t b1) { kernel(msg, op, bp, n, block, b0, b1); });
 }
 
 }  // namespace shardopt::comm
