@@ -87,6 +87,11 @@ class EstimateConfig:
     chunk (1 + 1/nodes fp32 values per 1/shards of the model), and each bucket in
     flight holds a node chunk. Stage 3's two-level parameter gathers write in
     place: nothing more."""
+    inter_node_param_dtype: str | None = None
+    """With node_aware at stages 1-2 and fp32 parameters: "bfloat16" sends the
+    parameters across nodes in bf16, and keeps fp32 master chunks (Note
+    [Parameters across nodes in bf16] in parallel/mesh_plan.py): 4 bytes per
+    shard element more."""
     inter_node_dtype: str | None = None
     """Hybrid sharding: "int8" keeps an error-feedback residual (1 + 1/replicas
     fp32 values per shard element); None and "bfloat16" keep nothing."""
@@ -122,6 +127,12 @@ class EstimateConfig:
             raise ValueError("node_aware needs shards (ranks per node, --ranks-per-node) below world_size")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage}")
+        if self.inter_node_param_dtype not in (None, "bfloat16"):
+            raise ValueError(f"inter_node_param_dtype must be None or 'bfloat16', got {self.inter_node_param_dtype!r}")
+        if self.inter_node_param_dtype is not None and (not self.node_aware or self.stage == 3
+                                                        or self.param_dtype != torch.float32):
+            raise ValueError("inter_node_param_dtype needs node_aware, stage 1 or 2 and fp32 parameters (as "
+                             "ShardedOptimizer's)")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
         if self.optimizer not in STATE_PER_ELEMENT:
@@ -194,7 +205,7 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     staged = cfg.stage >= 2 or reduce_dtype != cfg.param_dtype
     direct = reduce_dtype == master_dtype and (cfg.offload != "cpu" or cfg.device == "cpu")
     staging = slots * ((biggest if staged else 0) + (0 if direct else biggest // shards)) * rbytes
-    separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu"
+    separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu" or cfg.inter_node_param_dtype is not None
     master = shard * 4 if separate_master else 0
     host = master + shard * 4 + state if cfg.offload == "cpu" else 0
     residual = shard * 4 + shard // replicas * 4 if replicas > 1 and cfg.inter_node_dtype == "int8" else 0

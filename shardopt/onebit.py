@@ -34,10 +34,15 @@ local momentum b1*m + (1-b1)*g_i; under ZeRO rank r owns the shard of every buck
       summing row j (its own row exact) and encoding the mean with its summing-side residual. Every
       rank decodes the same W messages: that is the new U, and owner j's m_j = U_j * d_j.
       (Before 2026-11-25 the flat mesh exchanged the increments (1-b1)*G_i / d, one phase, and added
-      their mean to b1*m: half the bytes, but on the small GPT of benchmarks/onebit_loss_curve.py,
-      simulated at 4 ranks over 375 steps with the freeze at 75 (benchmarks/results/
-      2026-11-25-onebit-momentum.md), it ended 12.5% above AdamW and this exchange 1.7%: error feedback
-      on the momentum, whose signs are stable, loses far less than on increments, mostly noise.)
+      their mean to b1*m: half the bytes, but on the small GPT of benchmarks/onebit_loss_curve.py it
+      ended 11.2% above AdamW. benchmarks/onebit_exchange_sim.py, 4 simulated ranks, 375 steps, the
+      freeze at 75 (benchmarks/results/2026-11-25-onebit-momentum.md): increments over d with mean-|x|
+      scales +10.8%, the momentum over d with RMS scales (this exchange) -3.7%, with mean-|x| scales
+      +0.4%, DeepSpeed's own (the raw momentum, one RMS per chunk) +8.3%, a frozen variance with an
+      exact exchange -0.2%. Error feedback on the momentum, whose signs are stable, loses far less
+      than on increments, mostly noise; and an RMS scale steps most elements of a block further than
+      their own |m| (the error feedback takes it back later), which this short, under-trained run
+      rewards: do not read the -3.7% as a general gain.)
     hybrid mesh (R replicas of S shards, the link between replicas). Inside the shard group the
       increments are reduced exactly (an fp32 all-to-all: the intra-node hop stays exact, as in
       warm-up), giving replica k the increment of its shard D_k (mean over its S ranks of (1-b1)*G_i).

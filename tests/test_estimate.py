@@ -24,17 +24,20 @@ def _measure(rank, world_size):
            ("awkward", AwkwardNet, 1000, torch.bfloat16, "none"), ("gpt-tiny", tiny_model, 20_000, torch.bfloat16, "cpu")]
     # One rank per node (LOCAL_WORLD_SIZE=1): node-aware collectives, stage 3's two-level gathers too.
     cases += [("awkward-nodes", AwkwardNet, 1000, torch.float32, "none")] if world_size > 1 else []
+    # ... with the parameters across nodes in bf16 (fp32 masters; stages 1-2 only)
+    cases += [("awkward-nodes-bf16p", AwkwardNet, 1000, torch.float32, "none")] if world_size > 1 else []
     for name, factory, rbs, dtype, offload in cases:
-        for stage in (1, 2, 3):
+        for stage in (1, 2) if name.endswith("-bf16p") else (1, 2, 3):
             torch.manual_seed(0)
             model = factory().to(dtype)
             shapes = trainable_shapes(model)  # before stage 3 empties the parameters between uses
-            if name.endswith("-nodes"):
+            if "-nodes" in name:
                 os.environ["LOCAL_WORLD_SIZE"] = "1"
+            extra = {"inter_node_param_dtype": torch.bfloat16} if name.endswith("-bf16p") else {}
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3, stage=stage,
-                                            reduce_bucket_size=rbs, offload=offload)
+                                            reduce_bucket_size=rbs, offload=offload, **extra)
             os.environ.pop("LOCAL_WORLD_SIZE", None)
-            assert (opt.sharding.nodes is not None) == name.endswith("-nodes"), (name, stage, opt.sharding)
+            assert (opt.sharding.nodes is not None) == ("-nodes" in name), (name, stage, opt.sharding)
             wrapper = shardopt.ShardedDDP(model, opt)
             if name.startswith("awkward"):
                 x, y = batch(0, rank)
@@ -53,7 +56,9 @@ def test_estimate_matches_memory_stats(world_size):
     for i, (name, rbs, stage, shapes, _, dtype, offload) in enumerate(per_rank[0]):
         # The estimate is for the rank holding the most (rank 0: the padding sits in the last rank's chunk).
         measured = {k: max(r[i][4][k] for r in per_rank) for k in per_rank[0][i][4]}
-        nodes = dict(shards=1, node_aware=True) if name.endswith("-nodes") else {}
+        nodes = dict(shards=1, node_aware=True) if "-nodes" in name else {}
+        if name.endswith("-bf16p"):
+            nodes["inter_node_param_dtype"] = "bfloat16"
         est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, reduce_bucket_size=rbs,
                                               param_dtype=dtype, offload=offload, device="cpu", **nodes))
         predicted = est.as_stats()
@@ -102,6 +107,10 @@ def test_bad_estimate_input_names_the_fix():
         EstimateConfig(stage=4)
     with pytest.raises(ValueError, match="ranks-per-node"):
         EstimateConfig(world_size=4, node_aware=True)
+    with pytest.raises(ValueError, match="inter_node_param_dtype needs node_aware"):
+        EstimateConfig(world_size=4, shards=2, inter_node_param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="inter_node_param_dtype needs node_aware, stage 1 or 2"):
+        EstimateConfig(world_size=4, shards=2, node_aware=True, stage=3, inter_node_param_dtype="bfloat16")
 
 
 def test_node_aware_stage3_estimate():

@@ -141,7 +141,8 @@ def _estimate(args) -> int:
                                          allgather_bucket_size=args.allgather_bucket_size,
                                          num_staging_buffers=args.num_staging_buffers, device=args.device,
                                          shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype,
-                                         node_aware=args.node_aware)
+                                         node_aware=args.node_aware,
+                                         inter_node_param_dtype=args.inter_node_param_dtype)
                 rows.append((cfg, est.estimate(shapes, cfg)))
     print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
     return 0
@@ -191,6 +192,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default when ranks span nodes) instead of hybrid sharding")
     e.add_argument("--inter-node-dtype", default=None, choices=("bfloat16", "int8"),
                    help="with --ranks-per-node: the hop's format (int8 keeps an error-feedback residual)")
+    e.add_argument("--inter-node-param-dtype", default=None, choices=("bfloat16",),
+                   help="with --node-aware, stages 1-2, fp32: parameters cross nodes in bf16 (fp32 master chunks kept)")
 
     t = sub.add_parser("tune", help="time the model over a grid of bucket sizes and recommend one")
     t.add_argument("factory", help="module:factory that builds the model (no arguments)")
