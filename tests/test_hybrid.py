@@ -658,7 +658,7 @@ def test_checkpoints_move_between_meshes_and_flat(tmp_path):
 
 # ------------------------------------------------------------------ the int8 residual in checkpoints
 def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False, hop="int8", rbs=300,
-              param_hop=None):
+              param_hop=None, stage=2):
     """AdamW on `shape` with the given hop: optionally load a checkpoint (path, tag) first, then train
     steps [first, first + steps), then optionally save (path, tag). Returns (model, optimizer, warnings)."""
     import shardopt
@@ -667,7 +667,7 @@ def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                     reduce_bucket_size=rbs, inter_node_dtype=hop, inter_node_param_dtype=param_hop,
-                                    **_where(shape, dist.get_world_size()))
+                                    stage=stage, **_where(shape, dist.get_world_size()))
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(model, opt)
     caught = []
@@ -734,6 +734,26 @@ def _residual_resume(rank, world_size, path):
     _, other, caught = _int8_run(rank, (2, 2), 0, load=(path, "nodes"))
     if other.engine.hop_residual.abs().max() != 0 or len(caught) != (1 if rank == 0 else 0):
         out.append(f"node-aware -> 2x2 mesh: the residual is not restarted from zero, or not said once: {caught}")
+    # ... and at stage 3: loaded as saved, and the resumed run ends where the straight one does.
+    straight3, opt3, _ = _int8_run(rank, ("nodes", 2), n, stage=3)
+    with opt3.full_params(writeback=False):  # stage 3: whole weights only inside
+        want3 = [p.detach().clone() for p in straight3.parameters()]
+    _, na3, _ = _int8_run(rank, ("nodes", 2), n // 2, save=(path, "nodes3"), stage=3)
+    saved = na3.engine.hop_residual.clone()
+    _, back, caught = _int8_run(rank, ("nodes", 2), 0, load=(path, "nodes3"), stage=3)
+    if not saved.abs().max() > 0 or not torch.equal(back.engine.hop_residual, saved) or caught:
+        out.append(f"node-aware stage 3: the residual did not load as saved (warnings: {caught})")
+    resumed3, opt3, _ = _int8_run(rank, ("nodes", 2), n - n // 2, first=n // 2, load=(path, "nodes3"), stage=3)
+    with opt3.full_params(writeback=False):
+        numbers["stage 3"] = _relative_error(resumed3, want3)
+    if numbers["stage 3"] > 1e-5:
+        out.append(f"node-aware stage 3 resumed with the residual: relative error {numbers['stage 3']:.2e} > 1e-5")
+    forgot3, opt3, _ = _int8_run(rank, ("nodes", 2), n - n // 2, first=n // 2, load=(path, "nodes3"), stage=3,
+                                 forget=True)
+    with opt3.full_params(writeback=False):
+        numbers["stage 3 without"] = _relative_error(forgot3, want3)
+    if numbers["stage 3 without"] <= 1e-5:
+        out.append("node-aware stage 3: the resume without the residual is as close: this part cannot tell")
     # Parameters across nodes in bf16: the checkpoint holds the fp32 masters; a resume at the same shape
     # goes on exactly, and a run without the option loads those masters as its (fp32) parameters.
     straight, _, _ = _int8_run(rank, ("nodes", 2), n, hop=None, param_hop=torch.bfloat16)
@@ -766,7 +786,8 @@ def test_int8_residual_is_saved_and_restored(tmp_path):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
     numbers = results[0][1]
     print(f"\nfinal weights vs 8 straight steps, max relative error over parameters (rank 0): resumed with "
-          f"the residual {numbers['with']:.2e}, without it {numbers['without']:.2e}")
+          f"the residual {numbers['with']:.2e}, without it {numbers['without']:.2e}; node-aware stage 3: "
+          f"{numbers['stage 3']:.2e} and {numbers['stage 3 without']:.2e}")
 
 
 # ------------------------------------------------------------------ refusals
