@@ -15,6 +15,7 @@ format (mean |x| or RMS per --block, or "chunk": one RMS per owner's chunk, as D
 is plain PyTorch, not shardopt's (so that the scales can vary); the simulation has no clipping after the freeze.
 
     python benchmarks/onebit_exchange_sim.py --exchange momentum --over-d --scale rms    # ~3 min on one core
+    python benchmarks/onebit_exchange_sim.py --exchange adamw --schedule cosine
 """
 from __future__ import annotations
 
@@ -64,9 +65,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0, help="data order")
+    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                    help="lr: constant 1e-3, or cosine from 1e-3 to 1e-4 over the run")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    w, b1, b2, eps, lr, wd, clip = a.world, 0.9, 0.999, 1e-8, 1e-3, 0.1, 1.0
+    w, b1, b2, eps, base_lr, wd, clip = a.world, 0.9, 0.999, 1e-8, 1e-3, 0.1, 1.0
     tr, he, _ = read_corpus(REPO)
     train = torch.frombuffer(bytearray(tr), dtype=torch.uint8)
     held = torch.frombuffer(bytearray(he), dtype=torch.uint8)
@@ -88,6 +91,8 @@ def main() -> None:
     losses = []
     t0 = time.time()
     for t in range(a.steps):
+        lr = base_lr if a.schedule == "constant" else \
+            base_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t / a.steps)))
         grads, step_loss = [], 0.0
         for r in range(w):
             x, y = windows(train, a.batch, CONFIG.seq, _generator(a.seed, t, r))
