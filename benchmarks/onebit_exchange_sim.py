@@ -88,6 +88,20 @@ def main() -> None:
     def rows(x):
         return torch.cat([x, x.new_zeros(pad)]).view(w, n)
 
+    def send_rows(local):
+        """Every rank r sends row j of local[r] 1-bit to owner j (sending-side residual, its own row exact);
+        returns what the owners received, summed over the senders ([w, n])."""
+        got = torch.zeros(w, n)
+        for r, x in enumerate(local):
+            sent = x + worker[r]
+            sent[r] = x[r]
+            dec = one_bit(sent, a.scale, a.block)
+            worker[r] = sent - dec
+            worker[r][r] = 0
+            dec[r] = x[r]
+            got += dec
+        return got
+
     losses = []
     t0 = time.time()
     for t in range(a.steps):
@@ -120,28 +134,10 @@ def main() -> None:
                     g = g_all.mean(0)
                     m.mul_(b1).add_(g * min(1.0, clip / (float(g.norm()) + 1e-6)), alpha=1 - b1)
                 elif a.exchange == "increment":
-                    got = torch.zeros(w, n)
-                    for r in range(w):
-                        x = rows(g_all[r] * (1 - b1)) / unit
-                        sent = x + worker[r]
-                        sent[r] = x[r]
-                        dec = one_bit(sent, a.scale, a.block)
-                        worker[r] = sent - dec
-                        worker[r][r] = 0
-                        dec[r] = x[r]
-                        got += dec
+                    got = send_rows([rows(g_all[r] * (1 - b1)) / unit for r in range(w)])
                     m.mul_(b1).add_((got / w * unit).reshape(-1)[:total])
                 else:
-                    got = torch.zeros(w, n)
-                    for r in range(w):
-                        x = rows(m * b1 + g_all[r] * (1 - b1)) / unit
-                        sent = x + worker[r]
-                        sent[r] = x[r]
-                        dec = one_bit(sent, a.scale, a.block)
-                        worker[r] = sent - dec
-                        worker[r][r] = 0
-                        dec[r] = x[r]
-                        got += dec
+                    got = send_rows([rows(m * b1 + g_all[r] * (1 - b1)) / unit for r in range(w)])
                     mean = got / w + server
                     out = one_bit(mean, a.scale, a.block)
                     server.copy_(mean - out)

@@ -183,15 +183,15 @@ def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK, skip: int | No
 def encode_feedback(rows: torch.Tensor, residual: torch.Tensor | None, keep: int | None = None,
                     block: int = ONEBIT_BLOCK) -> torch.Tensor:
     """The messages of rows + residual ([k, n] fp32 each); residual becomes what the encoding lost. Row
-    `keep` is not sent (the caller's own): it is encoded as is and its residual stays zero."""
+    `keep` is not sent (the caller's own): its message is left zero and its residual stays zero."""
     from shardopt import _C
 
     k, n = rows.shape
     rows = rows.contiguous()
-    msgs = torch.empty(k, message_bytes(n, block), dtype=torch.uint8)
+    msgs = torch.zeros(k, message_bytes(n, block), dtype=torch.uint8)
     for i in range(k):
-        own = residual is None or i == keep
-        _C.onebit_encode(rows[i], msgs[i], residual=None if own else residual[i], block=block)
+        if i != keep:
+            _C.onebit_encode(rows[i], msgs[i], residual=None if residual is None else residual[i], block=block)
     if residual is not None and keep is not None:
         residual[keep].zero_()
     return msgs
@@ -206,34 +206,36 @@ def mean_rows(rows: torch.Tensor, group, rank: int) -> torch.Tensor:
         return rows[0].clone()
     parts = torch.empty_like(rows)
     dist.all_to_all_single(parts, rows.contiguous(), group=group)
-    parts[rank] = rows[rank]
+    return _mean_with_own(parts, rows[rank], rank)
+
+
+def _mean_with_own(parts: torch.Tensor, own: torch.Tensor, rank: int) -> torch.Tensor:
+    """The mean of the received rows `parts` ([W, n]) with row `rank` replaced by this rank's exact `own`,
+    summed in rank order in fp32 (what the references do)."""
+    parts[rank] = own
     total = parts[0].clone()
-    for i in range(1, w):
+    for i in range(1, parts.shape[0]):
         total += parts[i]
-    return total / w
+    return total / parts.shape[0]
 
 
 def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tensor, server: torch.Tensor,
                    block: int = ONEBIT_BLOCK):
     """The group's mean of `chunk` (n fp32, n % R == 0), 1-bit both ways with error feedback
-    (reference.onebit_allreduce_reference): worker residual n, server residual n / R, in place. Returns
-    (the mean as every rank decodes it, n fp32; the R server messages it was decoded from, uint8 [R, bytes])."""
+    (reference.onebit_allreduce_reference): worker residual n, server residual n / R, in place. Returns the
+    R server messages ([R, message_bytes(n / R)] uint8): every rank decodes the mean from the same bytes
+    (decode(...).reshape(-1)), or only the parts it needs."""
     r = dist.get_world_size(group)
     n = chunk.numel()
     m = n // r
     msgs = encode_feedback(chunk.view(r, m), worker.view(r, m), keep=replica, block=block)
     got = torch.empty_like(msgs)
     dist.all_to_all_single(got, msgs, group=group)
-    parts = decode(got, m, block, skip=replica)
-    parts[replica] = chunk.view(r, m)[replica]
-    total = parts[0].clone()
-    for i in range(1, r):
-        total += parts[i]
-    mine = encode_feedback((total / r).view(1, m), server.view(1, m), block=block)
+    mean = _mean_with_own(decode(got, m, block, skip=replica), chunk.view(r, m)[replica], replica)
+    mine = encode_feedback(mean.view(1, m), server.view(1, m), block=block)
     every = torch.empty(r * mine.numel(), dtype=torch.uint8)
     _all_gather(every, mine.view(-1), group)
-    every = every.view(r, -1)
-    return decode(every, m, block).reshape(-1), every
+    return every.view(r, -1)
 
 
 # Note [Clipping by a sketch]: the compression stage never forms the averaged gradient, so its norm is
@@ -415,21 +417,22 @@ class OneBitRoom:
         if self.replicas == 1:  # every rank's momentum over d, 1-bit both ways
             x = rows.div_(self.denom_rows).add_(self._momentum_rows(), alpha=b1)
             x[self.padding_rows] = 0.0
-            u, msgs = allreduce_1bit(x.view(-1), opt.process_group, self.rank, self.worker, self.server,
-                                     self.config.block)
+            msgs = allreduce_1bit(x.view(-1), opt.process_group, self.rank, self.worker, self.server,
+                                  self.config.block)
             self.messages.copy_(msgs)
             self.known.fill_(1.0)
-            return u.view(self.world, self.n)[self.rank].mul_(self.denom)
+            # this rank's row only: the others are decoded at the next step (_momentum_rows)
+            return decode(msgs[self.rank:self.rank + 1], self.n, self.config.block)[0].mul_(self.denom)
         # exact inside the shard group, then the replicas' mean, 1-bit both ways
         delta = mean_rows(rows, opt.process_group, self.rank)
         base = self.m.float().cpu().mul(b1)
         group, replica = opt.sharding.replicate, opt.sharding.replica
         if self.config.hybrid_exchange == "momentum":
-            u, _ = allreduce_1bit((base + delta).div_(self.denom), group, replica, self.worker, self.server,
+            msgs = allreduce_1bit((base + delta).div_(self.denom), group, replica, self.worker, self.server,
                                   self.config.block)
-            return u.mul_(self.denom)
-        u, _ = allreduce_1bit(delta.div_(self.denom), group, replica, self.worker, self.server, self.config.block)
-        return u.mul_(self.denom).add_(base)
+            return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom)
+        msgs = allreduce_1bit(delta.div_(self.denom), group, replica, self.worker, self.server, self.config.block)
+        return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom).add_(base)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Compression-stage clipping: the norm of the mean gradient over the world, estimated by a sketch

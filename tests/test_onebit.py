@@ -207,9 +207,8 @@ def _exchanges(rank, world_size):
             chunks = [torch.randn(n * r, generator=torch.Generator().manual_seed(7 * call + j + 10 * col))
                       for j in range(r)]
             worker, server = res[name]
-            got, msgs = onebit.allreduce_1bit(chunks[me].clone(), group, me, worker, server)
+            msgs = onebit.allreduce_1bit(chunks[me].clone(), group, me, worker, server)
             want = onebit_allreduce_reference(chunks, *ref[name])
-            assert torch.equal(got, want), (name, call)
             assert torch.equal(onebit.decode(msgs, n).reshape(-1), want), (name, call)
             assert torch.equal(worker, ref[name][0][me]) and torch.equal(server, ref[name][1][me]), (name, call)
     return True
