@@ -413,7 +413,7 @@ class OneBitRoom:
         opt, b1 = self.opt, self.beta1
         rows = self._rows(self._local_grad()).mul_((1.0 - b1) * self._coef)
         if self.world == 1:  # nothing to exchange
-            return self.m.float().cpu().mul_(b1).add_(rows[0])
+            return self.m.float().cpu().mul(b1).add_(rows[0])  # out of place: .float().cpu() may be self.m
         if self.replicas == 1:  # every rank's momentum over d, 1-bit both ways
             x = rows.div_(self.denom_rows).add_(self._momentum_rows(), alpha=b1)
             x[self.padding_rows] = 0.0

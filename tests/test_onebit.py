@@ -2,6 +2,7 @@
 warm-up bit for bit equal to our AdamW run, the step where compression starts, training close to
 AdamW after it, and the DeepSpeed config the Lightning docs show (WarmupLR against DeepSpeed's own)."""
 import copy
+import math
 import warnings
 
 import pytest
@@ -475,3 +476,47 @@ def test_zero_variance_at_the_freeze_is_said():
     caught = run_ranks(_zero_variance, 2)[0]
     said = [m for m in caught if "had a zero gradient in all 2 warm-up steps" in m]
     assert len(said) == 1 and said[0].startswith("OneBitAdam: 352 of 850 parameters (41.4%)")  # 44 rows x 8, caught
+
+
+def _one_rank(rank, world_size):
+    """One rank: nothing to exchange, so the compression stage is Adam with the variance frozen at
+    freeze_step, exactly; checked against that, written out in plain PyTorch."""
+    import shardopt
+
+    torch.manual_seed(0)
+    base = AwkwardNet()
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    lr, wd, b1, b2, eps, freeze = 1e-2, 0.1, 0.9, 0.99, 1e-8, 3
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=lr, weight_decay=wd,
+                                    betas=(b1, b2), eps=eps, freeze_step=freeze, reduce_bucket_size=300)
+    ddp = shardopt.ShardedDDP(model, opt)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, betas=(b1, b2), eps=eps)
+    diffs = []
+    for step in range(1, 9):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _loss(ddp, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        _loss(ref, step, rank).backward()
+        with torch.no_grad():
+            if step <= freeze:
+                adamw.step()
+            else:  # frozen variance: v and its bias correction as at step `freeze`
+                for p in ref.parameters():
+                    if p.grad is None:
+                        continue
+                    st = adamw.state[p]
+                    st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                    d = st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** freeze) + eps
+                    p.mul_(1 - lr * wd).addcdiv_(st["exp_avg"], d, value=-lr / (1 - b1 ** step))
+        adamw.zero_grad()
+        diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    assert opt.onebit.compressing
+    return diffs
+
+
+def test_one_rank_is_adam_with_a_frozen_variance():
+    diffs = run_ranks(_one_rank, 1)[0]
+    print(f"\nmax |OneBitAdam - frozen-variance Adam| per step: {['%.1e' % d for d in diffs]}")
+    assert max(diffs) < 1e-5, diffs  # the parity bar: the same operations up to rounding order
