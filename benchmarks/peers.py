@@ -80,6 +80,7 @@ VARIANTS = {
     # of 4 steps, the warm-up round (Note [Turns] in bench_step.py) is its exact-Adam warm-up.
     "shardopt hybrid + OneBitAdam + overlap_gather, 500k buckets": "shardopt-hybrid-onebit-gather-b500",
     "shardopt ZeRO-2 + OneBitAdam + overlap_gather, 500k buckets": "shardopt-2-onebit-gather-b500",
+    "shardopt ZeRO-3 hybrid + OneBitAdam, 500k buckets": "shardopt-hybrid-onebit-s3-b500",
 }
 ONEBIT_FREEZE = 4
 # inter_node_dtype of the hybrid kinds.

@@ -231,7 +231,7 @@ class ShardedDDP(nn.Module):
         engine = opt.engine
         if opt.param_shard is not None:
             opt.param_shard.grad_ready(index)
-        if not self._sync or opt._compressing():  # OneBitAdam reduces local gradients at step()
+        if not self._sync or opt._local_grads():  # OneBitAdam's flat compression stage: exchanged at step()
             engine.note_used(index)
             return
         if not self._callback_queued:
@@ -244,7 +244,7 @@ class ShardedDDP(nn.Module):
         """The first gradient hook of a backward pass (Note [Gradient hooks in C++]): what the pass does."""
         opt = self.optimizer
         opt.grads.begin_backward()
-        if not self._sync or opt._compressing():  # OneBitAdam reduces local gradients at step()
+        if not self._sync or opt._local_grads():  # OneBitAdam's flat compression stage: exchanged at step()
             return _ext._C.PASS_NOTE_USED
         if not self._callback_queued:
             # Runs once the whole backward pass is done: reduce what is left.

@@ -4,8 +4,9 @@ a momentum exchange of one bit per element (Note [1-bit Adam under ZeRO]).
     opt = ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=3e-4, freeze_step=400)
 
 or a DeepSpeed config with "type": "OneBitAdam" (deepspeed_config.py). ShardedOptimizer asks this room
-three things: `local_grads()` (backward passes of the compression stage reduce nothing: ShardedDDP
-keeps the gradients local, as under no_sync), `clip_grad_norm` and `step` once compressing.
+three things: `local_grads()` (on a flat mesh backward passes of the compression stage reduce nothing:
+ShardedDDP keeps the gradients local, as under no_sync), `clip_grad_norm` and `step` once compressing;
+and it switches the bucket engine's hop across replicas off at the freeze (`sync_engine`).
 
 Note [1-bit Adam under ZeRO]
 ----------------------------
@@ -44,8 +45,11 @@ local momentum b1*m + (1-b1)*g_i; under ZeRO rank r owns the shard of every buck
       their own |m| (the error feedback takes it back later), which this short, under-trained run
       rewards: do not read the -3.7% as a general gain.)
     hybrid mesh (R replicas of S shards, the link between replicas). Inside the shard group the
-      increments are reduced exactly (an fp32 all-to-all: the intra-node hop stays exact, as in
-      warm-up), giving replica k the increment of its shard D_k (mean over its S ranks of (1-b1)*G_i).
+      gradients are reduced exactly by the backward, as in warm-up (the bucket engine's reduce-scatter,
+      overlapped with backward, with its hop across replicas switched off: set_replica_hop), giving
+      replica k the mean over its S ranks of G_i on its shard; times (1-b1) that is the increment D_k.
+      (Until 2026-11-26 backward kept local gradients here too and step() reduced them with an fp32
+      all-to-all: whole-model gradients on every rank, and an exchange nothing overlapped.)
       Each replica holds m and d of that shard (equal on all replicas), and the replicas average
       M_k = (b1*m + D_k) / d, the momentum, as DeepSpeed does, with its two-phase compressed
       all-reduce: the shard is cut into R parts, part j owned by replica j; every replica sends part j
@@ -73,16 +77,26 @@ block of B = ONEBIT_BLOCK elements; n = P / S the shard):
 Memory per rank, besides the AdamW path's: flat: the sending-side residual over all of M_i (4 bytes per
 parameter, as DeepSpeed's worker error), every owner's d (4 more), U as messages (1/8), the server
 residual (4 / W) and the sketch's signs (1); a compression-stage backward keeps full local gradients
-(as DDP or no_sync). Hybrid: residuals of n + n / R fp32, d (n) and the signs. The residuals, and the
+(as DDP or no_sync). Hybrid: residuals of n + n / R fp32, d (n), the shard's flat positions (8 n) and
+the signs; gradients stay sharded as in warm-up.
+Stage 3 (parameters sharded too): the same exchange on the same shards; only the backward differs,
+which gathers parameters as always. So a hybrid mesh keeps stage 3's memory (nothing whole-model
+sized but the sketch's signs, 1 byte per parameter), while a flat mesh, by the algorithm, holds every
+rank's local gradient and its residual whole: 1-bit Adam on a model whose weights do not fit one
+device wants a hybrid mesh. Stage 3 equals stage 2 bit for bit when both cut the same buckets
+(tests/test_onebit.py); a rank whose forward had no backward walks the owed gathers before the
+exchange (ShardedOptimizer._settle_rounds), as before an AdamW step. The residuals, and the
 flat mesh's messages, are one tensor saved per rank (Note [Hop residual in checkpoints]): a resume at
 the same mesh continues bit for bit; another mesh restarts them from zero and U from the owners' m.
-Speed: the exchange happens at step(), not overlapped with backward (the momentum needs the whole
-gradient), in pure PyTorch ops (encode, decode, all-to-all on the group).
+Speed: the 1-bit exchange happens at step(), not overlapped with backward (the momentum needs the
+whole gradient); the codec is C++ (Note [Fused 1-bit codec]), the rest foreach / all-to-all on the group.
 
 Clipping in the compression stage: the averaged gradient never exists on any rank, so clip_grad_norm
 estimates its norm from a sketch (Note [Clipping by a sketch]: one all-reduce of 8192 floats, exact
 for gradients of at most 8192 elements) and step() multiplies every rank's local gradient by the clip
-coefficient before the exchange, which scales their mean as AdamW's clipping does. (Clipping each
+coefficient before the exchange, which scales their mean as AdamW's clipping does. (On a hybrid mesh
+every rank sketches its shard of its shard group's mean, at the shard's flat positions: the sum over
+the world is R times the sketch of the mean.) (Clipping each
 rank's local gradient by its own norm, as DeepSpeed's engine does, or by sqrt(mean_i |G_i|^2) clips far
 harder than AdamW at small per-rank batches: the local gradients' noise dominates their norms.) A step
 with inf/nan anywhere is skipped before anything is encoded (residuals untouched), as in warm-up;
@@ -264,6 +278,13 @@ def sketch(flat: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return x.view(-1, k).sum(0)
 
 
+def sketch_at(values: torch.Tensor, positions: torch.Tensor, signs: torch.Tensor, total: int) -> torch.Tensor:
+    """The sketch of a [total] gradient of which only `values`, at flat `positions`, are non-zero (a shard):
+    the same sums as sketch() up to summation order."""
+    k = min(SKETCH, total)
+    return torch.zeros(k, dtype=torch.float32).index_add_(0, positions % k, values * signs[positions])
+
+
 def _kernel_freezes() -> bool:
     """Whether the built CPU Adam kernel takes beta2 = 1 (a frozen variance; older builds refuse it)."""
     global _KERNEL_FREEZES
@@ -343,12 +364,21 @@ class OneBitRoom:
         return self.steps >= self.config.freeze_step
 
     def local_grads(self) -> bool:
-        """Backward passes keep gradients local (the compression stage reduces at step())."""
-        return self.compressing
+        """Backward passes keep gradients local: the flat mesh's compression stage exchanges them at step().
+        (A hybrid mesh's backward reduces them inside the shard group, exactly, as in warm-up.)"""
+        return self.compressing and self.replicas == 1
 
     def after_warmup_step(self, skipped: bool) -> None:
         if not skipped:
             self.steps += 1
+            self.sync_engine()
+
+    def sync_engine(self) -> None:
+        """Hybrid mesh: the bucket engine's hop across replicas runs in warm-up, and is off once compressing
+        (the backward's reduce-scatter then gives the mean over the shard group, which step() sends)."""
+        engine = self.opt.engine
+        if engine is not None and self.replicas > 1:
+            engine.set_replica_hop(not self.compressing)
 
     # --------------------------------------------------------- local grads
     def _local_grad(self) -> torch.Tensor:
@@ -391,7 +421,11 @@ class OneBitRoom:
     def _checked(self):
         """This step's (used, skip), once: clip_grad_norm and step share it."""
         if self._flagged is None:
-            self._flagged = self._flags()
+            if self.replicas == 1:
+                self._flagged = self._flags()
+            else:  # reduced in the shard group by the engine: its flags, as in warm-up
+                used = self.opt._grads_and_rounds()
+                self._flagged = (used, self.opt.grads.found_nonfinite)
             if not self._flagged[1] and self.m is None:
                 self._start()
         return self._flagged
@@ -411,20 +445,25 @@ class OneBitRoom:
         """This step's momentum on this rank's shard (fp32, CPU) after the exchange of the (clipped) local
         gradients (Note [1-bit Adam under ZeRO])."""
         opt, b1 = self.opt, self.beta1
+        if self.replicas > 1:
+            return self._exchange_replicas()
         rows = self._rows(self._local_grad()).mul_((1.0 - b1) * self._coef)
         if self.world == 1:  # nothing to exchange
             return self.m.float().cpu().mul(b1).add_(rows[0])  # out of place: .float().cpu() may be self.m
-        if self.replicas == 1:  # every rank's momentum over d, 1-bit both ways
-            x = rows.div_(self.denom_rows).add_(self._momentum_rows(), alpha=b1)
-            x[self.padding_rows] = 0.0
-            msgs = allreduce_1bit(x.view(-1), opt.process_group, self.rank, self.worker, self.server,
-                                  self.config.block)
-            self.messages.copy_(msgs)
-            self.known.fill_(1.0)
-            # this rank's row only: the others are decoded at the next step (_momentum_rows)
-            return decode(msgs[self.rank:self.rank + 1], self.n, self.config.block)[0].mul_(self.denom)
-        # exact inside the shard group, then the replicas' mean, 1-bit both ways
-        delta = mean_rows(rows, opt.process_group, self.rank)
+        # flat mesh: every rank's momentum over d, 1-bit both ways
+        x = rows.div_(self.denom_rows).add_(self._momentum_rows(), alpha=b1)
+        x[self.padding_rows] = 0.0
+        msgs = allreduce_1bit(x.view(-1), opt.process_group, self.rank, self.worker, self.server, self.config.block)
+        self.messages.copy_(msgs)
+        self.known.fill_(1.0)
+        # this rank's row only: the others are decoded at the next step (_momentum_rows)
+        return decode(msgs[self.rank:self.rank + 1], self.n, self.config.block)[0].mul_(self.denom)
+
+    def _exchange_replicas(self) -> torch.Tensor:
+        """Hybrid mesh: the shard group's mean gradient (reduced exactly by the backward), then the replicas'
+        mean momentum (or increment), 1-bit both ways."""
+        opt, b1 = self.opt, self.beta1
+        delta = opt.shard_grad.float().cpu().mul((1.0 - b1) * self._coef)  # out of place: may be shard_grad
         base = self.m.float().cpu().mul(b1)
         group, replica = opt.sharding.replicate, opt.sharding.replica
         if self.config.hybrid_exchange == "momentum":
@@ -443,10 +482,14 @@ class OneBitRoom:
         _, skip = self._checked()
         if skip:
             return torch.tensor(float("nan"))
-        sums = sketch(self._local_grad(), self.signs)
+        if self.replicas == 1:  # every rank's local gradient: their sum over the world
+            sums, count = sketch(self._local_grad(), self.signs), dist.get_world_size(self.opt.world_group)
+        else:  # every shard group's mean, as shards: their sum over the world is R times the mean's
+            shard = self.opt.shard_grad.float().cpu()
+            sums, count = sketch_at(shard, self.positions, self.signs, self.opt.layout.total_numel), self.replicas
         if dist.get_world_size(self.opt.world_group) > 1:
             dist.all_reduce(sums, group=self.opt.world_group)
-        total = (sums.double().square().sum().sqrt() / dist.get_world_size(self.opt.world_group)).float()
+        total = (sums.double().square().sum().sqrt() / count).float()
         total = total * self._coef
         self._coef *= min(1.0, float(max_norm) / (float(total) + 1e-6))
         return total
@@ -459,6 +502,8 @@ class OneBitRoom:
         inner = opt.inner
         if self.signs is None:
             self.signs = sketch_signs(opt.layout.total_numel)
+            # where each element of this rank's shard sits in the flat layout (the hybrid mesh's sketch)
+            self.positions = torch.cat([torch.arange(*b.chunk(self.rank)) for b in opt.layout.buckets])
         self.m = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         self.v = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         for at, t in zip(self.piece_at, opt._piece_params):
@@ -611,6 +656,7 @@ class OneBitRoom:
         self.steps = int(t.item())
         self.m = self.v = None
         self.started_at = None
+        self.sync_engine()
 
     def reset_residual(self) -> None:
         self.residual.zero_()

@@ -81,9 +81,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype)
         # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
         optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
-        if onebit_config is not None and self.config.stage == 3:
-            raise NotImplementedError("OneBitAdam with stage 3 is not built: its compression stage keeps whole "
-                                      "local gradients, which stage 3 never holds; use stage 1 or 2")
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         check_elementwise(optim)
         require_dist()  # before any work: the groups are resolved once the parameters are known
@@ -265,6 +262,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.param_round is not None:
                 self.engine.set_gather_dtype(self.param_round)
         self.engine.set_loss_scale(self.loss_scale)
+        if self.onebit is not None:
+            self.onebit.sync_engine()
         self.grads.engine = self.publisher.engine = self.engine
         if self.param_shard is not None:
             self.param_shard.attach(schedule)
@@ -308,6 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Same result as torch.nn.utils.clip_grad_norm_ on the full averaged gradients.
         """
         if self._compressing():
+            self._settle_rounds()
             return self.onebit.clip_grad_norm(max_norm, norm_type)
         self._grads_and_rounds()
         norm_type = float(norm_type)
@@ -360,6 +360,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._compressing():  # the room reduces local gradients and steps (Note [1-bit Adam under ZeRO])
+            self._settle_rounds()
             t0 = time.perf_counter()
             skip = self.onebit.step()
             self._phase["step"] += time.perf_counter() - t0
@@ -392,8 +393,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _compressing(self) -> bool:
-        """OneBitAdam past its warm-up: gradients stay local until step() (onebit.py)."""
+        """OneBitAdam past its warm-up: its room steps (onebit.py)."""
         return self.onebit is not None and self.onebit.compressing
+
+    def _local_grads(self) -> bool:
+        """Backward passes keep gradients local, to be exchanged at step() (OneBitAdam's flat mesh)."""
+        return self.onebit is not None and self.onebit.local_grads()
 
     def _load_master_from_model(self) -> None:
         """Master chunks take the model's values (at construction, after ShardedDDP's broadcast, a load)."""
@@ -470,9 +475,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _grads_and_rounds(self) -> torch.Tensor:
         """Gradients reduced, and at stage 3 every backward round walked (Note [Stage-3 schedule])."""
+        self._settle_rounds()
+        return self.grads.finish()
+
+    def _settle_rounds(self) -> None:
+        """Stage 3: the backward rounds this rank owes, walked before any step's collective."""
         if self.param_shard is not None:
             self.param_shard.settle()
-        return self.grads.finish()
 
     def phase_seconds(self) -> dict:
         """Cumulative wall seconds this rank spent per phase since construction.

@@ -1,6 +1,7 @@
 """1-bit Adam (shardopt/onebit.py): the 1-bit format and both exchanges against shardopt.reference,
 warm-up bit for bit equal to our AdamW run, the step where compression starts, training close to
 AdamW after it, and the DeepSpeed config the Lightning docs show (WarmupLR against DeepSpeed's own)."""
+import contextlib
 import copy
 import math
 import warnings
@@ -16,7 +17,7 @@ from models import AwkwardNet, batch, uses_branch, VOCAB
 # The Lightning docs' "custom DeepSpeed config" (docs/source-pytorch/advanced/model_parallel/deepspeed.rst),
 # verbatim but for sizes: bucket sizes, the scheduler's warm-up and freeze_step (absent there: DeepSpeed's
 # default of 100000 warm-up steps) for a model of a few thousand parameters trained a few steps.
-def docs_config(freeze_step=3, bucket=300):
+def docs_config(freeze_step=3, bucket=300, stage=2):
     return {
         "zero_allow_untested_optimizer": True,
         "optimizer": {
@@ -40,7 +41,7 @@ def docs_config(freeze_step=3, bucket=300):
             },
         },
         "zero_optimization": {
-            "stage": 2,  # Enable Stage 2 ZeRO (Optimizer/Gradient state partitioning)
+            "stage": stage,  # Enable Stage 2 ZeRO (Optimizer/Gradient state partitioning)
             "offload_optimizer": {"device": "cpu"},  # Enable Offloading optimizer state/calculation to the host CPU
             "contiguous_gradients": True,  # Reduce gradient fragmentation.
             "overlap_comm": True,  # Overlap reduce/backward operation of gradients for speed.
@@ -145,8 +146,6 @@ def test_refusals_and_link_arithmetic():
     from shardopt import onebit
     from shardopt.parallel.mesh_plan import ONEBIT_BLOCK, MeshShape, hop_link_bytes
 
-    with pytest.raises(NotImplementedError, match="OneBitAdam with stage 3"):
-        shardopt.ShardedOptimizer(nn.Linear(2, 2).parameters(), optim=shardopt.OneBitAdam, stage=3)
     with pytest.raises(ValueError, match="freeze_step must be a whole number"):
         onebit.OneBitConfig(freeze_step=0)
     assert ONEBIT_BLOCK == onebit.ONEBIT_BLOCK
@@ -292,7 +291,93 @@ def test_warmup_is_adamw_then_compression(shape, stage, offload, dtype):
     assert abs(a - b) / a < 0.10, losses
 
 
-def _from_config(rank, world_size):
+def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
+    """Stage 3 against stage 2, OneBitAdam, one bucket (so both cut the same chunks and the same 1-bit
+    blocks): equal bit for bit in the warm-up and the compression stage, through gradient accumulation
+    under no_sync, ranks taking different branches, and a step where rank 1's forward has no backward
+    (stage 3 owes that backward's gathers, walked before the exchange: ShardedOptimizer._settle_rounds)."""
+    import shardopt
+
+    torch.manual_seed(0)
+    base = AwkwardNet().to(dtype)
+    out = {}
+    for stage in (2, 3):
+        model = copy.deepcopy(base)
+        kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, stage=stage, reduce_bucket_size=10**6,
+                  offload=offload, max_grad_norm=1.0, freeze_step=4)
+        if shape is not None:
+            kw["mesh"] = _mesh(shape)
+        if stage == 3:
+            kw["param_persistence_threshold"] = 0  # every parameter sharded, in the one bucket
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, **kw)
+        ddp = shardopt.ShardedDDP(model, opt)
+        out[stage] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(1, 11):
+                if step % 3 == 0:
+                    with ddp.no_sync():
+                        (_loss(ddp, 100 + step, rank) / 2).backward()
+                    loss = _loss(ddp, step, rank) / 2
+                else:
+                    loss = _loss(ddp, step, rank)
+                if not (step == 8 and rank == 1):
+                    opt.scale_loss(loss).backward()
+                opt.step()
+                opt.zero_grad()
+                with opt.full_params(writeback=False) if stage == 3 else contextlib.nullcontext():
+                    out[stage].append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+        assert opt.onebit.started_at == 5
+        if stage == 3:
+            assert opt.param_shard.live_bytes() == 0  # sharded between uses, as any stage-3 run
+    return [torch.equal(a, b) for a, b in zip(out[2], out[3])]
+
+
+@pytest.mark.parametrize("shape,offload,dtype", [
+    (None, "none", torch.float32),
+    ((2, 2), "cpu", torch.float16),  # hybrid; loss scaling; the fused kernel's frozen-variance step
+])
+def test_stage3_equals_stage2(shape, offload, dtype):
+    for same in run_ranks(_stage3_is_stage2, 4, shape, offload, dtype, collective_timeout=30):
+        assert all(same), same
+
+
+def _clip_norms(rank, world_size, shape, stage):
+    """The compression stage's clipping norm (a sketch: exact for a model of at most 8192 elements, as this
+    one) against our AdamW run's exact norm of the same averaged gradient (weights equal after the warm-up)."""
+    import shardopt
+
+    torch.manual_seed(0)
+    base = AwkwardNet()
+    kw = dict(lr=1e-2, weight_decay=0.1, stage=stage, reduce_bucket_size=300, **({"mesh": _mesh(shape)} if shape else {}))
+    runs = []
+    for optim, extra in ((torch.optim.AdamW, {}), (shardopt.OneBitAdam, {"freeze_step": 2})):
+        model = copy.deepcopy(base)
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, **kw, **extra)
+        runs.append((opt, shardopt.ShardedDDP(model, opt)))
+    norms = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(1, 4):
+            norms.append([])
+            for opt, ddp in runs:
+                _loss(ddp, step, rank).backward()
+                norms[-1].append(float(opt.clip_grad_norm(1e9)))
+                opt.step()
+                opt.zero_grad()
+    assert runs[1][0].onebit.started_at == 3
+    return norms
+
+
+@pytest.mark.parametrize("shape,stage", [(None, 2), ((2, 2), 3)])
+def test_compression_stage_clips_by_the_mean_gradients_norm(shape, stage):
+    for norms in run_ranks(_clip_norms, 4, shape, stage):
+        assert norms[0][0] == norms[0][1] and norms[1][0] == norms[1][1], norms  # warm-up: the same path
+        exact, sketched = norms[2]
+        assert sketched == pytest.approx(exact, rel=1e-5), norms
+
+
+def _from_config(rank, world_size, stage):
     import shardopt
 
     torch.manual_seed(0)
@@ -306,9 +391,10 @@ def _from_config(rank, world_size):
                                   inter_node_dtype="int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = shardopt.ShardedOptimizer.from_config(model.parameters(), docs_config())
+        opt = shardopt.ShardedOptimizer.from_config(model.parameters(), docs_config(stage=stage))
     assert any("cuda_aware: not applicable" in str(w.message) for w in caught)
     assert isinstance(opt.lr_scheduler, shardopt.WarmupLR) and opt.config.offload == "cpu"
+    assert opt.config.stage == stage and (opt.param_shard is not None) == (stage == 3)
     ddp = shardopt.ShardedDDP(model, opt)
     lrs, losses = [], []
     for step in range(1, 9):
@@ -323,14 +409,15 @@ def _from_config(rank, world_size):
     return lrs, losses
 
 
-def test_docs_config_trains_from_config():
-    out = run_ranks(_from_config, 4)
+@pytest.mark.parametrize("stage", [2, 3])  # as written, and with "stage": 3
+def test_docs_config_trains_from_config(stage):
+    out = run_ranks(_from_config, 4, stage)
     lrs, losses = out[0]
     assert lrs[:2] == [0.0, 0.0] and lrs[-1] == 3e-5, lrs
     assert losses[-1] < losses[1], losses
 
 
-def _lightning(rank, world_size, precision):
+def _lightning(rank, world_size, precision, stage):
     """The docs' Lightning call with our strategy: Trainer(devices=4, strategy=...(config=deepspeed_config))."""
     import lightning.pytorch as pl
     import os
@@ -365,7 +452,7 @@ def _lightning(rank, world_size, precision):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # On CPU Lightning turns precision="16-mixed" into bf16; the plugin keeps fp16 (docs/integrations.md).
-        strategy = ShardedStrategy(config=docs_config(),
+        strategy = ShardedStrategy(config=docs_config(stage=stage),
                                    precision_plugin=ShardedPrecision(precision) if precision == "16-mixed" else None)
         trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
                              precision=None if precision == "16-mixed" else precision, max_epochs=1, logger=False, enable_checkpointing=False,
@@ -374,13 +461,14 @@ def _lightning(rank, world_size, precision):
     opt = trainer.strategy._sharded_optimizer()
     assert isinstance(opt.lr_scheduler, shardopt.WarmupLR) and opt.onebit.started_at == 4
     assert opt.dtype == (torch.float16 if precision == "16-mixed" else torch.float32)
+    assert opt.config.stage == stage
     assert (opt.loss_scaler is not None) == (precision == "16-mixed")
     return module.seen
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_docs_config_trains_under_lightning(precision):
-    seen = run_ranks(_lightning, 4, precision)[0]
+@pytest.mark.parametrize("precision,stage", [("32-true", 2), ("16-mixed", 2), ("32-true", 3)])
+def test_docs_config_trains_under_lightning(precision, stage):
+    seen = run_ranks(_lightning, 4, precision, stage)[0]
     # 16 steps: warm-up for 3 applied steps (fp16 skips the first ones while the loss scale settles, and
     # a skipped step does not count, as in DeepSpeed), then compressing; WarmupLR as DeepSpeed steps it.
     assert all(c == (s >= 3) for s, c, _ in seen) and seen[-1][1], seen
@@ -389,7 +477,7 @@ def test_docs_config_trains_under_lightning(precision):
         assert [s for s, _, _ in seen][:5] == [0, 1, 2, 3, 4], seen
 
 
-def _resume(rank, world_size, path, shape):
+def _resume(rank, world_size, path, shape, stage):
     """8 steps straight against 5 + save + load into a fresh model and optimizer + 3, compressing from step
     3: equal bit for bit at the same shape (residuals, frozen variance and step count are restored)."""
     import shardopt
@@ -399,7 +487,7 @@ def _resume(rank, world_size, path, shape):
         model = AwkwardNet()
         kw = {"mesh": _mesh(shape)} if shape else {}
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=1e-2, weight_decay=0.1,
-                                        freeze_step=2, reduce_bucket_size=300, **kw)
+                                        freeze_step=2, reduce_bucket_size=300, stage=stage, **kw)
         return model, opt, shardopt.ShardedDDP(model, opt)
 
     def run(ddp, opt, steps):
@@ -412,7 +500,7 @@ def _resume(rank, world_size, path, shape):
         warnings.simplefilter("ignore")
         model, opt, ddp = build()
         run(ddp, opt, range(1, 9))
-        straight = [p.detach().clone() for p in model.parameters()]
+        straight = weights(model, opt)
         model, opt, ddp = build()
         run(ddp, opt, range(1, 6))
         assert opt.onebit.compressing and opt.onebit.residual.any()  # (bytes in its tail: not summed)
@@ -421,7 +509,7 @@ def _resume(rank, world_size, path, shape):
         shardopt.load_checkpoint(path, ddp, opt)
         assert opt.onebit.steps == 5 and opt.onebit.compressing
         run(ddp, opt, range(6, 9))
-        resumed = [p.detach().clone() for p in model.parameters()]
+        resumed = weights(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     with warnings.catch_warnings():  # without the residuals the resumed run differs (so the test can tell)
         warnings.simplefilter("ignore")
@@ -429,13 +517,13 @@ def _resume(rank, world_size, path, shape):
         shardopt.load_checkpoint(path, ddp, opt)
         opt.onebit.reset_residual()
         run(ddp, opt, range(6, 9))
-    assert not all(torch.equal(a, p.detach()) for a, p in zip(straight, model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(straight, weights(model, opt)))
     # Another mesh: the step count, momentum and frozen variance carry over, the residuals restart (said).
     other = (4, 1) if shape else (2, 2)
     torch.manual_seed(0)
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=1e-2, weight_decay=0.1,
-                                    freeze_step=2, reduce_bucket_size=300, mesh=_mesh(other))
+                                    freeze_step=2, reduce_bucket_size=300, mesh=_mesh(other), stage=stage)
     ddp = shardopt.ShardedDDP(model, opt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -447,9 +535,15 @@ def _resume(rank, world_size, path, shape):
     return True
 
 
-@pytest.mark.parametrize("shape", [None, (2, 2)])
-def test_resume_in_compression_stage(tmp_path, shape):
-    assert all(run_ranks(_resume, 4, str(tmp_path / "ckpt"), shape))
+def weights(model, opt):
+    """Every parameter's whole value (at stage 3 gathered, the masters untouched)."""
+    with opt.full_params(writeback=False):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("shape,stage", [(None, 2), ((2, 2), 2), ((2, 2), 3)])
+def test_resume_in_compression_stage(tmp_path, shape, stage):
+    assert all(run_ranks(_resume, 4, str(tmp_path / "ckpt"), shape, stage))
 
 
 def _zero_variance(rank, world_size):

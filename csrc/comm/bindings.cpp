@@ -68,6 +68,7 @@ void init_comm_bindings(pybind11::module& m) {
       .def("set_loss_scale", &BucketEngine::set_loss_scale, py::arg("scale"))
       .def("found_nonfinite", &BucketEngine::found_nonfinite)
       .def("set_replicate_group", &BucketEngine::set_replicate_group, py::arg("replicate"), py::arg("format"))
+      .def("set_replica_hop", &BucketEngine::set_replica_hop, py::arg("enabled"))
       .def("set_node_groups", &BucketEngine::set_node_groups, py::arg("node"), py::arg("across"), py::arg("format"))
       .def("set_gather_dtype", &BucketEngine::set_gather_dtype, py::arg("dtype"))
       .def("reset_hop_residual", &BucketEngine::reset_hop_residual)

@@ -92,7 +92,15 @@ void BucketEngine::set_loss_scale(double scale) {
   TORCH_CHECK(scale > 0.0, "loss scale must be > 0, got ", scale);
   TORCH_CHECK(!in_backward_, "the loss scale cannot change during a backward pass");
   loss_scale_ = scale;
-  divisor_ = static_cast<double>(world_size_ * replicas_) * scale;
+  divisor_ = static_cast<double>(world_size_ * (replica_hop_ ? replicas_ : 1)) * scale;
+}
+
+void BucketEngine::set_replica_hop(bool enabled) {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(replicate_pg_, "set_replica_hop: there is no replicate group (set_replicate_group first)");
+  TORCH_CHECK(!in_backward_ && inflight_.empty(), "set_replica_hop is called between backward passes");
+  replica_hop_ = enabled;
+  divisor_ = static_cast<double>(world_size_ * (replica_hop_ ? replicas_ : 1)) * loss_scale_;
 }
 
 void BucketEngine::set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> replicate,
@@ -333,7 +341,7 @@ void BucketEngine::launch(int64_t b) {
     } else {
       work = comm::start_reduce_scatter_auto(pg_, input, out, impl_);
     }
-    if (replicate_pg_) {
+    if (replicate_pg_ && replica_hop_) {
       // The inter-node hop, chained after the reduce-scatter on the replicate
       // group's worker: bucket b crosses the link while b+1 is reduced in the node.
       hop = comm::start_replica_all_reduce(replicate_pg_, work, out, hop_format_,

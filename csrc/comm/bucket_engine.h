@@ -109,6 +109,12 @@ class BucketEngine {
   // `format` ("exact", "bfloat16", "int8"; Note [Compressed inter-node hop]).
   // Call once, before the first backward.
   void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> replicate, const std::string& format);
+  // Hybrid sharding: whether the hop runs (default). Off, a bucket is reduced
+  // inside its shard group only, divided by the shard group's size: the mean
+  // over this replica's ranks, which OneBitAdam's compression stage then sends
+  // across replicas itself (Note [1-bit Adam under ZeRO] in shardopt/onebit.py).
+  // Between backward passes only.
+  void set_replica_hop(bool enabled);
   // Node-aware flat sharding (Note [Two-level collectives] in
   // shardopt/parallel/mesh_plan.py): the engine's group is the whole world,
   // W = R * K ranks, with the layout's chunk order of Note [Node-aware chunk
@@ -217,12 +223,13 @@ class BucketEngine {
   bool staged_;        // gradients are copied into a staging buffer to be reduced
   bool direct_ok_;     // a reduce-scatter may write into the shard chunk itself
   int64_t max_bucket_ = 0, max_chunk_ = 0;
-  double divisor_;     // world_size * replicas * loss scale
+  double divisor_;     // world_size * replicas (1 with the hop off) * loss scale
   double loss_scale_ = 1.0;
   // Hybrid sharding: the inter-node hop (null without one).
   c10::intrusive_ptr<c10d::ProcessGroup> replicate_pg_;
   comm::HopFormat hop_format_ = comm::HopFormat::kExact;
   int64_t replicas_ = 1;
+  bool replica_hop_ = true;  // set_replica_hop
   // Node-aware flat sharding (null without): the in-node and the across-nodes group.
   c10::intrusive_ptr<c10d::ProcessGroup> node_pg_, across_pg_;
   int64_t nodes_ = 1, node_ = 0, local_ = 0;  // R, this rank's node and local rank
