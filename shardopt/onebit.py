@@ -77,8 +77,8 @@ block of B = ONEBIT_BLOCK elements; n = P / S the shard):
 Memory per rank, besides the AdamW path's: flat: the sending-side residual over all of M_i (4 bytes per
 parameter, as DeepSpeed's worker error), every owner's d (4 more), U as messages (1/8), the server
 residual (4 / W) and the sketch's signs (1); a compression-stage backward keeps full local gradients
-(as DDP or no_sync). Hybrid: residuals of n + n / R fp32, d (n), the shard's flat positions (8 n) and
-the signs; gradients stay sharded as in warm-up.
+(as DDP or no_sync). Hybrid: residuals of n + n / R fp32, d (n) and the
+signs; gradients stay sharded as in warm-up, and the step's temporaries are a few of n.
 Stage 3 (parameters sharded too): the same exchange on the same shards; only the backward differs,
 which gathers parameters as always. So a hybrid mesh keeps stage 3's memory (nothing whole-model
 sized but the sketch's signs, 1 byte per parameter), while a flat mesh, by the algorithm, holds every
@@ -95,7 +95,7 @@ Clipping in the compression stage: the averaged gradient never exists on any ran
 estimates its norm from a sketch (Note [Clipping by a sketch]: one all-reduce of 8192 floats, exact
 for gradients of at most 8192 elements) and step() multiplies every rank's local gradient by the clip
 coefficient before the exchange, which scales their mean as AdamW's clipping does. (On a hybrid mesh
-every rank sketches its shard of its shard group's mean, at the shard's flat positions: the sum over
+every rank sketches its shard of its shard group's mean, at the shard's flat ranges: the sum over
 the world is R times the sketch of the mean.) (Clipping each
 rank's local gradient by its own norm, as DeepSpeed's engine does, or by sqrt(mean_i |G_i|^2) clips far
 harder than AdamW at small per-rank batches: the local gradients' noise dominates their norms.) A step
@@ -278,11 +278,19 @@ def sketch(flat: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return x.view(-1, k).sum(0)
 
 
-def sketch_at(values: torch.Tensor, positions: torch.Tensor, signs: torch.Tensor, total: int) -> torch.Tensor:
-    """The sketch of a [total] gradient of which only `values`, at flat `positions`, are non-zero (a shard):
-    the same sums as sketch() up to summation order."""
+def sketch_at(values: torch.Tensor, ranges, signs: torch.Tensor, total: int) -> torch.Tensor:
+    """The sketch of a [total] gradient of which only `values` are non-zero, at the flat ranges (lo, hi)
+    one after the other (a shard: one chunk per bucket): the same sums as sketch() up to summation order,
+    with temporaries of one range's size."""
     k = min(SKETCH, total)
-    return torch.zeros(k, dtype=torch.float32).index_add_(0, positions % k, values * signs[positions])
+    sums = torch.zeros(k, dtype=torch.float32)
+    at = 0
+    for lo, hi in ranges:
+        x = values[at:at + hi - lo] * signs[lo:hi]
+        at += hi - lo
+        front, back = lo % k, -(lo + x.numel()) % k  # element lo goes to sum lo mod k
+        sums += torch.cat([x.new_zeros(front), x, x.new_zeros(back)]).view(-1, k).sum(0)
+    return sums
 
 
 def _kernel_freezes() -> bool:
@@ -463,15 +471,16 @@ class OneBitRoom:
         """Hybrid mesh: the shard group's mean gradient (reduced exactly by the backward), then the replicas'
         mean momentum (or increment), 1-bit both ways."""
         opt, b1 = self.opt, self.beta1
-        delta = opt.shard_grad.float().cpu().mul((1.0 - b1) * self._coef)  # out of place: may be shard_grad
-        base = self.m.float().cpu().mul(b1)
         group, replica = opt.sharding.replicate, opt.sharding.replica
-        if self.config.hybrid_exchange == "momentum":
-            msgs = allreduce_1bit((base + delta).div_(self.denom), group, replica, self.worker, self.server,
+        # one shard-sized temporary: (1-b1) * G (out of place: .float().cpu() may be shard_grad itself) ...
+        x = opt.shard_grad.float().cpu().mul((1.0 - b1) * self._coef)
+        m = self.m.float().cpu()
+        if self.config.hybrid_exchange == "momentum":  # ... + b1 * m, over d
+            msgs = allreduce_1bit(x.add_(m, alpha=b1).div_(self.denom), group, replica, self.worker, self.server,
                                   self.config.block)
             return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom)
-        msgs = allreduce_1bit(delta.div_(self.denom), group, replica, self.worker, self.server, self.config.block)
-        return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom).add_(base)
+        msgs = allreduce_1bit(x.div_(self.denom), group, replica, self.worker, self.server, self.config.block)
+        return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom).add_(m, alpha=b1)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Compression-stage clipping: the norm of the mean gradient over the world, estimated by a sketch
@@ -486,7 +495,7 @@ class OneBitRoom:
             sums, count = sketch(self._local_grad(), self.signs), dist.get_world_size(self.opt.world_group)
         else:  # every shard group's mean, as shards: their sum over the world is R times the mean's
             shard = self.opt.shard_grad.float().cpu()
-            sums, count = sketch_at(shard, self.positions, self.signs, self.opt.layout.total_numel), self.replicas
+            sums, count = sketch_at(shard, self.ranges, self.signs, self.opt.layout.total_numel), self.replicas
         if dist.get_world_size(self.opt.world_group) > 1:
             dist.all_reduce(sums, group=self.opt.world_group)
         total = (sums.double().square().sum().sqrt() / count).float()
@@ -502,8 +511,8 @@ class OneBitRoom:
         inner = opt.inner
         if self.signs is None:
             self.signs = sketch_signs(opt.layout.total_numel)
-            # where each element of this rank's shard sits in the flat layout (the hybrid mesh's sketch)
-            self.positions = torch.cat([torch.arange(*b.chunk(self.rank)) for b in opt.layout.buckets])
+            # where this rank's shard sits in the flat layout (the hybrid mesh's sketch)
+            self.ranges = [b.chunk(self.rank) for b in opt.layout.buckets]
         self.m = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         self.v = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         for at, t in zip(self.piece_at, opt._piece_params):
@@ -537,7 +546,8 @@ class OneBitRoom:
         for b, at in zip(layout.buckets, offsets):
             eps[at:at + b.chunk_numel].fill_(float(opt.param_groups[b.group]["eps"]))
         bc2 = 1.0 - self.beta2 ** self.config.freeze_step
-        self.denom = (self.v.float().cpu().sqrt() / math.sqrt(bc2)).add_(eps)  # eps is read here, at the freeze
+        self.denom = self.v.float().cpu().sqrt().div_(math.sqrt(bc2)).add_(eps)  # eps is read here, at the freeze
+        del eps
         self.denom_master = self.denom.to(opt.master_device)  # the same tensor on a CPU master
         if self.replicas == 1 and self.world > 1:  # every rank sends to every owner: each owner's d
             rows = torch.empty(self.world * self.n, dtype=torch.float32)
@@ -605,7 +615,7 @@ class OneBitRoom:
         bc2 = 1.0 - self.beta2 ** self.config.freeze_step
         for g, group in zip(inner.param_groups if inner is not None else [], opt.param_groups):
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-            ps, ms, vs, ds = [], [], [], []
+            ps, ms, vs, ds, gs = [], [], [], [], []
             for p in g["params"]:
                 k = self._piece_index[id(p)]
                 pc, at = opt._pieces[k], self.piece_at[k]
@@ -621,6 +631,7 @@ class OneBitRoom:
                     st["step"] += 1
                 ps.append(p.view(-1))
                 ms.append(m)
+                gs.append(new_m[at:at + p.numel()])
                 vs.append(self.v[at:at + p.numel()])
                 ds.append(self.denom_master[at:at + p.numel()])
             if not ps:
@@ -631,7 +642,7 @@ class OneBitRoom:
                 # (lr s / bc1) m / (sqrt(v) + eps s) = lr / bc1 * m / (sqrt(v) / s + eps), s = sqrt(bc2(T)).
                 from shardopt.cpu_adam import fused_adam_step
                 s = math.sqrt(bc2)
-                fused_adam_step(ps, [x.clone() for x in ms], ms, vs, lr=lr * s / bc1, beta1=0.0, beta2=1.0,
+                fused_adam_step(ps, gs, ms, vs, lr=lr * s / bc1, beta1=0.0, beta2=1.0,
                                 eps=eps * s, weight_decay=wd * bc1 / s, adamw=True, step=t, bias_correction=False)
                 continue
             if wd != 0:
@@ -669,6 +680,14 @@ class OneBitRoom:
         return idx
 
     # ----------------------------------------------------------- inspection
+    def host_bytes(self) -> int:
+        """Host memory of the compression state besides the optimizer's: residuals (and the flat mesh's
+        messages), the frozen denominators and the sketch's signs."""
+        ts = [self.residual, self.denom, self.signs]
+        if self.denom_rows is not None and self.denom_rows.data_ptr() != getattr(self.denom, "data_ptr", int)():
+            ts.append(self.denom_rows)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
     def link_bytes_per_step(self) -> dict:
         """The arithmetic of Note [1-bit Adam under ZeRO]: bytes this rank sends per compression step."""
         b = self.config.block

@@ -519,7 +519,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ inspection
     def memory_stats(self) -> dict:
         """Bytes this rank holds in parameters, master weights, gradients, optimizer state and staging
-        buffers, and how much of it is on the model's device vs offloaded to the host."""
+        buffers, and how much of it is on the model's device vs offloaded to the host. With OneBitAdam,
+        "onebit": its compression state (host memory, not in on_device)."""
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts)
         state = self.stepper.state_tensors()
@@ -533,6 +534,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # int8 inter-node hop: error feedback (Note [Compressed inter-node hop]).
             "hop_residual": self.engine.hop_residual_bytes if self.engine is not None else 0,
         }
+        if self.onebit is not None:  # residuals, frozen denominators, sketch signs: host memory (Note [1-bit Adam under ZeRO])
+            stats["onebit"] = self.onebit.host_bytes()
         # Where they live: with offload, master, gradient shard and state are host memory.
         host = stats["master"] + nbytes([self.shard_grad]) + stats["optimizer_state"] \
             if self.config.offload == "cpu" else 0

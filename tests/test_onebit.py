@@ -323,6 +323,10 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
                     loss = _loss(ddp, step, rank)
                 if not (step == 8 and rank == 1):
                     opt.scale_loss(loss).backward()
+                    if step > 4:  # compressing: a hybrid mesh's backward reduces in the node, a flat one keeps
+                        #           whole local gradients (p.grad) for the exchange at step()
+                        assert opt.engine.has_grad() == (shape is not None), step
+                        assert any(type(p.grad) is torch.Tensor for p in model.parameters()) == (shape is None)
                 opt.step()
                 opt.zero_grad()
                 with opt.full_params(writeback=False) if stage == 3 else contextlib.nullcontext():
@@ -330,6 +334,11 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
         assert opt.onebit.started_at == 5
         if stage == 3:
             assert opt.param_shard.live_bytes() == 0  # sharded between uses, as any stage-3 run
+            # The compression state: a flat mesh holds every rank's residual and every owner's d whole (8 bytes
+            # per parameter), a hybrid one its shard's (residuals 1 + 1/R, d: 10 bytes per element of the shard
+            # at R = 2) and the sketch's signs (1 byte per parameter) (Note [1-bit Adam under ZeRO]).
+            held, total, n = opt.memory_stats()["onebit"], opt.layout.total_numel, opt.layout.shard_numel()
+            assert held > 8 * total if shape is None else held == 10 * n + total, (held, total, n)
     return [torch.equal(a, b) for a, b in zip(out[2], out[3])]
 
 
