@@ -80,6 +80,7 @@ VARIANTS = {
     # of 4 steps, the warm-up round (Note [Turns] in bench_step.py) is its exact-Adam warm-up.
     "shardopt hybrid + OneBitAdam + overlap_gather, 500k buckets": "shardopt-hybrid-onebit-gather-b500",
     "shardopt ZeRO-2 + OneBitAdam + overlap_gather, 500k buckets": "shardopt-2-onebit-gather-b500",
+    "shardopt ZeRO-2 flat rings + OneBitAdam + overlap_gather, 500k buckets": "shardopt-2-onebit-flat-gather-b500",
     "shardopt ZeRO-3 hybrid + OneBitAdam, 500k buckets": "shardopt-hybrid-onebit-s3-b500",
 }
 ONEBIT_FREEZE = 4
@@ -268,11 +269,14 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
     if kind.startswith("shardopt-2-onebit"):
         # Note [1-bit Adam under ZeRO]: 1-bit messages from each rank to every rank of the other nodes,
         # twice (the rows to their owners, then each owner's mean to every rank): 2 (W-K) K / W of the
-        # gradient's elements per node at 1/8 byte + a scale per 1024; then the parameters' ring
-        # all-gather, (W-1)/W S.
+        # gradient's elements per node at 1/8 byte + a scale per 1024; then the parameters' all-gather:
+        # node-aware across nodes (the default), (R-1)/R S; with flat rings, (W-1)/W S.
         elements = grad_bytes / 4
-        return 2 * (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024) \
-            + ring_link_bytes(world, per_node, grad_bytes) / 2
+        onebit = 2 * (world - per_node) * per_node / world * elements * (1 / 8 + 4 / 1024)
+        if per_node < world and "flat" not in kind.split("-"):
+            nodes = world // per_node
+            return onebit + (nodes - 1) / nodes * grad_bytes
+        return onebit + ring_link_bytes(world, per_node, grad_bytes) / 2
     parts = kind.split("-")
     flat_sharding = parts[0] == "shardopt" and parts[1] in ("1", "2", "3")
     gathers = 2 if flat_sharding and parts[1] == "3" else 1  # stage 3: before forward and before backward

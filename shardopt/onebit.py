@@ -33,7 +33,10 @@ local momentum b1*m + (1-b1)*g_i; under ZeRO rank r owns the shard of every buck
       (row j: chunk j of every bucket, the gradient shard's layout, over owner j's d, all-gathered
       once at the freeze), and the rows go through the two-phase compressed all-reduce below, owner j
       summing row j (its own row exact) and encoding the mean with its summing-side residual. Every
-      rank decodes the same W messages: that is the new U, and owner j's m_j = U_j * d_j.
+      rank decodes the same W messages: that is the new U, and owner j's m_j = U_j * d_j. Row j is rank
+      j's chunk: with node-aware collectives (a flat mesh across nodes) ranks own chunks in node-major
+      order (Note [Node-aware chunk order] in layout.py), so _rows puts them back in rank order; only
+      the warm-up's reduce-scatter and every step's parameter gather are two-level.
       (Before 2026-11-25 the flat mesh exchanged the increments (1-b1)*G_i / d, one phase, and added
       their mean to b1*m: half the bytes, but on the small GPT of benchmarks/onebit_loss_curve.py it
       ended 11.2% above AdamW. benchmarks/onebit_exchange_sim.py, 4 simulated ranks, 375 steps, the
@@ -120,6 +123,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from shardopt.layout import chunk_index
 
 ONEBIT_BLOCK = 1024
 _DS_FREEZE_STEP_DEFAULT = 100000  # DeepSpeed's OnebitAdam default
@@ -576,9 +581,14 @@ class OneBitRoom:
                         f"or freeze parameters that never train.", UserWarning, stacklevel=4)
 
     def _rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """[total] -> [W, n]: row j is chunk j of every bucket, concatenated (the gradient shard's layout)."""
-        w = self.world
-        return torch.cat([flat[b.start:b.end].view(w, -1) for b in self.opt.layout.buckets], dim=1)
+        """[total] -> [W, n]: row r is rank r's chunk of every bucket, concatenated (its gradient shard's
+        layout). Chunk r is rank r's, but with node-aware collectives ranks own chunks in the node-major
+        order of Note [Node-aware chunk order] (layout.py): the rows are put back in rank order."""
+        w, layout = self.world, self.opt.layout
+        rows = torch.cat([flat[b.start:b.end].view(w, -1) for b in layout.buckets], dim=1)
+        if layout.nodes == 1:
+            return rows
+        return rows[[chunk_index(r, w, layout.nodes) for r in range(w)]]
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()

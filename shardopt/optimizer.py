@@ -99,8 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # process_group / rank / world_size are the shard group's: the layout is split over it.
         where = _device_ops.materialization_device(self._params[0].device)  # a meta model's too
         self.sharding = resolve_groups(process_group, mesh, shard_group, where.type,
-                                       node_aware=self.config.node_aware,
-                                       why_not=_node_aware_not_built(self.config, onebit_config))
+                                       node_aware=self.config.node_aware)
         self.process_group = self.sharding.shard
         self.world_group = self.sharding.world
         self.rank = dist.get_rank(self.process_group)
@@ -544,9 +543,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                     "hop_residual")) - host
         return stats
 
-
-def _node_aware_not_built(config, onebit_config) -> str | None:
-    """Why node-aware collectives cannot run with this configuration (None: they can)."""
-    if onebit_config is not None:
-        return "OneBitAdam (its compression stage exchanges with the flat chunk owners)"
-    return None

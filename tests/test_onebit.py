@@ -232,7 +232,10 @@ def _train_pair(rank, world_size, shape, stage, offload, dtype, steps, freeze):
     base = AwkwardNet().to(dtype)
     kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, stage=stage, reduce_bucket_size=300,
               offload=offload, max_grad_norm=1.0)
-    if shape is not None:
+    if shape == "nodes":  # flat over 2 nodes of 2 ranks: node-aware collectives (the default across nodes)
+        import os
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    elif shape is not None:
         kw["mesh"] = _mesh(shape)
     runs = {}
     for name, optim, extra in (("adamw", None if offload == "cpu" else torch.optim.AdamW, {}),
@@ -265,6 +268,12 @@ def _train_pair(rank, world_size, shape, stage, offload, dtype, steps, freeze):
             assert diffs[-1] == 0.0, (step, diffs)
     opt = runs["onebit"][1]
     assert opt.onebit.compressing and opt.onebit.started_at == freeze + 1
+    if shape == "nodes":
+        # Node-aware chunk order: the exchange's row r must be rank r's own chunk of every bucket.
+        assert opt.sharding.nodes is not None and opt.layout.nodes == 2
+        x = torch.arange(opt.layout.total_numel, dtype=torch.float32)
+        mine = torch.cat([x[slice(*b.chunk(rank))] for b in opt.layout.buckets])
+        assert torch.equal(opt.onebit._rows(x)[rank], mine)  # (ranks 1 and 2 own chunks 2 and 1)
     if rank == 0:
         assert started == freeze + 1 + skipped and diffs[started - 1] > 0.0, (started, skipped, diffs)
     # Replicas and ranks agree on every parameter (the model is whole everywhere).
@@ -279,6 +288,7 @@ def _train_pair(rank, world_size, shape, stage, offload, dtype, steps, freeze):
     (None, 2, "none", torch.float32),
     ((2, 2), 1, "cpu", torch.bfloat16),
     (None, 2, "cpu", torch.float16),      # dynamic loss scaling; the fused kernel's frozen-variance step
+    ("nodes", 2, "none", torch.float32),  # flat across 2 nodes: node-aware collectives
 ])
 def test_warmup_is_adamw_then_compression(shape, stage, offload, dtype):
     out = run_ranks(_train_pair, 4, shape, stage, offload, dtype, 12, 4)
