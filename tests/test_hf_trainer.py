@@ -7,6 +7,7 @@ norms, learning rates and final weights must agree within 1e-5.
 """
 import contextlib
 import glob
+import math
 import os
 
 import pytest
@@ -378,6 +379,29 @@ def _deepspeed_config(rank, world_size, tmp):
 def test_deepspeed_config_with_auto_values(tmp_path):
     for rank, failures in enumerate(run_ranks(_deepspeed_config, 2, str(tmp_path), timeout=400)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def _onebit(rank, world_size, tmp):
+    """A DeepSpeed config with OneBitAdam: the compression stage starts after freeze_step optimizer steps,
+    and the Trainer's clipping there is the optimizer's (the mean gradient's norm, the same on every rank;
+    torch's clip_grad_norm_ over model.parameters() would clip each rank's own gradient by its own norm)."""
+    import warnings
+
+    _env(rank, world_size)
+    config = dict(DS_ZERO2, optimizer={"type": "OneBitAdam", "params": {
+        "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "freeze_step": 2}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logs, _, trainer = _fit(True, _args(f"{tmp}/so"), shardopt_config=config)
+    _, opt = trainer._sharded()
+    return [e["grad_norm"] for e in logs], opt.onebit.started_at, opt.onebit.compressing
+
+
+def test_onebit_config_clips_by_the_mean_gradient(tmp_path):
+    (norms0, started, compressing), (norms1, _, _) = run_ranks(_onebit, 2, str(tmp_path), timeout=400)
+    assert started == 3 and compressing and len(norms0) == 6
+    assert norms0 == norms1, (norms0, norms1)  # every step, the compressed ones (3-6) included
+    assert all(math.isfinite(v) and v > 0 for v in norms0), norms0
 
 
 # ---------------------------------------------------------- refused at once

@@ -26,7 +26,8 @@ evaluation, callbacks, autocast, checkpoint folders), except four things:
 The Trainer's loop needs nothing else: it clears gradients with
 model.zero_grad(), clips with clip_grad_norm_ over model.parameters() and
 unscales through GradScaler, all of which act on the shards (Note [Sharded
-p.grad] in shardopt/sharded_grad.py).
+p.grad] in shardopt/sharded_grad.py). One exception: in OneBitAdam's
+compression stage the accelerator's clip_grad_norm_ is the optimizer's own.
 
 Note [ShardedTrainer at stage 3]
 --------------------------------
@@ -231,6 +232,21 @@ class ShardedTrainer(Trainer):
             return prepare_optimizer(optimizer, device_placement=device_placement)
 
         acc.prepare_optimizer = without_device_placement
+        clip = acc.clip_grad_norm_
+
+        @functools.wraps(clip)
+        def clip_grad_norm_(parameters, max_norm, norm_type=2):
+            # OneBitAdam's compression stage: no rank holds the averaged gradient (a flat mesh's p.grad is
+            # the rank's own), so the Trainer's clip_grad_norm_ over model.parameters() would clip each
+            # rank by its own norm. The optimizer's clipping estimates the mean gradient's norm (Note
+            # [Clipping by a sketch] in shardopt/onebit.py) and returns it, the same on every rank.
+            opt = self._sharded()[1] if self.optimizer is not None else None
+            if opt is not None and opt._compressing():
+                acc.unscale_gradients()
+                return opt.clip_grad_norm(max_norm, norm_type)
+            return clip(parameters, max_norm, norm_type=norm_type)
+
+        acc.clip_grad_norm_ = clip_grad_norm_
 
     # ------------------------------------------------------------ checkpoints
     def _sharded(self) -> tuple[torch.nn.Module, ShardedOptimizer]:
