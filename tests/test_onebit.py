@@ -308,6 +308,10 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
     (stage 3 owes that backward's gathers, walked before the exchange: ShardedOptimizer._settle_rounds)."""
     import shardopt
 
+    if shape == "nodes":  # flat over 2 nodes of 2 ranks: node-aware collectives
+        import os
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    hybrid = isinstance(shape, tuple)
     torch.manual_seed(0)
     base = AwkwardNet().to(dtype)
     out = {}
@@ -315,7 +319,7 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
         model = copy.deepcopy(base)
         kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, stage=stage, reduce_bucket_size=10**6,
                   offload=offload, max_grad_norm=1.0, freeze_step=4)
-        if shape is not None:
+        if hybrid:
             kw["mesh"] = _mesh(shape)
         if stage == 3:
             kw["param_persistence_threshold"] = 0  # every parameter sharded, in the one bucket
@@ -335,26 +339,27 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
                     opt.scale_loss(loss).backward()
                     if step > 4:  # compressing: a hybrid mesh's backward reduces in the node, a flat one keeps
                         #           whole local gradients (p.grad) for the exchange at step()
-                        assert opt.engine.has_grad() == (shape is not None), step
-                        assert any(type(p.grad) is torch.Tensor for p in model.parameters()) == (shape is None)
+                        assert opt.engine.has_grad() == hybrid, step
+                        assert any(type(p.grad) is torch.Tensor for p in model.parameters()) != hybrid
                 opt.step()
                 opt.zero_grad()
                 with opt.full_params(writeback=False) if stage == 3 else contextlib.nullcontext():
                     out[stage].append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
-        assert opt.onebit.started_at == 5
+        assert opt.onebit.started_at == 5 and (opt.layout.nodes == 2) == (shape == "nodes")
         if stage == 3:
             assert opt.param_shard.live_bytes() == 0  # sharded between uses, as any stage-3 run
             # The compression state: a flat mesh holds every rank's residual and every owner's d whole (8 bytes
             # per parameter), a hybrid one its shard's (residuals 1 + 1/R, d: 10 bytes per element of the shard
             # at R = 2) and the sketch's signs (1 byte per parameter) (Note [1-bit Adam under ZeRO]).
             held, total, n = opt.memory_stats()["onebit"], opt.layout.total_numel, opt.layout.shard_numel()
-            assert held > 8 * total if shape is None else held == 10 * n + total, (held, total, n)
+            assert held > 8 * total if not hybrid else held == 10 * n + total, (held, total, n)
     return [torch.equal(a, b) for a, b in zip(out[2], out[3])]
 
 
 @pytest.mark.parametrize("shape,offload,dtype", [
     (None, "none", torch.float32),
     ((2, 2), "cpu", torch.float16),  # hybrid; loss scaling; the fused kernel's frozen-variance step
+    ("nodes", "none", torch.float32),  # flat across 2 nodes of 2: node-aware collectives at both stages
 ])
 def test_stage3_equals_stage2(shape, offload, dtype):
     for same in run_ranks(_stage3_is_stage2, 4, shape, offload, dtype, collective_timeout=30):
