@@ -819,7 +819,6 @@ def _refusals(rank, world_size):
     refused("node_aware must be", node_aware="yes")
     refused("node_aware=True is for flat", node_aware=True, mesh=mesh)
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    refused("OneBitAdam", node_aware=True, optim=shardopt.OneBitAdam)
     # Parameters across nodes in bf16: only where node-aware flat sharding sends fp32 parameters across.
     refused("must be None", inter_node_param_dtype="int8")
     refused("hybrid sharding", inter_node_param_dtype=torch.bfloat16, mesh=mesh)
