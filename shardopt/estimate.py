@@ -20,7 +20,9 @@ counts, under the same names:
     master           fp32 master chunks, when they are not the parameters themselves
                      (bf16/fp16 parameters, or offload="cpu")
     offloaded        with offload="cpu": master, gradient chunks and optimizer state
-    on_device        everything else (what stays with the model)
+    on_device        everything else (what stays with the model), but
+    onebit           with optimizer "onebit": OneBitAdam's compression state, host memory
+                     (Note [Estimate for 1-bit Adam])
 
 Model states only, as DeepSpeed's estimate_zero2_model_states_mem_needs:
 activations, the allocator's slack and the framework itself come on top.
@@ -66,6 +68,7 @@ from shardopt.layout import plan_layout
 STATE_PER_ELEMENT = {
     "adamw": 2, "adam": 2, "cpuadam": 2, "adamax": 2, "nadam": 2, "radam": 2, "adadelta": 2,
     "sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1,
+    "onebit": 2,  # OneBitAdam: Adam's two, plus its compression state (MemoryEstimate.onebit)
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,16 +165,27 @@ class MemoryEstimate:
     in_flight: int = 0
     """Node-aware collectives: the part of `staging` that is the node chunks of buckets being reduced,
     allocated per bucket in backward (memory_stats(), between steps, does not see them)."""
+    onebit: int | None = None
+    """OneBitAdam: its compression state once compressing, host memory (Note [Estimate for 1-bit Adam])."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.staging + self.master + self.hop_residual
+        return self.params + self.grads + self.optimizer_state + self.staging + self.master + self.hop_residual \
+            + (self.onebit or 0)
+
+    @property
+    def on_host(self) -> int:
+        """Offloaded bytes and OneBitAdam's compression state."""
+        return self.host + (self.onebit or 0)
 
     def as_stats(self) -> dict:
         """The memory_stats() keys."""
-        return {"params": self.params, "master": self.master, "grads": self.grads,
-                "optimizer_state": self.optimizer_state, "staging": self.staging, "hop_residual": self.hop_residual,
-                "offloaded": self.host, "on_device": self.total - self.host}
+        stats = {"params": self.params, "master": self.master, "grads": self.grads,
+                 "optimizer_state": self.optimizer_state, "staging": self.staging, "hop_residual": self.hop_residual,
+                 "offloaded": self.host, "on_device": self.total - self.on_host}
+        if self.onebit is not None:
+            stats["onebit"] = self.onebit
+        return stats
 
 
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
@@ -218,8 +232,31 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
         params = shard * pbytes + gathered
+    onebit = _onebit_bytes(layout, shards, replicas) if cfg.optimizer == "onebit" else None
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
-                          staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight)
+                          staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight,
+                          onebit=onebit)
+
+
+# Note [Estimate for 1-bit Adam]
+# OneBitAdam's state besides Adam's (Note [1-bit Adam under ZeRO] in onebit.py), as its memory_stats()
+# entry counts it once compressing, for a shard of n elements (padding included):
+# the frozen denominator (n fp32); on a flat mesh of W ranks
+# also every rank's sending-side residual (W n fp32), the server residual (n), every owner's denominator
+# (W n) and the last step's W 1-bit messages; on a hybrid mesh of R replicas the residuals of n + n / R.
+# Not counted (as activations are not): a flat mesh's compression-stage backward keeps whole local
+# gradients (all P elements, in the model's dtype), and the step's temporaries, a few shard-sized tensors.
+def _onebit_bytes(layout, shards: int, replicas: int) -> int:
+    from shardopt.onebit import message_bytes
+
+    n = layout.shard_numel()
+    if replicas > 1:
+        residual, rows = n + n // replicas, 0
+    elif shards > 1:
+        residual, rows = shards * n + n + 1 + -(-shards * message_bytes(n) // 4), shards * n
+    else:
+        residual, rows = 0, 0
+    return (residual + n + rows) * 4
 
 
 def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> MemoryEstimate:
@@ -295,7 +332,7 @@ def format_table(num_params: int, rows: Sequence[tuple[EstimateConfig, MemoryEst
     names = {v: k for k, v in DTYPES.items()}
 
     def line(label, cfg_cells, m):
-        vals = [m.params, m.grads, m.master, m.optimizer_state, m.staging, m.total - m.host, m.host, m.total]
+        vals = [m.params, m.grads, m.master, m.optimizer_state, m.staging, m.total - m.on_host, m.on_host, m.total]
         lines.append("  ".join(f"{c:>9}" for c in cfg_cells) + "  " + "  ".join(f"{_gib(v):>9}" for v in vals)
                      + (f"  {label}" if label else ""))
 

@@ -78,13 +78,14 @@ block of B = ONEBIT_BLOCK elements; n = P / S the shard):
   hybrid: every rank sends (R-1) parts twice: 2 (R-1)/R * n/8 (+ scales); per node, S ranks,
           2 (R-1)/R * P/8 bytes over the link, 32x less than the exact fp32 hop (2 (R-1)/R * 4P).
 Memory per rank, besides the AdamW path's: flat: the sending-side residual over all of M_i (4 bytes per
-parameter, as DeepSpeed's worker error), every owner's d (4 more), U as messages (1/8), the server
-residual (4 / W) and the sketch's signs (1); a compression-stage backward keeps full local gradients
-(as DDP or no_sync). Hybrid: residuals of n + n / R fp32, d (n) and the
-signs; gradients stay sharded as in warm-up, and the step's temporaries are a few of n.
+parameter, as DeepSpeed's worker error), every owner's d (4 more), U as messages (1/8) and the server
+residual (4 / W); a compression-stage backward keeps full local gradients (as DDP or no_sync). Hybrid:
+residuals of n + n / R fp32 and d (n), 10 bytes per shard element; gradients stay sharded as in
+warm-up, and the step's temporaries are a few of n. (The clipping sketch's signs are computed, not
+stored: Note [Clipping by a sketch].)
 Stage 3 (parameters sharded too): the same exchange on the same shards; only the backward differs,
 which gathers parameters as always. So a hybrid mesh keeps stage 3's memory (nothing whole-model
-sized but the sketch's signs, 1 byte per parameter), while a flat mesh, by the algorithm, holds every
+sized), while a flat mesh, by the algorithm, holds every
 rank's local gradient and its residual whole: 1-bit Adam on a model whose weights do not fit one
 device wants a hybrid mesh. Stage 3 equals stage 2 bit for bit when both cut the same buckets
 (tests/test_onebit.py); a rank whose forward had no backward walks the owed gathers before the
@@ -263,39 +264,57 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
 # of the mean gradient, and the squares of its sums estimate |mean|^2 without bias (the signs' cross terms
 # average out), with a relative standard deviation of at most sqrt(2 / SKETCH), 1.6% (0.8% on the norm).
 # A gradient of at most SKETCH elements has one element per sum: the norm is then exact.
+# The signs are a fixed random table of _SIGN_PERIOD entries, repeated: element e's sign is entry
+# e mod _SIGN_PERIOD. The period is odd, so two elements of one sum (e = e' mod SKETCH) take the same
+# entry only 8192 * _SIGN_PERIOD (8.6e9) elements apart: within a model of fewer parameters their signs
+# are distinct entries, and the cross terms average out as with fully random signs. The table is 8 MB
+# (two periods in fp32, so that any run of elements reads one slice), the same on every rank; until
+# 2026-11-26 the signs were stored per element, one byte per parameter on every rank (6.5 GiB at 7B).
 SKETCH = 8192
 _SKETCH_SEED = 0x1B17
+_SIGN_PERIOD = (1 << 20) + 1
+_sign_table: torch.Tensor | None = None
 
 
-def sketch_signs(total: int) -> torch.Tensor:
-    """The fixed +-1 signs (int8) of the sketch, the same on every rank."""
-    g = torch.Generator().manual_seed(_SKETCH_SEED)
-    return torch.randint(0, 2, (total,), generator=g, dtype=torch.int8).mul_(2).sub_(1)
+def _signs() -> torch.Tensor:
+    global _sign_table
+    if _sign_table is None:
+        g = torch.Generator().manual_seed(_SKETCH_SEED)
+        one = torch.randint(0, 2, (_SIGN_PERIOD,), generator=g).to(torch.float32).mul_(2).sub_(1)
+        _sign_table = torch.cat([one, one])
+    return _sign_table
 
 
-def sketch(flat: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """[total] fp32 -> its SKETCH (or total, if fewer) signed sums (Note [Clipping by a sketch])."""
-    total = flat.numel()
-    k = min(SKETCH, total)
-    x = flat * signs
-    if total % k:
-        x = torch.cat([x, x.new_zeros(k - total % k)])
-    return x.view(-1, k).sum(0)
+def sketch_signs(lo: int, hi: int) -> torch.Tensor:
+    """The fixed +-1 signs (fp32) of flat elements lo..hi-1, the same on every rank."""
+    table = _signs()
+    return torch.cat([table[a % _SIGN_PERIOD:a % _SIGN_PERIOD + min(hi, a + _SIGN_PERIOD) - a]
+                      for a in range(lo, hi, _SIGN_PERIOD)]) if hi > lo else table[:0]
 
 
-def sketch_at(values: torch.Tensor, ranges, signs: torch.Tensor, total: int) -> torch.Tensor:
-    """The sketch of a [total] gradient of which only `values` are non-zero, at the flat ranges (lo, hi)
-    one after the other (a shard: one chunk per bucket): the same sums as sketch() up to summation order,
-    with temporaries of one range's size."""
+def sketch_at(values: torch.Tensor, ranges, total: int) -> torch.Tensor:
+    """The SKETCH (or total, if fewer) signed sums of a [total] gradient of which only `values` are
+    non-zero, at the flat ranges (lo, hi) one after the other (a shard: one chunk per bucket; a whole
+    gradient: [(0, total)]): element e, times its sign, into sum e mod SKETCH (Note [Clipping by a
+    sketch]). Temporaries of at most _SIGN_PERIOD elements."""
     k = min(SKETCH, total)
     sums = torch.zeros(k, dtype=torch.float32)
+    table = _signs()
     at = 0
     for lo, hi in ranges:
-        x = values[at:at + hi - lo] * signs[lo:hi]
-        at += hi - lo
-        front, back = lo % k, -(lo + x.numel()) % k  # element lo goes to sum lo mod k
-        sums += torch.cat([x.new_zeros(front), x, x.new_zeros(back)]).view(-1, k).sum(0)
+        for a in range(lo, hi, _SIGN_PERIOD):
+            b = min(hi, a + _SIGN_PERIOD)
+            off = a % _SIGN_PERIOD
+            x = values[at:at + b - a] * table[off:off + b - a]
+            at += b - a
+            front, back = a % k, -b % k  # element a goes to sum a mod k
+            sums += torch.cat([x.new_zeros(front), x, x.new_zeros(back)]).view(-1, k).sum(0)
     return sums
+
+
+def sketch(flat: torch.Tensor) -> torch.Tensor:
+    """A whole [total] gradient's sketch."""
+    return sketch_at(flat, [(0, flat.numel())], flat.numel())
 
 
 def _kernel_freezes() -> bool:
@@ -364,7 +383,7 @@ class OneBitRoom:
             self.worker, self.server = self.residual[:self.n], self.residual[self.n:]
         self.started_at = None  # the step at which compression started in this run (for logs and tests)
         self.m = self.v = self.denom = self.denom_rows = None
-        self.signs = None    # the clipping sketch's signs (Note [Clipping by a sketch]), made at the freeze
+        self.ranges = None   # where this rank's shard sits in the flat layout (the hybrid mesh's sketch)
         self._local = None   # this step's local gradient, fp32 [total] (built once per step)
         self._flagged = None  # this step's (used, skip)
         self._coef = 1.0     # this step's clipping coefficient, applied to the local gradients before the exchange
@@ -497,10 +516,10 @@ class OneBitRoom:
         if skip:
             return torch.tensor(float("nan"))
         if self.replicas == 1:  # every rank's local gradient: their sum over the world
-            sums, count = sketch(self._local_grad(), self.signs), dist.get_world_size(self.opt.world_group)
+            sums, count = sketch(self._local_grad()), dist.get_world_size(self.opt.world_group)
         else:  # every shard group's mean, as shards: their sum over the world is R times the mean's
             shard = self.opt.shard_grad.float().cpu()
-            sums, count = sketch_at(shard, self.ranges, self.signs, self.opt.layout.total_numel), self.replicas
+            sums, count = sketch_at(shard, self.ranges, self.opt.layout.total_numel), self.replicas
         if dist.get_world_size(self.opt.world_group) > 1:
             dist.all_reduce(sums, group=self.opt.world_group)
         total = (sums.double().square().sum().sqrt() / count).float()
@@ -514,9 +533,7 @@ class OneBitRoom:
         optimizer's state tensors become views of them (checkpoints keep reading them there)."""
         opt = self.opt
         inner = opt.inner
-        if self.signs is None:
-            self.signs = sketch_signs(opt.layout.total_numel)
-            # where this rank's shard sits in the flat layout (the hybrid mesh's sketch)
+        if self.ranges is None:
             self.ranges = [b.chunk(self.rank) for b in opt.layout.buckets]
         self.m = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         self.v = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
@@ -692,8 +709,8 @@ class OneBitRoom:
     # ----------------------------------------------------------- inspection
     def host_bytes(self) -> int:
         """Host memory of the compression state besides the optimizer's: residuals (and the flat mesh's
-        messages), the frozen denominators and the sketch's signs."""
-        ts = [self.residual, self.denom, self.signs]
+        messages) and the frozen denominators."""
+        ts = [self.residual, self.denom]
         if self.denom_rows is not None and self.denom_rows.data_ptr() != getattr(self.denom, "data_ptr", int)():
             ts.append(self.denom_rows)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)

@@ -99,16 +99,27 @@ def test_sketch_estimates_the_norm():
     from shardopt import onebit
 
     small = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-    s = onebit.sketch(small, onebit.sketch_signs(5000))
+    s = onebit.sketch(small)
     assert torch.allclose(s.norm(), small.norm(), rtol=1e-5)
+    # The signs: +-1, as many of each (a hash of the position, the same wherever computed), and a shard's
+    # sketch (ranges, in pieces) is the whole gradient's with zeros elsewhere.
+    signs = onebit.sketch_signs(0, 1 << 20)
+    assert set(signs.unique().tolist()) == {-1.0, 1.0} and abs(float(signs.mean())) < 0.01
+    assert torch.equal(onebit.sketch_signs(1000, 3000), signs[1000:3000])
+    g = torch.randn(3_000_000, generator=torch.Generator().manual_seed(2))
+    ranges = [(100, 1_500_000), (2_000_000, 2_999_999)]
+    shard = torch.cat([g[lo:hi] for lo, hi in ranges])
+    masked = torch.zeros_like(g)
+    for lo, hi in ranges:
+        masked[lo:hi] = g[lo:hi]
+    assert torch.allclose(onebit.sketch_at(shard, ranges, g.numel()), onebit.sketch(masked), rtol=1e-4, atol=1e-3)
     errors = []
     for seed in range(5):
         big = torch.randn(400_000, generator=torch.Generator().manual_seed(seed))
         big[:1000] *= 30  # a few large elements, as a gradient has
         # the mean of 4 ranks' gradients, sketched on each rank and summed, as the all-reduce does
         parts = [big + torch.randn(400_000, generator=torch.Generator().manual_seed(100 + i)) for i in range(4)]
-        signs = onebit.sketch_signs(big.numel())
-        total = sum(onebit.sketch(p, signs) for p in parts) / 4
+        total = sum(onebit.sketch(p) for p in parts) / 4
         errors.append(abs(total.norm().item() / (sum(parts) / 4).norm().item() - 1))
     assert max(errors) < 0.03 and min(errors) > 0.0, errors
 
@@ -350,9 +361,16 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
             assert opt.param_shard.live_bytes() == 0  # sharded between uses, as any stage-3 run
             # The compression state: a flat mesh holds every rank's residual and every owner's d whole (8 bytes
             # per parameter), a hybrid one its shard's (residuals 1 + 1/R, d: 10 bytes per element of the shard
-            # at R = 2) and the sketch's signs (1 byte per parameter) (Note [1-bit Adam under ZeRO]).
+            # at R = 2) (Note [1-bit Adam under ZeRO]).
             held, total, n = opt.memory_stats()["onebit"], opt.layout.total_numel, opt.layout.shard_numel()
-            assert held > 8 * total if not hybrid else held == 10 * n + total, (held, total, n)
+            assert held > 8 * total if not hybrid else held == 10 * n, (held, total, n)
+            # ... and `shardopt estimate --optimizer onebit` counts it before anything is built.
+            from shardopt.estimate import EstimateConfig, estimate, trainable_shapes
+
+            mesh_kw = dict(shards=2, node_aware=shape == "nodes") if shape is not None else {}
+            est = estimate(trainable_shapes(base), EstimateConfig(world_size=4, stage=3, optimizer="onebit",
+                                                                  reduce_bucket_size=10**6, **mesh_kw))
+            assert est.onebit == held, (est.onebit, held)
     return [torch.equal(a, b) for a, b in zip(out[2], out[3])]
 
 
