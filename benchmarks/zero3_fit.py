@@ -34,6 +34,7 @@ import os
 import platform
 import secrets
 import sys
+import warnings
 
 import torch
 
@@ -80,7 +81,6 @@ def _train(rank, world_size, variant, layers, dim, cap_mib, token):
                                         reduce_bucket_size=2_000_000, **kw)
         wrapper = shardopt.ShardedDDP(model, opt, param_init_fn=init_weights if stage3 else None)
     losses = []
-    import warnings
     warnings.filterwarnings("ignore", message="OneBitAdam")  # the freeze's notices
     for step in range(3):
         x, y = synthetic_batch(cfg, 2, 16, step, rank)

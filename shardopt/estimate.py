@@ -60,6 +60,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from shardopt import onebit as _onebit
 from shardopt.config import auto_bucket_size
 from shardopt.layout import plan_layout
 
@@ -232,7 +233,7 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
         params = shard * pbytes + gathered
-    onebit = _onebit_bytes(layout, shards, replicas) if cfg.optimizer == "onebit" else None
+    onebit = _onebit.state_bytes(shard, shards, replicas) if cfg.optimizer == "onebit" else None
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight,
                           onebit=onebit)
@@ -246,18 +247,7 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
 # (W n) and the last step's W 1-bit messages; on a hybrid mesh of R replicas the residuals of n + n / R.
 # Not counted (as activations are not): a flat mesh's compression-stage backward keeps whole local
 # gradients (all P elements, in the model's dtype), and the step's temporaries, a few shard-sized tensors.
-def _onebit_bytes(layout, shards: int, replicas: int) -> int:
-    from shardopt.onebit import message_bytes
-
-    n = layout.shard_numel()
-    if replicas > 1:
-        residual, rows = n + n // replicas, 0
-    elif shards > 1:
-        residual, rows = shards * n + n + 1 + -(-shards * message_bytes(n) // 4), shards * n
-    else:
-        residual, rows = 0, 0
-    return (residual + n + rows) * 4
-
+# The arithmetic is onebit.state_bytes, which also sizes the room's residual tensor.
 
 def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> MemoryEstimate:
     """DDP + the same torch optimizer, for comparison: full parameters, gradients and state on every rank

@@ -184,6 +184,24 @@ def message_bytes(n: int, block: int = ONEBIT_BLOCK) -> int:
     return 4 * (-(-n // block)) + (-(-n // 8))
 
 
+def residual_numel(n: int, shards: int, replicas: int, block: int = ONEBIT_BLOCK) -> int:
+    """fp32 elements of a rank's residual tensor for a shard of n elements (Note [1-bit Adam under ZeRO]):
+    hybrid, the worker's n and the server's n / R; flat over W > 1 ranks, the worker's W n, the server's n,
+    the `known` flag and the last step's W messages (as bytes); one rank, none."""
+    if replicas > 1:
+        return n + n // replicas
+    if shards > 1:
+        return shards * n + n + 1 + -(-shards * message_bytes(n, block) // 4)
+    return 0
+
+
+def state_bytes(n: int, shards: int, replicas: int, block: int = ONEBIT_BLOCK) -> int:
+    """Host bytes of the compression state once compressing, as memory_stats()["onebit"] counts them: the
+    residual tensor, the frozen denominator (n), and on a flat mesh every owner's (W n)."""
+    rows = shards * n if replicas == 1 and shards > 1 else 0
+    return (residual_numel(n, shards, replicas, block) + n + rows) * 4
+
+
 def encode(rows: torch.Tensor, block: int = ONEBIT_BLOCK) -> torch.Tensor:
     """fp32 [k, n] -> uint8 [k, message_bytes(n)]: per row the scales (fp32 bytes), then the sign bits."""
     return encode_feedback(rows, None, block=block)
@@ -218,27 +236,6 @@ def encode_feedback(rows: torch.Tensor, residual: torch.Tensor | None, keep: int
 
 
 # -------------------------------------------------------------- the exchanges
-def mean_rows(rows: torch.Tensor, group, rank: int) -> torch.Tensor:
-    """Row `rank` of the exact mean over the group's ranks of `rows` ([S, n] fp32, row j for rank j): one
-    fp32 all-to-all, summed in rank order with this rank's own row as it is."""
-    w, n = rows.shape
-    if w == 1:
-        return rows[0].clone()
-    parts = torch.empty_like(rows)
-    dist.all_to_all_single(parts, rows.contiguous(), group=group)
-    return _mean_with_own(parts, rows[rank], rank)
-
-
-def _mean_with_own(parts: torch.Tensor, own: torch.Tensor, rank: int) -> torch.Tensor:
-    """The mean of the received rows `parts` ([W, n]) with row `rank` replaced by this rank's exact `own`,
-    summed in rank order in fp32 (what the references do)."""
-    parts[rank] = own
-    total = parts[0].clone()
-    for i in range(1, parts.shape[0]):
-        total += parts[i]
-    return total / parts.shape[0]
-
-
 def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tensor, server: torch.Tensor,
                    block: int = ONEBIT_BLOCK):
     """The group's mean of `chunk` (n fp32, n % R == 0), 1-bit both ways with error feedback
@@ -251,8 +248,12 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     msgs = encode_feedback(chunk.view(r, m), worker.view(r, m), keep=replica, block=block)
     got = torch.empty_like(msgs)
     dist.all_to_all_single(got, msgs, group=group)
-    mean = _mean_with_own(decode(got, m, block, skip=replica), chunk.view(r, m)[replica], replica)
-    mine = encode_feedback(mean.view(1, m), server.view(1, m), block=block)
+    parts = decode(got, m, block, skip=replica)
+    parts[replica] = chunk.view(r, m)[replica]  # this rank's own part, exact
+    total = parts[0].clone()  # summed in rank order in fp32, as the reference
+    for i in range(1, r):
+        total += parts[i]
+    mine = encode_feedback((total / r).view(1, m), server.view(1, m), block=block)
     every = torch.empty(r * mine.numel(), dtype=torch.uint8)
     _all_gather(every, mine.view(-1), group)
     return every.view(r, -1)
@@ -285,11 +286,17 @@ def _signs() -> torch.Tensor:
     return _sign_table
 
 
+def _sign_pieces(lo: int, hi: int):
+    """(a, b, the signs of flat elements a..b-1, a view of the table) for pieces covering lo..hi."""
+    table = _signs()
+    for a in range(lo, hi, _SIGN_PERIOD):
+        b, off = min(hi, a + _SIGN_PERIOD), a % _SIGN_PERIOD
+        yield a, b, table[off:off + b - a]
+
+
 def sketch_signs(lo: int, hi: int) -> torch.Tensor:
     """The fixed +-1 signs (fp32) of flat elements lo..hi-1, the same on every rank."""
-    table = _signs()
-    return torch.cat([table[a % _SIGN_PERIOD:a % _SIGN_PERIOD + min(hi, a + _SIGN_PERIOD) - a]
-                      for a in range(lo, hi, _SIGN_PERIOD)]) if hi > lo else table[:0]
+    return torch.cat([signs for _, _, signs in _sign_pieces(lo, hi)] or [_signs()[:0]])
 
 
 def sketch_at(values: torch.Tensor, ranges, total: int) -> torch.Tensor:
@@ -299,13 +306,10 @@ def sketch_at(values: torch.Tensor, ranges, total: int) -> torch.Tensor:
     sketch]). Temporaries of at most _SIGN_PERIOD elements."""
     k = min(SKETCH, total)
     sums = torch.zeros(k, dtype=torch.float32)
-    table = _signs()
     at = 0
     for lo, hi in ranges:
-        for a in range(lo, hi, _SIGN_PERIOD):
-            b = min(hi, a + _SIGN_PERIOD)
-            off = a % _SIGN_PERIOD
-            x = values[at:at + b - a] * table[off:off + b - a]
+        for a, b, signs in _sign_pieces(lo, hi):
+            x = values[at:at + b - a] * signs
             at += b - a
             front, back = a % k, -b % k  # element a goes to sum a mod k
             sums += torch.cat([x.new_zeros(front), x, x.new_zeros(back)]).view(-1, k).sum(0)
@@ -365,22 +369,18 @@ class OneBitRoom:
         # Training state: steps taken (also in the inner optimizer's state) and the residuals, one fp32
         # tensor, saved per rank like the int8 hop's (Note [Hop residual in checkpoints]).
         self.steps = 0
-        if self.replicas == 1 and self.world > 1:
+        self.residual = torch.zeros(residual_numel(self.n, self.world, self.replicas, config.block),
+                                    dtype=torch.float32)
+        w, n = self.world, self.n
+        if self.replicas == 1 and w > 1:
             # worker residual (W rows of n), server residual (n), a flag (1: the messages below hold every
             # chunk's momentum), and the last step's W server messages, as bytes (Note [1-bit Adam under ZeRO]).
-            w, n = self.world, self.n
-            words = -(-w * message_bytes(n, config.block) // 4)
-            self.residual = torch.zeros(w * n + n + 1 + words, dtype=torch.float32)
             self.worker, self.server = self.residual[:w * n], self.residual[w * n:w * n + n]
             self.known = self.residual[w * n + n:w * n + n + 1]
             self.messages = self.residual[w * n + n + 1:].view(torch.uint8)[:w * message_bytes(n, config.block)]
             self.messages = self.messages.view(w, -1)
-        elif self.replicas == 1:
-            self.residual = torch.zeros(0, dtype=torch.float32)
-        else:
-            part = self.n // self.replicas
-            self.residual = torch.zeros(self.n + part, dtype=torch.float32)
-            self.worker, self.server = self.residual[:self.n], self.residual[self.n:]
+        elif self.replicas > 1:
+            self.worker, self.server = self.residual[:n], self.residual[n:]
         self.started_at = None  # the step at which compression started in this run (for logs and tests)
         self.m = self.v = self.denom = self.denom_rows = None
         self.ranges = None   # where this rank's shard sits in the flat layout (the hybrid mesh's sketch)
@@ -476,9 +476,9 @@ class OneBitRoom:
     def _exchange(self) -> torch.Tensor:
         """This step's momentum on this rank's shard (fp32, CPU) after the exchange of the (clipped) local
         gradients (Note [1-bit Adam under ZeRO])."""
-        opt, b1 = self.opt, self.beta1
         if self.replicas > 1:
             return self._exchange_replicas()
+        opt, b1 = self.opt, self.beta1
         rows = self._rows(self._local_grad()).mul_((1.0 - b1) * self._coef)
         if self.world == 1:  # nothing to exchange
             return self.m.float().cpu().mul(b1).add_(rows[0])  # out of place: .float().cpu() may be self.m
@@ -711,7 +711,7 @@ class OneBitRoom:
         """Host memory of the compression state besides the optimizer's: residuals (and the flat mesh's
         messages) and the frozen denominators."""
         ts = [self.residual, self.denom]
-        if self.denom_rows is not None and self.denom_rows.data_ptr() != getattr(self.denom, "data_ptr", int)():
+        if self.replicas == 1 and self.world > 1:  # elsewhere denom_rows is a view of denom
             ts.append(self.denom_rows)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 

@@ -196,8 +196,8 @@ def _mesh(shape):
 
 
 def _exchanges(rank, world_size):
-    """The exact mean and the compressed all-reduce (over the replicas of a 2x2 mesh, and over all 4 ranks
-    as on a flat mesh), three calls in a row (the residuals carry), against the references bit for bit."""
+    """The compressed all-reduce (over the replicas of a 2x2 mesh, and over all 4 ranks as on a flat
+    mesh), three calls in a row (the residuals carry), against the references bit for bit."""
     from shardopt import onebit
     from shardopt.reference import onebit_allreduce_reference
 
@@ -209,9 +209,6 @@ def _exchanges(rank, world_size):
     ref = {name: ([torch.zeros(n * r) for _ in range(r)], [torch.zeros(n) for _ in range(r)])
            for name, (_, _, r) in groups.items()}
     for call in range(3):
-        rows = [torch.randn(w, n, generator=torch.Generator().manual_seed(100 * call + i)) for i in range(w)]
-        exact = onebit.mean_rows(rows[rank].clone(), dist.group.WORLD, rank)
-        assert torch.allclose(exact, sum(r[rank] for r in rows) / w, atol=1e-6)
         for name, (group, me, r) in groups.items():
             # chunk of rank `me` in the group (for the replicas: of this rank's shard column)
             col = rank % 2 if name == "replicas" else 0
