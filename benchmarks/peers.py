@@ -46,6 +46,10 @@ VARIANTS = {
     "shardopt ZeRO-2": "shardopt-2",
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
     "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
+    # One host: the gather after a step through the process group instead of shared memory (the default
+    # there: Note [Gathering through shared memory] in shardopt/parallel/shared_flat.py).
+    "shardopt ZeRO-2, gather through the process group": "shardopt-2-pg",
+    "shardopt ZeRO-1, gather through the process group": "shardopt-1-pg",
     "shardopt ZeRO-3": "shardopt-3",
     # Stage 3 across nodes: node-aware by default (shardopt-3 above: the gradient phase and both parameter
     # gathers in two levels); these name the choices.
@@ -194,7 +198,7 @@ def build(kind: str, cfg, bucket: int, batch: int) -> Trainer:
 
 
 def _shardopt_kwargs(kind: str) -> dict:
-    """ShardedOptimizer's arguments for a kind: shardopt-{1,2,3}[-gather|-offload|-flat|-bf16|-int8|-b500] or
+    """ShardedOptimizer's arguments for a kind: shardopt-{1,2,3}[-gather|-offload|-flat|-pg|-bf16|-int8|-b500] or
     shardopt-hybrid-{fp32,bf16,int8}[-gather|-s3] (ZeRO-2, or ZeRO-3 with -s3, sharded inside a node,
     the gradient's inter-node hop in that format)."""
     import shardopt
@@ -221,6 +225,8 @@ def _shardopt_kwargs(kind: str) -> dict:
         elif option == "onebit":  # OneBitAdam on a flat mesh
             del kw["fused"]
             kw.update(optim=shardopt.OneBitAdam, freeze_step=ONEBIT_FREEZE)
+        elif option == "pg":  # one host: the parameter gather through the process group, not shared memory
+            kw["shared_memory_gather"] = False
         elif option == "flat":  # node-aware collectives off: flat rings over every rank
             kw["node_aware"] = False
         elif option in ("bf16", "int8"):  # node-aware, its inter-node gradient phase compressed

@@ -39,6 +39,7 @@ from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.layout import Layout, plan_launch_order, plan_layout
 from shardopt.parallel.mesh import require_dist, resolve_groups
 from shardopt.parallel.mesh_plan import param_phase_dtype
+from shardopt.parallel.shared_flat import SharedGather, open_shared_flat, why_not_shared
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard
 from shardopt.sharded_param import ParamShard
@@ -67,7 +68,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  num_staging_buffers: int = 2, comm_impl: str = "auto", reshard_after_forward: bool = True,
                  prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
                  param_persistence_threshold: int = 0, node_aware: bool | None = None,
-                 inter_node_param_dtype=None, **optim_kwargs):
+                 inter_node_param_dtype=None, shared_memory_gather: bool | None = None, **optim_kwargs):
         self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
                                   allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
                                   overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
@@ -78,7 +79,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   prefetch_bucket_size=prefetch_bucket_size,
                                   max_live_parameters=max_live_parameters,
                                   param_persistence_threshold=param_persistence_threshold,
-                                  node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype)
+                                  node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype,
+                                  shared_memory_gather=shared_memory_gather)
         # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
         optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
@@ -153,6 +155,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Where parameters live: views into one flat buffer (stages 1-2), or this rank's chunks with a
         # bucket's full parameters gathered only for its use (stage 3: sharded_param.py).
         self.flat_param, self.param_shard = None, None
+        # One host, stages 1-2: every rank's buffer in shared memory (Note [Gathering through shared memory]).
+        self._shared = open_shared_flat(
+            self.layout.total_numel, self.dtype, self.process_group, self.config.shared_memory_gather,
+            why_not_shared(self.config.stage, self.device, self.sharding.shape.replicas, nodes is not None,
+                           self.world_size, dist.get_world_size()))
         self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)  # see phase_seconds()
         if stage3:
             bucket = self.layout.bucket_numel
@@ -164,7 +171,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 phase=self._phase, nodes=nodes)
             model_chunks = self.param_shard.chunks
         else:
-            self.flat_param = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
+            self.flat_param = self._shared.flat if self._shared is not None \
+                else torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 for slot, p in zip(self.layout.params, self._params):
                     view = self.flat_param[slot.offset:slot.end]
@@ -196,6 +204,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
         self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase,
                                    self.param_shard)
+        if self.flat_param is not None and self._shared is not None:
+            self.publisher.shared_gather = SharedGather(self.layout, self.rank, self._shared)
         # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py).
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
                                [slot.offset for slot in self.layout.params], self.process_group,

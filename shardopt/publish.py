@@ -29,6 +29,9 @@ class Publisher:
         self.device = device
         self.phase = phase  # the optimizer's cumulative seconds per phase
         self.engine = None  # set once ShardedDDP built it
+        # One host: the gathers copy out of the other ranks' shared buffers instead (Note [Gathering through
+        # shared memory] in parallel/shared_flat.py); None: the bucket engine's collectives.
+        self.shared_gather = None
         self.gather_pending = False
         self.copy_back_mark = None
 
@@ -43,16 +46,29 @@ class Publisher:
             self.param_shard.refresh_persistent()
             self.phase["publish"] += t1 - t0
             return
-        self.engine.start_all_gather_params(self.flat_param)
-        self.gather_pending = self.engine.num_pending_gathers > 0
+        self.gatherer.start_all_gather_params(self.flat_param)
+        self.gather_pending = self.gatherer.num_pending_gathers > 0
         self.phase["publish"] += t1 - t0
         self.phase["gather"] += time.perf_counter() - t1
         if not defer:
             self.wait_gathers()
+            self.wait_readers()  # step() returns once no rank reads this one's chunks
+
+    @property
+    def gatherer(self):
+        """Who gathers parameters after a step: the shared buffers on one host, else the bucket engine."""
+        return self.shared_gather if self.shared_gather is not None else self.engine
+
+    def wait_readers(self) -> None:
+        if self.shared_gather is not None:
+            t0 = time.perf_counter()
+            self.shared_gather.wait_readers()
+            self.phase["gather"] += time.perf_counter() - t0
 
     def wait(self) -> None:
         """Returns once every parameter holds the last step's value and the master chunks may be written."""
         self.wait_gathers()
+        self.wait_readers()
         if self.copy_back_mark is not None:
             self.ops.host_wait(self.copy_back_mark)
             self.copy_back_mark = None
@@ -60,7 +76,7 @@ class Publisher:
     def wait_gathers(self) -> None:
         if self.gather_pending:
             t0 = time.perf_counter()
-            self.engine.finish_all_gather_params()
+            self.gatherer.finish_all_gather_params()
             self.gather_pending = False
             self.phase["gather"] += time.perf_counter() - t0
 
@@ -69,6 +85,6 @@ class Publisher:
         if self.gather_pending:
             t0 = time.perf_counter()
             for b in buckets:
-                self.engine.finish_all_gather(b)
-            self.gather_pending = self.engine.num_pending_gathers > 0
+                self.gatherer.finish_all_gather(b)
+            self.gather_pending = self.gatherer.num_pending_gathers > 0
             self.phase["gather"] += time.perf_counter() - t0

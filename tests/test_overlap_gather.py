@@ -82,7 +82,7 @@ def test_plan_for_a_sequential_model_lets_every_layer_wait_for_itself():
     assert len(set(waits["0"]) | set(waits["3"])) > 2
 
 
-def _run(rank, world_size, tmp, dtype, offload):
+def _run(rank, world_size, tmp, dtype, offload, shared):
     import shardopt
     from shardopt.tools.gpt import PRESETS, synthetic_batch
 
@@ -91,12 +91,15 @@ def _run(rank, world_size, tmp, dtype, offload):
     runs = {}
     for defer in (False, True):
         model = _gpt().to(dtype)
+        # The reference gathers through the process group; the deferred run as `shared` says (shared memory
+        # on one host: Note [Gathering through shared memory]).
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9,
-                                        reduce_bucket_size=2000, overlap_gather=defer, offload=offload)
+                                        reduce_bucket_size=2000, overlap_gather=defer, offload=offload,
+                                        shared_memory_gather=shared if defer else False)
         runs[defer] = (model, opt, shardopt.ShardedDDP(model, opt))
     model, opt, wrapper = runs[True]
     pending_at_block0 = []
-    model.blocks[0].register_forward_pre_hook(lambda m, a: pending_at_block0.append(opt.engine.num_pending_gathers))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: pending_at_block0.append(opt.publisher.gatherer.num_pending_gathers))
     losses = {False: [], True: []}
     after_step, after_forward = [], []
     for step in range(6):
@@ -104,24 +107,25 @@ def _run(rank, world_size, tmp, dtype, offload):
         for defer, (m, o, w) in runs.items():
             loss = nn.functional.cross_entropy(w(x).float().reshape(-1, cfg.vocab), y.reshape(-1))
             if defer:
-                after_forward.append(o.engine.num_pending_gathers)
+                after_forward.append(o.publisher.gatherer.num_pending_gathers)
             loss.backward()
             o.step()
             o.zero_grad()
             if defer:
-                after_step.append(o.engine.num_pending_gathers)
+                after_step.append(o.publisher.gatherer.num_pending_gathers)
             losses[defer].append(loss.item())
     out["losses equal"] = losses[False] == losses[True]
     out["pending after step"] = after_step
     out["pending after forward"] = after_forward
     out["pending at block 0"] = pending_at_block0
-    out["gathers"] = len(opt.layout.gather_spans)
+    # One gather per span through the process group, one per bucket through shared memory.
+    out["gathers"] = len(opt.layout.buckets if shared else opt.layout.gather_spans)
     ref_model = runs[False][0]
 
     # Right after a step, nothing has waited yet: every reader must.
     state = model.state_dict()
     out["state_dict equal"] = all(torch.equal(state[k], v) for k, v in ref_model.state_dict().items())
-    out["pending after state_dict"] = opt.engine.num_pending_gathers
+    out["pending after state_dict"] = opt.publisher.gatherer.num_pending_gathers
     x, y = synthetic_batch(cfg, 2, 16, 99, rank)
     # Another step, then an eval forward (no grad) right away.
     for defer, (m, o, w) in runs.items():
@@ -135,9 +139,9 @@ def _run(rank, world_size, tmp, dtype, offload):
         nn.functional.cross_entropy(w(x).float().reshape(-1, cfg.vocab), y.reshape(-1)).backward()
         o.step()
         o.zero_grad()
-    pending_before_wait = opt.engine.num_pending_gathers
+    pending_before_wait = opt.publisher.gatherer.num_pending_gathers
     opt.wait_params()
-    out["wait_params"] = (pending_before_wait, opt.engine.num_pending_gathers,
+    out["wait_params"] = (pending_before_wait, opt.publisher.gatherer.num_pending_gathers,
                           all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())))
     # And a checkpoint saved right after a step holds the final values.
     for defer, (m, o, w) in runs.items():
@@ -154,10 +158,13 @@ def _run(rank, world_size, tmp, dtype, offload):
     return out
 
 
-@pytest.mark.parametrize("world_size,dtype,offload", [(2, torch.float32, "none"), (3, torch.float32, "none"),
-                                                      (2, torch.bfloat16, "none"), (2, torch.bfloat16, "cpu")])
-def test_overlap_gather_matches_gathering_in_step(world_size, dtype, offload, tmp_path):
-    results = run_ranks(_run, world_size, str(tmp_path / "ckpt"), dtype, offload, timeout=300)
+@pytest.mark.parametrize("world_size,dtype,offload,shared", [(2, torch.float32, "none", True),
+                                                             (3, torch.float32, "none", False),
+                                                             (3, torch.float32, "none", True),
+                                                             (2, torch.bfloat16, "none", True),
+                                                             (2, torch.bfloat16, "cpu", False)])
+def test_overlap_gather_matches_gathering_in_step(world_size, dtype, offload, shared, tmp_path):
+    results = run_ranks(_run, world_size, str(tmp_path / "ckpt"), dtype, offload, shared, timeout=300)
     for rank, r in enumerate(results):
         where = f"rank {rank}: {r}"
         assert r["losses equal"], where

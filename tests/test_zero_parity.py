@@ -50,7 +50,7 @@ def _param_groups(model):
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip, gather):
+def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip, gather, pg_gather=False):
     import shardopt
 
     cls, kw, ref_cls, ref_kw = _optim(optim_name)
@@ -62,7 +62,9 @@ def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip,
     model = copy.deepcopy(base)
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, overlap_comm=overlap,
                                     overlap_gather=gather, reduce_bucket_size=rbs, allgather_bucket_size=agbs,
-                                    **kw)
+                                    shared_memory_gather=False if pg_gather else None, **kw)
+    # One host: the default gathers through shared memory (Note [Gathering through shared memory]).
+    assert (opt.publisher.shared_gather is None) == (pg_gather or world_size == 1)
     sharded = shardopt.ShardedDDP(model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=7, gamma=0.5)
@@ -107,7 +109,7 @@ def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip,
         # Running stats follow the (ulp-close) parameters, so they are close, not equal.
         if not torch.allclose(b.double(), c.double(), rtol=1e-5, atol=1e-7):
             failures.append(f"buffer {name} differs: {b.flatten()[:3]} vs {c.flatten()[:3]}")
-    return failures, opt.engine.num_reduce_scatters, opt.engine.num_all_gathers
+    return failures, opt.engine.num_reduce_scatters, opt.publisher.gatherer.num_all_gathers
 
 
 class _null:
@@ -130,7 +132,8 @@ def _matrix(rank, world_size, configs):
 def _configs(world_size):
     """Every (optimizer, stage, overlap, bucket size) at world sizes 1 and 2; at 3 and 4 (slow on
     2 cores) alternate halves, so that each combination still runs at one of them. Accumulation
-    mode, clipping, small all-gather spans and overlap_gather rotate so every half sees each of them."""
+    mode, clipping, small all-gather spans, overlap_gather and the gather's path (shared memory or the
+    process group) rotate so every half sees each of them."""
     configs = []
     for i, (optim_name, stage, overlap, rbs) in enumerate(
             itertools.product(OPTIMS, (1, 2), (True, False), BUCKETS)):
@@ -139,7 +142,8 @@ def _configs(world_size):
         clip = j % 2 == 0
         agbs = 256 if j % 4 == 1 else 10**9  # several all-gathers per bucket
         gather = j % 4 in (1, 2)  # gathers finish in the next forward
-        configs.append((optim_name, stage, overlap, rbs, agbs, accum, clip, gather))
+        pg_gather = (j // 2) % 2 == 1  # the gather through the process group, not shared memory
+        configs.append((optim_name, stage, overlap, rbs, agbs, accum, clip, gather, pg_gather))
     return configs if world_size <= 2 else configs[world_size % 2::2]
 
 

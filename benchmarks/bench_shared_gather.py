@@ -1,0 +1,105 @@
+"""The parameter all-gather after a step on one host: through shared memory against the process group.
+
+    python benchmarks/bench_shared_gather.py [--sizes 4,16,64] [--world-sizes 2,4] [--trials 20]
+
+For each size (MB of the full fp32 buffer) and world size, interleaved round-robin in the same processes:
+  shared    shardopt.parallel.shared_flat.SharedGather over one bucket: barrier, copy the other ranks'
+            chunks out of their shared buffers, barrier (what step() does: Note [Gathering through shared
+            memory])
+  ring      shardopt.parallel.comm.start_all_gather (the bucket engine's gloo ring), chunk -> bucket
+  torch     dist.all_gather_into_tensor
+A trial's time is the slowest rank's (barrier, op, max over ranks); medians over trials. Ranks are spawned
+processes, one thread each, gloo over 127.0.0.1. Every trial's result is checked against the expected
+values (every rank's chunk filled with its rank and trial).
+"""
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from shardopt.cluster.ranks import run_ranks  # noqa: E402
+
+MB = 1 << 20
+OPS = ("shared", "ring", "torch")
+
+
+def _rank(rank, world_size, sizes, trials):
+    from shardopt.layout import plan_layout
+    from shardopt.parallel import comm
+    from shardopt.parallel.shared_flat import SharedGather, open_shared_flat, why_not_shared
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    out = {}
+    for size in sizes:
+        n = size * MB // 4
+        layout = plan_layout([[("flat", (n,))]], world_size, n, n)  # one bucket, as big as the buffer
+        total = layout.total_numel
+        shared = open_shared_flat(total, torch.float32, dist.group.WORLD, True,
+                                  why_not_shared(2, torch.device("cpu"), 1, False, world_size, world_size))
+        gather = SharedGather(layout, rank, shared)
+        flat, bucket = shared.flat, torch.empty(total)
+        lo, hi = layout.buckets[0].chunk(rank)
+        chunk = torch.empty(hi - lo)
+
+        def fill(t):
+            flat[lo:hi].fill_(rank + t)
+            chunk.fill_(rank + t)
+
+        ops = {
+            "shared": lambda: (gather.start_all_gather_params(flat), gather.finish_all_gather_params(),
+                               gather.wait_readers()),
+            "ring": lambda: comm.start_all_gather(chunk, bucket).wait(),
+            "torch": lambda: dist.all_gather_into_tensor(bucket, chunk),
+        }
+        expected = [torch.arange(world_size, dtype=torch.float32).repeat_interleave(hi - lo) + t
+                    for t in range(trials + 1)]
+        times = {name: [] for name in ops}
+        for t in range(trials + 1):  # trial 0: warm-up (connections, first-touch pages)
+            names = list(ops)[t % len(ops):] + list(ops)[:t % len(ops)]
+            for name in names:
+                fill(t)
+                dist.barrier()
+                t0 = time.perf_counter()
+                ops[name]()
+                dt = time.perf_counter() - t0
+                got = flat if name == "shared" else bucket
+                if not torch.equal(got, expected[t]):
+                    raise AssertionError(f"{name} gathered wrong values at trial {t}")
+                if t:
+                    times[name].append(dt)
+        for name in ops:
+            t = torch.tensor(times[name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out[(size, name)] = statistics.median(t.tolist())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="4,16,64", help="MB of the full fp32 buffer")
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--trials", type=int, default=20)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start, "
+          f"torch {torch.__version__}; one thread per rank, gloo over 127.0.0.1; medians of {args.trials} trials "
+          f"of the slowest rank.\n")
+    print("| ranks | buffer MB | shared memory ms | gloo ring ms | all_gather_into_tensor ms | ring / shared |")
+    print("|---|---|---|---|---|---|")
+    for w in (int(x) for x in args.world_sizes.split(",")):
+        res = run_ranks(_rank, w, sizes, args.trials, timeout=600)[0]
+        for size in sizes:
+            s, r, t = (res[(size, k)] * 1e3 for k in OPS)
+            print(f"| {w} | {size} | {s:.2f} | {r:.2f} | {t:.2f} | {r / s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

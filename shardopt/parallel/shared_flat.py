@@ -1,0 +1,221 @@
+"""One host, stages 1-2: every rank's flat parameter buffer in shared memory, and the parameter all-gather
+after a step done by copying the other ranks' chunks straight out of their buffers (Note [Gathering
+through shared memory]).
+
+    shared = open_shared_flat(numel, dtype, group, want)   # a collective; None: not on one host
+    flat = shared.flat                                     # this rank's buffer, as torch.zeros(numel)
+    gather = SharedGather(layout, rank, shared)            # start_/finish_ as the bucket engine's gathers
+
+Note [Gathering through shared memory]
+--------------------------------------
+On one host, gloo carries the all-gather after a step over loopback TCP: every byte is copied into the
+kernel and out again, by the CPU, which on a CPU-trained model is the one doing the compute. Measured
+on the project VM (2 cores, torch 2.13, 4.3M fp32 elements, medians of 20;
+benchmarks/results/2026-11-26-shared-gather.md): all_gather_into_tensor 9.2-11.1 ms at 2 ranks and
+20-22 ms at 4; through a shared segment (write own chunk, barrier, copy the others) 3.6-3.7 and 8.3-8.8.
+That gather is the part of a ZeRO step DDP does not have (DDP's all-reduce hides behind backward; the
+all-gather follows the optimizer step), and in `bench_step` it was 9 ms of a 50 ms step.
+
+So when every rank of a flat shard group is on this host, each rank's flat parameter buffer (the
+model's parameters are views into it) is a file in /dev/shm that every rank maps, unlinked as soon as
+all have mapped it (nothing is left behind, even after a crash). The gather of bucket b copies, for each
+other rank r, its chunk r of b out of r's buffer into the same place of this rank's. No staging memory:
+the buffers exist anyway; shared memory just lets the others read them. The values are the same bytes
+the process group would deliver: a run is bit for bit the same with it on or off.
+
+Two barriers (on a gloo group of their own, with the shard group's timeout: a lost rank raises, never
+hangs) keep readers and writers apart:
+  written:   started when this rank's own chunks hold the step's values (Publisher.publish, after the
+             master copy); a bucket is copied only after it completed on every rank.
+  read_done: started once this rank copied every bucket; waited before this rank writes its own chunks
+             again (the next step, a load: everything that calls Publisher.wait() first).
+Without overlap_gather step() waits for read_done before returning, so code that writes parameters in
+place after step() (a hand-made decay, an EMA written back) cannot change what a slower rank is still
+copying. With overlap_gather the copies happen in the next forward's pre-hooks, and writing parameters
+before that forward needs wait_params() first, as with the process group's gathers in flight.
+
+When it is used (shared_memory_gather=None, the default): stages 1-2, a CPU model, flat sharding with
+one replica and no node-aware collectives, LOCAL_WORLD_SIZE unset or equal to the world size (ranks on
+several nodes, real or emulated network namespaces, keep the process group), and every rank sees the
+others' files (a handshake at construction). /dev/shm must hold every rank's buffer (a container's
+64 MB default often does not): each rank reserves its file with posix_fallocate, so a short /dev/shm
+falls back to the process group at construction instead of failing later. shared_memory_gather=True
+raises, naming the reason, where any of this does not hold; False never uses it.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+_MARK = 16  # bytes of the handshake mark at the start of each file
+
+
+def why_not_shared(stage: int, device: torch.device, replicas: int, node_aware: bool, shard_world: int,
+                   world: int) -> str | None:
+    """Why the flat buffers of a shard group of shard_world ranks (of `world` in all) cannot be shared
+    (None: they can, if the handshake agrees). Reads LOCAL_WORLD_SIZE; no process group."""
+    if shard_world == 1:
+        return "one rank: nothing to gather"
+    if stage == 3:
+        return "stage 3 gathers each bucket for its use (sharded_param.py), not a flat buffer"
+    if device.type != "cpu":
+        return f"the model is on {device}: shared memory holds CPU buffers"
+    if replicas > 1:
+        return "a hybrid mesh gathers inside its shard group only (mesh= / shard_group=)"
+    if node_aware:
+        return "node-aware collectives: the ranks span nodes"
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is not None and raw.isdigit() and int(raw) < world:
+        return f"LOCAL_WORLD_SIZE={raw} < world size {world}: the ranks span nodes"
+    if not os.path.isdir(SHM_DIR):
+        return f"{SHM_DIR} does not exist"
+    return None
+
+
+class SharedFlat:
+    """This rank's flat buffer (`flat`) and every rank's, mapped (`buffers[r]`, `buffers[rank] is flat`)."""
+
+    def __init__(self, buffers: list[torch.Tensor], rank: int, barrier_group):
+        self.buffers = buffers
+        self.rank = rank
+        self.flat = buffers[rank]
+        self.barrier_group = barrier_group
+
+
+def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, why_not: str | None
+                     ) -> SharedFlat | None:
+    """A collective over `group`: every rank's flat buffer of numel elements in shared memory, or None
+    (want=None and not possible; want=True raises instead). Zero-filled, as torch.zeros."""
+    if want is False:
+        return None
+    if why_not is not None:
+        if want:
+            raise ValueError(f"shared_memory_gather=True cannot be used: {why_not}. Drop it (None uses "
+                             f"shared memory where it can) or pass False.")
+        return None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    nbytes = max(numel * dtype.itemsize, _MARK)
+    token = [f"{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    names = [os.path.join(SHM_DIR, f"shardopt-flat-{token[0]}-{r}") for r in range(world)]
+    mark = f"{token[0]}:{rank}".encode().ljust(_MARK, b"\0")[:_MARK]
+    buffers: list[torch.Tensor | None] = [None] * world
+    reason = None
+    try:
+        # 1. Each rank makes and reserves its own file (a short /dev/shm says so here, not with a SIGBUS later).
+        try:
+            fd = os.open(names[rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+                os.pwrite(fd, mark, 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            reason = f"rank {rank} could not reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {e}"
+        # 2. Each rank reads every other's mark: the same host, the same /dev/shm.
+        if _all_ok(reason is None, group):
+            reason = _check_marks(names, token[0], rank)
+            if _all_ok(reason is None, group):
+                for r in range(world):
+                    buffers[r] = torch.from_file(names[r], shared=True, size=numel, dtype=dtype)
+                buffers[rank].zero_()  # the mark
+            elif reason is None:
+                reason = "another rank could not use shared memory"
+        elif reason is None:
+            reason = "another rank could not use shared memory"
+        dist.barrier(group=group)  # every rank mapped every file (or gave up)
+    finally:
+        try:
+            os.unlink(names[rank])  # mappings outlive the name
+        except FileNotFoundError:
+            pass
+    dist.barrier(group=group)  # and every name is gone when any rank returns
+    if reason is None:
+        return SharedFlat(buffers, rank, _copy_group(group))
+    if want:
+        raise RuntimeError(f"shared_memory_gather=True: {reason}. Pass None to fall back to the process group.")
+    return None
+
+
+def _check_marks(names: list[str], token: str, rank: int) -> str | None:
+    """Why this rank cannot see every other rank's file (None: it sees them all)."""
+    for r, name in enumerate(names):
+        if r == rank:
+            continue
+        want_mark = f"{token}:{r}".encode().ljust(_MARK, b"\0")[:_MARK]
+        try:
+            with open(name, "rb") as f:
+                seen = f.read(_MARK)
+        except OSError:
+            seen = b""
+        if seen != want_mark:
+            return f"rank {rank} cannot see rank {r}'s file in {SHM_DIR}: the ranks are not on one host"
+    return None
+
+
+def _all_ok(ok: bool, group) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _copy_group(group):
+    from shardopt.parallel.mesh import copy_group
+    return copy_group(group)
+
+
+class SharedGather:
+    """The all-gather of parameters after a step, through shared buffers. The same calls as the bucket
+    engine's gathers (Publisher uses either): start_all_gather_params, finish_all_gather(bucket),
+    finish_all_gather_params, num_pending_gathers; plus wait_readers() before this rank's own chunks
+    are written again (Note [Gathering through shared memory])."""
+
+    def __init__(self, layout, rank: int, shared: SharedFlat):
+        self.shared = shared
+        self.group = shared.barrier_group
+        world = layout.world_size
+        # Per bucket: (rank r, start, end) of every other rank's chunk.
+        self.spans = [[(r, *b.chunk(r)) for r in range(world) if r != rank] for b in layout.buckets]
+        self.pending: set[int] = set()
+        self.written = None    # Work: every rank's own chunks hold this step's values
+        self.read_done = None  # Work: every rank copied every bucket
+        self.num_all_gathers = 0
+
+    @property
+    def num_pending_gathers(self) -> int:
+        return len(self.pending)
+
+    def start_all_gather_params(self, flat: torch.Tensor) -> None:
+        """This rank's own chunks of `flat` hold the step's values: let the others copy them."""
+        if self.pending:
+            raise RuntimeError("start_all_gather_params: the previous all-gather of parameters was not finished")
+        self.wait_readers()  # Publisher.wait() did it already; a no-op then
+        self.written = dist.barrier(group=self.group, async_op=True)
+        self.pending = set(range(len(self.spans)))
+        self.num_all_gathers += len(self.spans)
+
+    def finish_all_gather(self, bucket: int) -> None:
+        if bucket not in self.pending:
+            return
+        self.written.wait()
+        flat, buffers = self.shared.flat, self.shared.buffers
+        for r, s, e in self.spans[bucket]:
+            flat[s:e].copy_(buffers[r][s:e])
+        self.pending.discard(bucket)
+        if not self.pending:
+            self.written = None
+            self.read_done = dist.barrier(group=self.group, async_op=True)
+
+    def finish_all_gather_params(self) -> None:
+        for b in sorted(self.pending):
+            self.finish_all_gather(b)
+
+    def wait_readers(self) -> None:
+        """Returns once no rank still copies out of this rank's buffer (its own chunks may be written)."""
+        if self.read_done is not None:
+            work, self.read_done = self.read_done, None
+            work.wait()

@@ -1,0 +1,168 @@
+"""The parameter gather through shared memory on one host (Note [Gathering through shared memory] in
+shardopt/parallel/shared_flat.py): bitwise what the process group gathers, on by default only where every
+rank shares this host's /dev/shm, refused by name where asked for and impossible, never leaving a file
+behind, and never letting a rank's in-place write after step() reach a slower rank's copy."""
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+from models import AwkwardNet, batch, uses_branch
+
+
+def _ours():
+    """Our files in /dev/shm: they carry the pid of the rank-0 process that made the token."""
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("shardopt-flat-"))
+
+
+def test_why_not_names_each_reason(monkeypatch):
+    from shardopt.parallel.shared_flat import why_not_shared
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert why_not_shared(2, cpu, 1, False, 4, 4) is None
+    assert why_not_shared(1, cpu, 1, False, 2, 2) is None
+    assert "one rank" in why_not_shared(2, cpu, 1, False, 1, 1)
+    assert "stage 3" in why_not_shared(3, cpu, 1, False, 4, 4)
+    assert "cuda" in why_not_shared(2, torch.device("cuda", 0), 1, False, 4, 4)
+    assert "hybrid" in why_not_shared(2, cpu, 2, False, 2, 4)
+    assert "node-aware" in why_not_shared(2, cpu, 1, True, 4, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun on each of 2 nodes (real or emulated)
+    assert "LOCAL_WORLD_SIZE=2 < world size 4" in why_not_shared(2, cpu, 1, False, 4, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert why_not_shared(2, cpu, 1, False, 4, 4) is None
+
+
+def _train(rank, optim, stage, shared, steps=4, **kw):
+    import shardopt
+
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, stage=stage, reduce_bucket_size=300,
+                                    shared_memory_gather=shared, **kw)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        loss = nn.functional.cross_entropy(wrapper(x, uses_branch(step, rank)).reshape(-1, 37), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_params()
+    return model, opt
+
+
+def _parity(rank, world_size):
+    out = {}
+    for optim, kw in ((torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+                      (torch.optim.SGD, dict(lr=0.1, momentum=0.9))):
+        for stage in (1, 2):
+            models = {}
+            for shared in (None, False):
+                model, opt = _train(rank, optim, stage, shared, **kw)
+                models[shared] = model
+                if shared is None:
+                    out[f"used {optim.__name__} {stage}"] = opt.publisher.shared_gather is not None
+                    out[f"gathers {optim.__name__} {stage}"] = opt.publisher.gatherer.num_all_gathers
+                    out[f"files left {optim.__name__} {stage}"] = _ours()
+            out[f"equal {optim.__name__} {stage}"] = all(
+                torch.equal(p, q) for p, q in zip(models[None].parameters(), models[False].parameters()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shared_memory_gather_is_bitwise_the_process_groups(world_size, monkeypatch):
+    # As torchrun sets it on one host; the files are named after rank 0's pid, so none can be another test's.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    for rank, r in enumerate(run_ranks(_parity, world_size, timeout=300)):
+        for key, v in r.items():
+            if key.startswith(("used", "equal")):
+                assert v is True, f"rank {rank} {key}: {r}"
+            if key.startswith("gathers"):
+                assert v > 0, f"rank {rank} {key}: {r}"
+            if key.startswith("files left"):
+                assert v == [], f"rank {rank} {key}: {r}"
+
+
+def _in_place_after_step(rank, world_size, slow_reader):
+    import shardopt
+    import torch.distributed as dist
+    from shardopt.parallel import shared_flat
+
+    if rank == 1 and slow_reader:
+        copy = shared_flat.SharedGather.finish_all_gather
+
+        def slow(self, bucket):
+            time.sleep(0.02)
+            copy(self, bucket)
+        shared_flat.SharedGather.finish_all_gather = slow
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, reduce_bucket_size=300,
+                                    shared_memory_gather=True)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    for step in range(3):
+        x, y = batch(step, rank)
+        loss = nn.functional.cross_entropy(wrapper(x, uses_branch(step, rank)).reshape(-1, 37), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        with torch.no_grad():  # a hand-made decay, on every rank, right after the step
+            for p in model.parameters():
+                p.mul_(0.5)
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def test_an_in_place_write_after_step_never_reaches_a_slower_ranks_copy():
+    # step() returns only once every rank copied this rank's chunks: halving them right after cannot reach
+    # a rank still copying (with the wait in Publisher.publish removed, the ranks end up different).
+    assert run_ranks(_in_place_after_step, 2, True, timeout=120) == [True, True]
+
+
+def _refusals(rank, world_size, case):
+    import shardopt
+    from shardopt.parallel import shared_flat
+
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    if case == "short shm" and rank == 1:
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+        os.posix_fallocate = full
+    if case == "other host":  # each rank its own /dev/shm: nobody sees the others' files
+        d = f"/dev/shm/shardopt-test-host-{os.getppid()}-{rank}"
+        os.makedirs(d, exist_ok=True)
+        shared_flat.SHM_DIR = d
+    out = {}
+    for want in (None, True):
+        try:
+            opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1,
+                                            stage=3 if case == "stage 3" else 2, shared_memory_gather=want)
+            out[want] = "shared" if opt.publisher.shared_gather is not None else "process group"
+        except (ValueError, RuntimeError) as e:
+            out[want] = f"{type(e).__name__}: {e}"
+    import torch.distributed as dist
+    dist.barrier()  # every rank past its clean-up
+    out["files"] = sorted(os.listdir(shared_flat.SHM_DIR)) if case == "other host" else _ours()
+    if case == "other host":
+        os.rmdir(shared_flat.SHM_DIR)
+    return out
+
+
+@pytest.mark.parametrize("case,why", [("stage 3", "ValueError: shared_memory_gather=True cannot be used: stage 3"),
+                                      ("short shm", "RuntimeError: shared_memory_gather=True: "),
+                                      ("other host", "RuntimeError: shared_memory_gather=True: ")])
+def test_where_it_cannot_work_the_default_falls_back_and_true_says_why(case, why):
+    for rank, r in enumerate(run_ranks(_refusals, 2, case, timeout=120)):
+        assert r[None] == "process group", (rank, r)
+        assert r[True].startswith(why), (rank, r)
+        assert r["files"] == [], (rank, r)
+    if case == "short shm":
+        assert "could not reserve" in r[True] or "another rank" in r[True]
+    if case == "other host":
+        assert "not on one host" in r[True]
