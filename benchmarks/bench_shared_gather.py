@@ -11,6 +11,13 @@ For each size (MB of the full fp32 buffer) and world size, interleaved round-rob
 A trial's time is the slowest rank's (barrier, op, max over ranks); medians over trials. Ranks are spawned
 processes, one thread each, gloo over 127.0.0.1. Every trial's result is checked against the expected
 values (every rank's chunk filled with its rank and trial).
+
+Then memory (--memory-model, default the 29.5M-parameter GPT): each rank builds the model, ZeRO-2 with
+AdamW, trains 2 steps, with shared_memory_gather False then None, in fresh processes; growth from before
+the model is built of the resident set (Rss) and of the proportional set (Pss: a page mapped by k
+processes counts 1/k in each), from /proc/self/smaps_rollup, summed over ranks. Rss counts the pages of
+the other ranks' buffers a rank has read (they are mapped into it); Pss counts every page once across the
+processes, which is what the host really holds.
 """
 import argparse
 import os
@@ -82,11 +89,44 @@ def _rank(rank, world_size, sizes, trials):
     return out
 
 
+def _smaps() -> dict:
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _memory_rank(rank, world_size, model_name, shared):
+    import shardopt
+    from shardopt.tools.gpt import GPT, PRESETS, synthetic_batch
+
+    torch.set_num_threads(1)
+    cfg = PRESETS[model_name]
+    before = _smaps()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3,
+                                    shared_memory_gather=shared)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    for step in range(2):
+        x, y = synthetic_batch(cfg, 1, 16, step, rank)
+        torch.nn.functional.cross_entropy(wrapper(x).reshape(-1, cfg.vocab), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    after = _smaps()
+    used = opt.publisher.shared_gather is not None
+    return {k: after[k] - before[k] for k in after}, used, sum(p.numel() for p in model.parameters())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="4,16,64", help="MB of the full fp32 buffer")
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--memory-model", default="30m", help="GPT preset for the memory table ('' to skip)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start, "
@@ -99,6 +139,21 @@ def main():
         for size in sizes:
             s, r, t = (res[(size, k)] * 1e3 for k in OPS)
             print(f"| {w} | {size} | {s:.2f} | {r:.2f} | {t:.2f} | {r / s:.2f} |")
+    if not args.memory_model:
+        return
+    print(f"\nMemory, GPT '{args.memory_model}', ZeRO-2 + AdamW, 2 steps of 1x16 tokens; growth summed over ranks, "
+          f"MiB (MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}):\n")
+    print("| ranks | gather | Rss growth | Pss growth | fp32 parameter bytes, MiB |")
+    print("|---|---|---|---|---|")
+    for w in (int(x) for x in args.world_sizes.split(",")):
+        for shared in (False, None):
+            res = run_ranks(_memory_rank, w, args.memory_model, shared, timeout=600)
+            used = {u for _, u, _ in res}
+            if used != {shared is None}:
+                raise AssertionError(f"shared_memory_gather={shared}: used on ranks {used}")
+            rss, pss = (sum(m[k] for m, _, _ in res) / MB for k in ("Rss", "Pss"))
+            print(f"| {w} | {'shared memory' if shared is None else 'process group'} | {rss:.0f} | {pss:.0f} | "
+                  f"{res[0][2] * 4 / MB:.0f} |")
 
 
 if __name__ == "__main__":
