@@ -10,18 +10,21 @@ Note [Gathering through shared memory]
 --------------------------------------
 On one host, gloo carries the all-gather after a step over loopback TCP: every byte is copied into the
 kernel and out again, by the CPU, which on a CPU-trained model is the one doing the compute. Measured
-on the project VM (2 cores, torch 2.13, 4.3M fp32 elements, medians of 20;
-benchmarks/results/2026-11-26-shared-gather.md): all_gather_into_tensor 9.2-11.1 ms at 2 ranks and
-20-22 ms at 4; through a shared segment (write own chunk, barrier, copy the others) 3.6-3.7 and 8.3-8.8.
-That gather is the part of a ZeRO step DDP does not have (DDP's all-reduce hides behind backward; the
-all-gather follows the optimizer step), and in `bench_step` it was 9 ms of a 50 ms step.
+on the project VM (2 cores, torch 2.13; benchmarks/bench_shared_gather.py, results in
+benchmarks/results/2026-11-26-shared-gather.md): a 16 MB buffer gathers in 10.7 ms on our gloo ring and
+4.6 ms through shared memory at 2 ranks (18.4 and 10.1 at 4). That gather is the part of a ZeRO step
+DDP does not have (DDP's all-reduce hides behind backward; the gather follows the optimizer step): on
+one host flat ZeRO-2 went from 1.02-1.08x DDP to 0.99-1.03x (0.74-0.75x where communication dominates).
 
 So when every rank of a flat shard group is on this host, each rank's flat parameter buffer (the
 model's parameters are views into it) is a file in /dev/shm that every rank maps, unlinked as soon as
-all have mapped it (nothing is left behind, even after a crash). The gather of bucket b copies, for each
-other rank r, its chunk r of b out of r's buffer into the same place of this rank's. No staging memory:
-the buffers exist anyway; shared memory just lets the others read them. The values are the same bytes
-the process group would deliver: a run is bit for bit the same with it on or off.
+all have mapped it (a run that ends, however it ends, leaves nothing; only a rank killed inside the
+constructor's handshake can leave its file, named shardopt-flat-<pid of rank 0>-<token>-<rank>). The
+gather of bucket b copies, for each other rank r, its chunk r of b out of r's buffer into the same place
+of this rank's. No staging memory: the buffers exist anyway; shared memory just lets the others read
+them (a process's Rss then counts the other ranks' pages it read, (W-1)/W of the buffer; its Pss, and
+the host's memory, do not grow). The values are the same bytes the process group would deliver: a run
+is bit for bit the same with it on or off.
 
 Two barriers (on a gloo group of their own, with the shard group's timeout: a lost rank raises, never
 hangs) keep readers and writers apart:
