@@ -50,7 +50,7 @@ def _rank(rank, world_size, sizes, trials):
         layout = plan_layout([[("flat", (n,))]], world_size, n, n)  # one bucket, as big as the buffer
         total = layout.total_numel
         shared = open_shared_flat(total, torch.float32, dist.group.WORLD, True,
-                                  why_not_shared(2, torch.device("cpu"), 1, False, world_size, world_size))
+                                  why_not_shared(2, torch.device("cpu"), False, range(world_size), world_size))
         gather = SharedGather(layout, rank, shared)
         flat, bucket = shared.flat, torch.empty(total)
         lo, hi = layout.buckets[0].chunk(rank)

@@ -80,6 +80,11 @@ VARIANTS = {
     "shardopt hybrid (fp32 hop) + overlap_gather, 500k buckets": "shardopt-hybrid-fp32-gather-b500",
     "shardopt hybrid + bf16 hop + overlap_gather, 500k buckets": "shardopt-hybrid-bf16-gather-b500",
     "shardopt hybrid + int8 hop + overlap_gather, 500k buckets": "shardopt-hybrid-int8-gather-b500",
+    # ... with the gather inside the node through the process group instead of shared memory.
+    "shardopt hybrid + bf16 hop + overlap_gather, 500k buckets, gather through the process group":
+        "shardopt-hybrid-bf16-gather-b500-pg",
+    "shardopt hybrid + int8 hop + overlap_gather, 500k buckets, gather through the process group":
+        "shardopt-hybrid-int8-gather-b500-pg",
     # OneBitAdam (shardopt/onebit.py), compressing from step ONEBIT_FREEZE + 1: with the default turn
     # of 4 steps, the warm-up round (Note [Turns] in bench_step.py) is its exact-Adam warm-up.
     "shardopt hybrid + OneBitAdam + overlap_gather, 500k buckets": "shardopt-hybrid-onebit-gather-b500",

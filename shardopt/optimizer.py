@@ -158,8 +158,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # One host, stages 1-2: every rank's buffer in shared memory (Note [Gathering through shared memory]).
         self._shared = open_shared_flat(
             self.layout.total_numel, self.dtype, self.process_group, self.config.shared_memory_gather,
-            why_not_shared(self.config.stage, self.device, self.sharding.shape.replicas, nodes is not None,
-                           self.world_size, dist.get_world_size()))
+            why_not_shared(self.config.stage, self.device, nodes is not None,
+                           dist.get_process_group_ranks(self.process_group), dist.get_world_size()))
         self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)  # see phase_seconds()
         if stage3:
             bucket = self.layout.bucket_numel

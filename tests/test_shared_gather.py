@@ -23,17 +23,18 @@ def test_why_not_names_each_reason(monkeypatch):
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert why_not_shared(2, cpu, 1, False, 4, 4) is None
-    assert why_not_shared(1, cpu, 1, False, 2, 2) is None
-    assert "one rank" in why_not_shared(2, cpu, 1, False, 1, 1)
-    assert "stage 3" in why_not_shared(3, cpu, 1, False, 4, 4)
-    assert "cuda" in why_not_shared(2, torch.device("cuda", 0), 1, False, 4, 4)
-    assert "hybrid" in why_not_shared(2, cpu, 2, False, 2, 4)
-    assert "node-aware" in why_not_shared(2, cpu, 1, True, 4, 4)
+    assert why_not_shared(2, cpu, False, range(4), 4) is None
+    assert why_not_shared(1, cpu, False, range(2), 2) is None
+    assert "one rank" in why_not_shared(2, cpu, False, [3], 4)
+    assert "stage 3" in why_not_shared(3, cpu, False, range(4), 4)
+    assert "cuda" in why_not_shared(2, torch.device("cuda", 0), False, range(4), 4)
+    assert "node-aware" in why_not_shared(2, cpu, True, range(4), 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun on each of 2 nodes (real or emulated)
-    assert "LOCAL_WORLD_SIZE=2 < world size 4" in why_not_shared(2, cpu, 1, False, 4, 4)
+    assert "spans nodes [0, 1] (LOCAL_WORLD_SIZE=2 < world size 4)" in why_not_shared(2, cpu, False, range(4), 4)
+    assert "spans nodes [0, 1]" in why_not_shared(2, cpu, False, [1, 2], 4)  # a mesh's shard dim across nodes
+    assert why_not_shared(2, cpu, False, [2, 3], 4) is None  # a hybrid mesh's shard group: node 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert why_not_shared(2, cpu, 1, False, 4, 4) is None
+    assert why_not_shared(2, cpu, False, range(4), 4) is None
 
 
 def _train(rank, optim, stage, shared, steps=4, **kw):
@@ -166,3 +167,33 @@ def test_where_it_cannot_work_the_default_falls_back_and_true_says_why(case, why
         assert "could not reserve" in r[True] or "another rank" in r[True]
     if case == "other host":
         assert "not on one host" in r[True]
+
+
+def _across_nodes(rank, world_size):
+    """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2, as torchrun sets it on each node)."""
+    import shardopt
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out = {}
+    models = {}
+    for shared in (None, False):  # hybrid: sharded inside a node, so the gather stays inside it
+        model, opt = _train(rank, torch.optim.AdamW, 2, shared, shard_group="node", lr=1e-2, weight_decay=0.1)
+        models[shared] = model
+        if shared is None:
+            out["hybrid used"] = opt.publisher.shared_gather is not None
+    out["hybrid equal"] = all(torch.equal(p, q) for p, q in zip(models[None].parameters(),
+                                                                 models[False].parameters()))
+    for want in (None, True):  # flat sharding over both nodes: the process group, never shared memory
+        try:
+            _, opt = _train(rank, torch.optim.SGD, 2, want, steps=1, node_aware=False, lr=0.1)
+            out[f"flat {want}"] = "shared" if opt.publisher.shared_gather is not None else "process group"
+        except ValueError as e:
+            out[f"flat {want}"] = str(e)
+    return out
+
+
+def test_a_hybrid_meshs_shard_group_gathers_through_shared_memory_and_flat_sharding_across_nodes_never():
+    for rank, r in enumerate(run_ranks(_across_nodes, 4, timeout=300)):
+        assert r["hybrid used"] and r["hybrid equal"], (rank, r)
+        assert r["flat None"] == "process group", (rank, r)
+        assert "spans nodes [0, 1]" in r["flat True"], (rank, r)

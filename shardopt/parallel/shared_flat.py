@@ -37,18 +37,21 @@ place after step() (a hand-made decay, an EMA written back) cannot change what a
 copying. With overlap_gather the copies happen in the next forward's pre-hooks, and writing parameters
 before that forward needs wait_params() first, as with the process group's gathers in flight.
 
-When it is used (shared_memory_gather=None, the default): stages 1-2, a CPU model, flat sharding with
-one replica and no node-aware collectives, LOCAL_WORLD_SIZE unset or equal to the world size (ranks on
-several nodes, real or emulated network namespaces, keep the process group), and every rank sees the
-others' files (a handshake at construction). /dev/shm must hold every rank's buffer (a container's
-64 MB default often does not): each rank reserves its file with posix_fallocate, so a short /dev/shm
-falls back to the process group at construction instead of failing later. shared_memory_gather=True
-raises, naming the reason, where any of this does not hold; False never uses it.
+When it is used (shared_memory_gather=None, the default): stages 1-2, a CPU model, and a shard group
+(the ranks that gather) inside one node: every rank when LOCAL_WORLD_SIZE is unset or equals the world
+size; a hybrid mesh's shard group (shard_group="node", or a mesh whose shard ranks share rank //
+LOCAL_WORLD_SIZE, torchrun's node numbering) on any number of nodes. Flat sharding across nodes (real,
+or the emulated cluster's network namespaces) keeps the process group, node-aware collectives included.
+And every rank must see the others' files (a handshake at construction). /dev/shm must hold every rank's
+buffer (a container's 64 MB default often does not): each rank reserves its file with posix_fallocate,
+so a short /dev/shm falls back to the process group at construction instead of failing later.
+shared_memory_gather=True raises, naming the reason, where any of this does not hold; False never uses it.
 """
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,23 +60,25 @@ SHM_DIR = "/dev/shm"
 _MARK = 16  # bytes of the handshake mark at the start of each file
 
 
-def why_not_shared(stage: int, device: torch.device, replicas: int, node_aware: bool, shard_world: int,
+def why_not_shared(stage: int, device: torch.device, node_aware: bool, shard_ranks: Sequence[int],
                    world: int) -> str | None:
-    """Why the flat buffers of a shard group of shard_world ranks (of `world` in all) cannot be shared
-    (None: they can, if the handshake agrees). Reads LOCAL_WORLD_SIZE; no process group."""
-    if shard_world == 1:
+    """Why the flat buffers of the shard group of global ranks `shard_ranks` (of `world` in all) cannot be
+    shared (None: they can, if the handshake agrees). Reads LOCAL_WORLD_SIZE; no process group."""
+    if len(shard_ranks) == 1:
         return "one rank: nothing to gather"
     if stage == 3:
         return "stage 3 gathers each bucket for its use (sharded_param.py), not a flat buffer"
     if device.type != "cpu":
         return f"the model is on {device}: shared memory holds CPU buffers"
-    if replicas > 1:
-        return "a hybrid mesh gathers inside its shard group only (mesh= / shard_group=)"
     if node_aware:
         return "node-aware collectives: the ranks span nodes"
     raw = os.environ.get("LOCAL_WORLD_SIZE")
-    if raw is not None and raw.isdigit() and int(raw) < world:
-        return f"LOCAL_WORLD_SIZE={raw} < world size {world}: the ranks span nodes"
+    if raw is not None and raw.isdigit() and 0 < int(raw) < world:
+        # torchrun numbers ranks node by node: rank // LOCAL_WORLD_SIZE is the node.
+        nodes = sorted({r // int(raw) for r in shard_ranks})
+        if len(nodes) > 1:
+            return (f"the shard group spans nodes {nodes} (LOCAL_WORLD_SIZE={raw} < world size {world}); a "
+                    f"hybrid mesh's shard group inside one node can use it")
     if not os.path.isdir(SHM_DIR):
         return f"{SHM_DIR} does not exist"
     return None
