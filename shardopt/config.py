@@ -154,12 +154,13 @@ class ShardConfig:
     steps fp32 master values of its 1/W (Note [Parameters across nodes in
     bf16] in parallel/mesh_plan.py)."""
     shared_memory_gather: bool | None = None
-    """Stages 1-2 with every rank on one host (a CPU model): the flat parameter
-    buffers live in shared memory and the gather after a step copies the other
-    ranks' chunks out of them instead of sending them through the process group
-    (2.5x faster on this VM; Note [Gathering through shared memory] in
-    parallel/shared_flat.py). None: wherever that is possible; True: required
-    (raises, saying why, where not); False: never."""
+    """Stages 1-2, a CPU model, the ranks that gather on one host (every rank, or
+    a hybrid mesh's shard group inside a node): the flat parameter buffers live
+    in shared memory and the gather after a step copies the other ranks' chunks
+    out of them instead of sending them through the process group (Note
+    [Gathering through shared memory] in parallel/shared_flat.py). None:
+    wherever that is possible; True: required (raises, saying why, where not);
+    False: never."""
 
     def __post_init__(self):
         if self.stage not in STAGES:

@@ -204,7 +204,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
         self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase,
                                    self.param_shard)
-        if self.flat_param is not None and self._shared is not None:
+        if self._shared is not None:  # stages 1-2 only (why_not_shared)
             self.publisher.shared_gather = SharedGather(self.layout, self.rank, self._shared)
         # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py).
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,

@@ -56,6 +56,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from shardopt.parallel.mesh import copy_group
+
 SHM_DIR = "/dev/shm"
 _MARK = 16  # bytes of the handshake mark at the start of each file
 
@@ -89,7 +91,6 @@ class SharedFlat:
 
     def __init__(self, buffers: list[torch.Tensor], rank: int, barrier_group):
         self.buffers = buffers
-        self.rank = rank
         self.flat = buffers[rank]
         self.barrier_group = barrier_group
 
@@ -143,7 +144,7 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
             pass
     dist.barrier(group=group)  # and every name is gone when any rank returns
     if reason is None:
-        return SharedFlat(buffers, rank, _copy_group(group))
+        return SharedFlat(buffers, rank, copy_group(group))
     if want:
         raise RuntimeError(f"shared_memory_gather=True: {reason}. Pass None to fall back to the process group.")
     return None
@@ -171,11 +172,6 @@ def _all_ok(ok: bool, group) -> bool:
     return bool(flag.item())
 
 
-def _copy_group(group):
-    from shardopt.parallel.mesh import copy_group
-    return copy_group(group)
-
-
 class SharedGather:
     """The all-gather of parameters after a step, through shared buffers. The same calls as the bucket
     engine's gathers (Publisher uses either): start_all_gather_params, finish_all_gather(bucket),
@@ -198,7 +194,8 @@ class SharedGather:
         return len(self.pending)
 
     def start_all_gather_params(self, flat: torch.Tensor) -> None:
-        """This rank's own chunks of `flat` hold the step's values: let the others copy them."""
+        """This rank's own chunks of `flat` (its shared buffer) hold the step's values: let the others copy
+        them."""
         if self.pending:
             raise RuntimeError("start_all_gather_params: the previous all-gather of parameters was not finished")
         self.wait_readers()  # Publisher.wait() did it already; a no-op then
