@@ -54,6 +54,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _foreach_utils
 
+from shardopt.parallel import comm
+
 aten = torch.ops.aten
 
 _HOW = ("what works on a sharded p.grad: torch.nn.utils.clip_grad_norm_ / clip_grad_value_, p.grad.norm(), "
@@ -313,7 +315,7 @@ class GradShard:
         """Per parameter, the sum of squares of this rank's pieces (float64): summed over ranks, squared 2-norms."""
         local = torch.zeros(len(self._params), dtype=torch.float64)
         if self._all:
-            part = torch.stack(torch._foreach_norm(self._all, 2)).double()
+            part = torch.stack(torch._foreach_norm(self._all, 2)).double().cpu()  # norms are host bookkeeping
             local.index_add_(0, self._piece_param, part * part)
         return local
 
@@ -379,7 +381,7 @@ class GradShard:
         pieces, owner = self._nonempty, self._nonempty_param
         if ord == float("inf"):
             if pieces:
-                maxes = torch.stack(torch._foreach_norm(pieces, ord)).double()
+                maxes = torch.stack(torch._foreach_norm(pieces, ord)).double().cpu()
                 local.scatter_reduce_(0, owner, maxes, reduce="amax")
             op = dist.ReduceOp.MAX
         elif ord == 2:
@@ -389,16 +391,16 @@ class GradShard:
             # Per piece in the pieces' dtype (a float64 _foreach_norm copies every piece first: 5x slower
             # at 8000 pieces), summed over pieces and ranks in float64.
             if pieces:
-                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord)).double() ** ord)
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord)).double().cpu() ** ord)
             op = dist.ReduceOp.SUM
         elif ord == 0:
             if pieces:
-                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, 0)).double())
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, 0)).double().cpu())
             op = dist.ReduceOp.SUM
         else:
             raise RuntimeError(f"a norm of order {ord} of a sharded p.grad is not supported; use 0, p > 0 or inf")
         if self.world_size > 1:
-            dist.all_reduce(local, op=op, group=self.process_group)
+            comm.all_reduce(local, self.process_group, f"gradient norms of order {ord}", op=op)
         out = local if ord in (0.0, float("inf")) else local ** (1.0 / ord)
         self._norms[ord] = out
         return out
@@ -411,7 +413,7 @@ class GradShard:
         for g, at in self._pieces[i]:
             flat[at:at + g.numel()].copy_(g)
         if self.world_size > 1:
-            dist.all_reduce(flat, group=self.process_group)
+            comm.all_reduce(flat, self.process_group, f"parameter {i}'s whole gradient")
         return flat.view(shape).to(dtype=p.dtype, device=p.device)
 
     # -------------------------------------------------------------- updates
@@ -470,6 +472,6 @@ class GradShard:
         if targets:
             torch._amp_foreach_non_finite_check_and_unscale_(targets, found, inv_scale.to(device))
         if self.world_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+            comm.all_reduce(found, self.process_group, "unscale's inf/nan flag", op=dist.ReduceOp.MAX)
         self._scale_norms(indices, inv_scale)
         return found

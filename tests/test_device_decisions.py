@@ -162,3 +162,17 @@ def test_offload_through_fake_device_matches_and_waits_where_it_must():
                 assert calls[i - 1] == "host_wait", calls
     assert any(line.startswith("wait") for f in fake for line in f["log"]), \
         "the run should reuse a staging slot within a backward (more buckets than buffers)"
+
+
+def test_host_bookkeeping_is_reduced_through_the_device_on_nccl():
+    """Note [Host bookkeeping on NCCL]: CPU flags and norms go through the GPU only where the group has no
+    CPU backend; gloo and mixed groups reduce them where they are, device tensors are never staged."""
+    from shardopt.parallel.comm import reduces_on_device
+
+    assert reduces_on_device("nccl", "cpu")
+    assert reduces_on_device("NCCL", "cpu")
+    assert reduces_on_device("cuda:nccl", "cpu")
+    assert not reduces_on_device("cpu:gloo,cuda:nccl", "cpu")
+    assert not reduces_on_device("gloo", "cpu")
+    assert not reduces_on_device("nccl", "cuda")
+    assert not reduces_on_device("gloo", "cuda")

@@ -27,10 +27,12 @@
 
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "bucket_engine.h"
@@ -63,7 +65,10 @@ class GradHooks {
 
  private:
   std::shared_ptr<State> state_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  // What torch's grad_accumulator() returns: a shared_ptr<Node> up to torch 2.12,
+  // an intrusive_ptr<Node> from 2.13 on (the GPU image's torch is 2.11).
+  using AccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<AccumulatorPtr> accumulators_;
   std::vector<torch::autograd::FunctionPreHook*> pre_hooks_;
   std::vector<uintptr_t> post_keys_;
 };

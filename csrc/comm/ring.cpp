@@ -8,6 +8,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/version.h>
 
 #include "ring_worker.h"
 
@@ -339,14 +340,28 @@ WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor inp
                  });
 }
 
+// torch 2.13 renamed ProcessGroup::_reduce_scatter_base / _allgather_base to
+// reduce_scatter_single / all_gather_single (the old names stay, deprecated);
+// older torch (the GPU image's 2.11) has only the old ones.
+#define SHARDOPT_TORCH_HAS_SINGLE_COLLECTIVES \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+
 WorkPtr start_reduce_scatter_native(const GroupPtr& pg, at::Tensor input, at::Tensor output) {
   check_reduce_scatter(pg, input, output, "native reduce_scatter");
+#if SHARDOPT_TORCH_HAS_SINGLE_COLLECTIVES
   return pg->reduce_scatter_single(output, input);
+#else
+  return pg->_reduce_scatter_base(output, input);
+#endif
 }
 
 WorkPtr start_all_gather_native(const GroupPtr& pg, at::Tensor input, at::Tensor output) {
   check_all_gather(pg, input, output, "native all_gather");
+#if SHARDOPT_TORCH_HAS_SINGLE_COLLECTIVES
   return pg->all_gather_single(output, input);
+#else
+  return pg->_allgather_base(output, input);
+#endif
 }
 
 Impl parse_impl(const std::string& name) {

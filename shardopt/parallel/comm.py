@@ -19,6 +19,7 @@ Rules (details in ring.h):
 - Do not read `output` (or write `input`) before wait(). wait() raises, never
   hangs, if a peer dies: every receive is bounded by the group's timeout.
 """
+import torch
 import torch.distributed as dist
 
 from shardopt._ext import _C
@@ -80,11 +81,43 @@ def start_two_level_all_gather(input, output, node_group, across_group, impl="au
     return CollectiveHandle(_C.two_level_all_gather(node_group, across_group, input, output, impl), output)
 
 
+def reduces_on_device(backend: str, device_type: str) -> bool:
+    """Whether a tensor on `device_type` must go through the current CUDA device to be reduced by `backend`
+    (dist.get_backend's string). Note [Host bookkeeping on NCCL].
+
+    >>> reduces_on_device("nccl", "cpu"), reduces_on_device("cpu:gloo,cuda:nccl", "cpu"), reduces_on_device("gloo", "cpu")
+    (True, False, False)
+    """
+    if device_type != "cpu":
+        return False
+    names = [part.split(":", 1) for part in backend.lower().split(",")]
+    if any(len(n) == 2 for n in names):  # "cpu:gloo,cuda:nccl": one backend per device type
+        return not any(len(n) == 2 and n[0] == "cpu" for n in names)
+    return names[0][0] == "nccl"
+
+
+# Note [Host bookkeeping on NCCL]
+# -------------------------------
+# Per-parameter flags and norms (which parameters have a gradient, their global
+# norms, the step's "saw inf/nan") are small CPU tensors: the host decides with
+# them (which p.grad is None, whether a step is skipped), and one read per step
+# suffices. gloo reduces CPU tensors; NCCL only CUDA ones, and a group made by
+# init_process_group("nccl") has no CPU backend. So all_reduce copies such a
+# tensor to the current CUDA device (the rank's, set before the group was
+# made), reduces it there and copies it back: one small copy each way, which
+# the host reads next anyway. A group with a CPU backend ("cpu:gloo,cuda:nccl")
+# reduces it where it is.
 def all_reduce(tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
     """torch's dist.all_reduce (gloo's or NCCL's own), whose failure names what was being reduced and the
     likely cause, as the ring's errors do: gloo alone says "Timed out waiting ...ms for send operation to
-    complete" when a peer or its node is gone."""
+    complete" when a peer or its node is gone. A CPU tensor on an NCCL group is reduced through the current
+    CUDA device (Note [Host bookkeeping on NCCL])."""
     try:
+        if reduces_on_device(str(dist.get_backend(group)), tensor.device.type):
+            staged = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(staged, op=op, group=group)
+            tensor.copy_(staged)
+            return
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as e:
         msg = (f"shardopt: the {what} all-reduce failed on rank {dist.get_rank()}: {e}\nA peer rank has probably "
@@ -102,5 +135,5 @@ def finish(handles):
     return [h.wait() for h in handles]
 
 
-__all__ = ["CollectiveHandle", "IMPLS", "all_reduce", "finish", "start_all_gather", "start_reduce_scatter",
+__all__ = ["CollectiveHandle", "IMPLS", "all_reduce", "finish", "reduces_on_device", "start_all_gather", "start_reduce_scatter",
            "start_two_level_all_gather"]
