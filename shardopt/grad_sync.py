@@ -173,11 +173,19 @@ class GradSync:
         # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.
         # Over every rank: replicas hold equal shards, so their squared norms count R times.
         n = len(self.params)
-        stats = torch.cat([self.had_grad().double(), self.shard.local_square_norms()])
-        if dist.get_world_size(self.world_group) > 1:
-            comm.all_reduce(stats, self.world_group, "end-of-backward (which parameters have gradients, their norms)")
-        self.shard.set_norms(2.0, (stats[n:] / self.replicas).sqrt())
-        has = (stats[:n] > 0).tolist()
+        had, squares = self.had_grad().double(), self.shard.local_square_norms()
+        several = dist.get_world_size(self.world_group) > 1
+        if squares.device == had.device:  # gradients on the host: one all-reduce for both
+            stats = torch.cat([had, squares])
+            if several:
+                comm.all_reduce(stats, self.world_group, "end-of-backward (which parameters have gradients, their norms)")
+            had, squares = stats[:n], stats[n:]
+        elif several:
+            # Note [Norms live with the gradients] in sharded_grad.py: the flags are read here, the norms are not.
+            comm.all_reduce(squares, self.world_group, "end-of-backward (the gradients' norms)")
+            comm.all_reduce(had, self.world_group, "end-of-backward (which parameters have gradients)")
+        self.shard.set_norms(2.0, (squares / self.replicas).sqrt())
+        has = (had > 0).tolist()
         self.handles_out = True
         if all(has):  # the usual case: every parameter has a gradient
             grads = list(self.shard.handles)
@@ -266,7 +274,7 @@ class GradSync:
             self.engine.zero_grad()
         if not set_to_none:
             self.shard_grad.zero_()  # the ShardedGrads left in p.grad read zeros
-            self.shard.set_norms(2.0, torch.zeros(len(self.params), dtype=torch.float64))
+            self.shard.set_norms(2.0, torch.zeros(len(self.params), dtype=torch.float64, device=self.shard.device))
         else:
             self.shard.kept.zero_()
             self.last_used.zero_()

@@ -126,6 +126,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.layout import chunk_index
+from shardopt.parallel import comm as _comm
 
 ONEBIT_BLOCK = 1024
 _DS_FREEZE_STEP_DEFAULT = 100000  # DeepSpeed's OnebitAdam default
@@ -363,6 +364,12 @@ class OneBitRoom:
         offsets = layout.chunk_offsets()
         self.piece_at = [offsets[pc.bucket] + pc.start - layout.buckets[pc.bucket].chunk(self.rank)[0]
                          for pc in opt._pieces]
+        if self.world > 1 and _comm.reduces_on_device(str(dist.get_backend(opt.world_group)), "cpu"):
+            raise ValueError(
+                f"OneBitAdam exchanges its 1-bit messages as CPU tensors, and this process group "
+                f"({dist.get_backend(opt.world_group)}) has no CPU backend: initialise it with "
+                f"init_process_group(backend=\"cpu:gloo,cuda:nccl\") (never tried on GPUs), or train with "
+                f"optim=torch.optim.AdamW")
         if opt.config.inter_node_dtype is not None:
             raise ValueError("OneBitAdam brings its own compression of the inter-node hop (1-bit, from freeze_step "
                              "on; exact during the warm-up): drop inter_node_dtype")

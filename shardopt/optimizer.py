@@ -210,7 +210,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
                                [slot.offset for slot in self.layout.params], self.process_group,
                                self.world_size, lambda: self.grads.had_grad(),
-                               [slot.shape for slot in self.layout.params])
+                               [slot.shape for slot in self.layout.params], device=self.shard_grad.device)
         self.grads = GradSync(self._params, self.config.stage, self._grad_views, self.shard_grad, grad_shard,
                               self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase)
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
@@ -324,7 +324,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]).
         norms = self.grads.shard.norms(norm_type)
         if math.isinf(norm_type):
-            total = norms.max().float() if norms.numel() else torch.zeros(())
+            total = norms.max().float() if norms.numel() else torch.zeros((), device=norms.device)
         else:
             total = (norms ** norm_type).sum() ** (1.0 / norm_type)
             total = total.float()

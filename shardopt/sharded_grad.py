@@ -261,14 +261,31 @@ if ShardedGrad not in _foreach_utils._foreach_supported_types:
     _foreach_utils._foreach_supported_types.append(ShardedGrad)
 
 
+# Note [Norms live with the gradients]
+# -------------------------------------
+# Per-parameter gradient norms (every 2-norm at the end of backward, other
+# orders when asked) are float64 tensors on the gradient shard's device: on a
+# GPU they are computed, all-reduced and kept there, and torch's
+# clip_grad_norm_, opt.clip_grad_norm, GradScaler's unscale and norm logging
+# launch kernels on them without waiting for the device (a clip coefficient
+# scales the cached norms on the device too). The host reads per step only what
+# it decides with: which parameters have a gradient (p.grad None or not; a host
+# tensor, all-reduced through the GPU on NCCL, Note [Host bookkeeping on NCCL])
+# and whether a gradient is inf/nan (skip or raise, as GradScaler reads it).
+# With offload the shard is in host memory, and so are its norms. Measured on
+# an H200 (benchmarks/results/2026-11-26-gpu-check.md): norms on the host made
+# 4 host syncs per step with torch's clip_grad_norm_, on the device 1.
+
+
 class GradShard:
     """Operations on this rank's gradient shard for ShardedGrad, on lists of parameters (and its reconciling)."""
 
     def __init__(self, params, pieces, piece_grads, param_offsets, process_group, world_size: int, had_grad,
-                 shapes=None):
+                 shapes=None, device=None):
         """had_grad(): per parameter, whether DDP would hold a gradient tensor for it now. shapes: the
         parameters' own shapes (at stage 3 a parameter is empty between uses, and so is its p.grad's
-        stand-in, which must match it; full() still gives the whole gradient)."""
+        stand-in, which must match it; full() still gives the whole gradient). device: the gradient
+        shard's, the same on every rank (a rank whose chunks hold only padding has no pieces to ask)."""
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else [tuple(p.shape) for p in params]
         self.process_group = process_group
         self._had_grad = had_grad
@@ -284,7 +301,10 @@ class GradShard:
         for pc, g in zip(pieces, piece_grads):
             self._pieces[pc.param].append((g, pc.start - param_offsets[pc.param]))
         self._all = list(piece_grads)  # in piece order, as _piece_param
-        self._piece_param = torch.tensor([pc.param for pc in pieces], dtype=torch.long)
+        # Per-parameter norms are computed, reduced and kept here (Note [Norms live with the gradients]).
+        self.device = torch.device(device) if device is not None else \
+            self._all[0].device if self._all else torch.device("cpu")
+        self._piece_param = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.device)
         nonempty = [k for k, g in enumerate(self._all) if g.numel()]
         self._nonempty = [self._all[k] for k in nonempty]
         self._nonempty_param = self._piece_param[nonempty]
@@ -313,9 +333,9 @@ class GradShard:
 
     def local_square_norms(self) -> torch.Tensor:
         """Per parameter, the sum of squares of this rank's pieces (float64): summed over ranks, squared 2-norms."""
-        local = torch.zeros(len(self._params), dtype=torch.float64)
+        local = torch.zeros(len(self._params), dtype=torch.float64, device=self.device)
         if self._all:
-            part = torch.stack(torch._foreach_norm(self._all, 2)).double().cpu()  # norms are host bookkeeping
+            part = torch.stack(torch._foreach_norm(self._all, 2)).double()
             local.index_add_(0, self._piece_param, part * part)
         return local
 
@@ -335,14 +355,14 @@ class GradShard:
             return
         sel = self._select(indices)
         if torch.is_tensor(factor):
-            a = factor.detach().to(torch.float64).abs().cpu().reshape(())
+            a = factor.detach().to(torch.float64).abs().to(self.device).reshape(())  # no host read
         else:
             a = abs(float(factor))
         for ord, norms in self._norms.items():
             if ord != 0:
                 norms[sel] *= a
             elif torch.is_tensor(a):
-                norms[sel] = torch.where(a == 0, torch.zeros((), dtype=norms.dtype), norms[sel])
+                norms[sel] = torch.where(a == 0, torch.zeros((), dtype=norms.dtype, device=norms.device), norms[sel])
             elif a == 0:
                 norms[sel] = 0
 
@@ -377,11 +397,11 @@ class GradShard:
         if ord in self._norms:
             return self._norms[ord]
         n = len(self._params)
-        local = torch.zeros(n, dtype=torch.float64)
+        local = torch.zeros(n, dtype=torch.float64, device=self.device)
         pieces, owner = self._nonempty, self._nonempty_param
         if ord == float("inf"):
             if pieces:
-                maxes = torch.stack(torch._foreach_norm(pieces, ord)).double().cpu()
+                maxes = torch.stack(torch._foreach_norm(pieces, ord)).double()
                 local.scatter_reduce_(0, owner, maxes, reduce="amax")
             op = dist.ReduceOp.MAX
         elif ord == 2:
@@ -391,11 +411,11 @@ class GradShard:
             # Per piece in the pieces' dtype (a float64 _foreach_norm copies every piece first: 5x slower
             # at 8000 pieces), summed over pieces and ranks in float64.
             if pieces:
-                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord)).double().cpu() ** ord)
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, ord)).double() ** ord)
             op = dist.ReduceOp.SUM
         elif ord == 0:
             if pieces:
-                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, 0)).double().cpu())
+                local.index_add_(0, owner, torch.stack(torch._foreach_norm(pieces, 0)).double())
             op = dist.ReduceOp.SUM
         else:
             raise RuntimeError(f"a norm of order {ord} of a sharded p.grad is not supported; use 0, p > 0 or inf")

@@ -293,3 +293,14 @@ def test_end_to_end_on_two_gloo_ranks(tmp_path):
         assert f"| 2 | zero2 | {rank} | 7.0 | {est.total / 2**20:.1f} | {est.total / 2**20:.1f} |" in text
     assert re.search(r"^\| 2 \| offload \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", text, re.M)  # step time
     assert "## Failures\n\nNone." in text
+
+
+def test_gpu_integrations_script_on_the_cpu():
+    """.ci/gpu_integrations.py (the suite's integration parity moved to a GPU) runs its checkpoint part with
+    DEV=cpu, so it does not rot between the rare runs on a GPU: resume equals the uninterrupted run."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_integrations.py"), "checkpoint"],
+                          env={**os.environ, "DEV": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for stage in (2, 3):
+        assert f"stage {stage}: resumed run vs uninterrupted, max abs weight difference 0.0e+00" in proc.stdout
+    assert "checkpoint: PASS" in proc.stdout

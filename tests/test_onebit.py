@@ -653,3 +653,23 @@ def test_one_rank_is_adam_with_a_frozen_variance():
     diffs = run_ranks(_one_rank, 1)[0]
     print(f"\nmax |OneBitAdam - frozen-variance Adam| per step: {['%.1e' % d for d in diffs]}")
     assert max(diffs) < 1e-5, diffs  # the parity bar: the same operations up to rounding order
+
+
+def _on_a_group_without_cpu_backend(rank, world_size):
+    """OneBitAdam on a group that says "nccl" (as init_process_group("nccl") makes): refused at construction,
+    naming the group's backend and the fix, where the first exchange would fail inside NCCL."""
+    import shardopt
+
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        with pytest.raises(ValueError, match=r'CPU tensors.*\(nccl\) has no CPU backend.*cpu:gloo,cuda:nccl'):
+            shardopt.ShardedOptimizer(AwkwardNet().parameters(), optim=shardopt.OneBitAdam, lr=1e-3, freeze_step=2)
+    finally:
+        dist.get_backend = real
+    opt = shardopt.ShardedOptimizer(AwkwardNet().parameters(), optim=shardopt.OneBitAdam, lr=1e-3, freeze_step=2)
+    return opt.onebit is not None  # gloo: built
+
+
+def test_refused_on_a_group_without_cpu_backend():
+    assert run_ranks(_on_a_group_without_cpu_backend, 2) == [True, True]

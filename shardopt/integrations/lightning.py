@@ -429,7 +429,13 @@ class ShardedStrategy(DDPStrategy):
     def teardown(self) -> None:
         if isinstance(self.model, ShardedDDP):
             wrapper, self.model = self.model, self.lightning_module
-            if wrapper.optimizer.param_shard is not None:
+            if wrapper.optimizer.param_shard is None:
+                # Stages 1-2: Lightning's teardown moves the module to the CPU, gradients too, and a reduced
+                # p.grad is this rank's shard only (Note [Sharded p.grad]): it cannot move. The wrapper lets
+                # go of the module first (hooks off; those p.grad None), as DDP leaves a plain module. On a
+                # GPU, without this, every fit ended in an error here (first seen on an H200, 2026-11-26).
+                wrapper.detach()
+            else:
                 trainer = self.lightning_module.trainer
                 if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
                     warnings.warn("fit was interrupted: the LightningModule's parameters stay sharded (empty on "
