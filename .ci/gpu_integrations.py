@@ -2,6 +2,7 @@
 each through the test suite's own parity functions with the device switched from the CPU to the GPU.
 
     python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer]      # on a machine with a GPU
+                                                              # (.ci/gpu-check runs it after gpu_check)
     DEV=cpu python .ci/gpu_integrations.py checkpoint                         # the same on the CPU (tests)
 
 Prints "NAME: PASS", "NAME: FAIL" and the failures, or "NAME: ERROR" and the traceback, per part; it
@@ -114,6 +115,9 @@ def hf_trainer():
 
 
 def main(argv) -> int:
+    if CUDA and not torch.cuda.is_available():
+        print(f"gpu-integrations: no CUDA device here (torch {torch.__version__}); nothing to check, exit 0")
+        return 0
     if CUDA:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if CUDA else "gloo", store=dist.FileStore(os.path.join(TMP, "store"), 1),

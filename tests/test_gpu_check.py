@@ -304,3 +304,15 @@ def test_gpu_integrations_script_on_the_cpu():
     for stage in (2, 3):
         assert f"stage {stage}: resumed run vs uninterrupted, max abs weight difference 0.0e+00" in proc.stdout
     assert "checkpoint: PASS" in proc.stdout
+
+
+def test_ci_gpu_check_without_a_gpu_runs_both_parts_and_exits_0(tmp_path):
+    """.ci/gpu-check, the one command: gpu_check then the integrations script, each one line here."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("DEV", None)
+    proc = subprocess.run([os.path.join(ROOT, ".ci", "gpu-check"), "--out", str(tmp_path / "r.md")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("gpu-check: no CUDA device here"), proc.stdout
+    assert lines[1].startswith("gpu-integrations: no CUDA device here"), proc.stdout
