@@ -176,3 +176,44 @@ def test_host_bookkeeping_is_reduced_through_the_device_on_nccl():
     assert not reduces_on_device("gloo", "cpu")
     assert not reduces_on_device("nccl", "cuda")
     assert not reduces_on_device("gloo", "cuda")
+
+
+def _nccl_like_run(rank, world_size, staged: bool):
+    """AwkwardNet at stage 2 with torch's clip and inf-norm logging; staged: the group answers "nccl" and the
+    staging copy is a CPU clone, so every host tensor's all-reduce takes the path an NCCL-only group takes."""
+    import torch.distributed as dist
+
+    import shardopt
+    from shardopt.parallel import comm
+
+    calls = []
+    if staged:
+        dist.get_backend = lambda group=None: "nccl"
+        comm.to_staging = lambda t: (calls.append(1), t.clone())[1]  # a copy, as on a GPU
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.05, momentum=0.9, stage=2,
+                                    reduce_bucket_size=300)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    norms = []
+    for step in range(3):
+        x, y = batch(step, rank)
+        out = wrapper(x, uses_branch(step, rank)).float()
+        torch.nn.functional.cross_entropy(out.reshape(-1, 37), y.reshape(-1)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None],
+                                                   float("inf")).item())
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], norms, len(calls)
+
+
+def test_host_bookkeeping_through_the_staging_path_matches():
+    """Note [Host bookkeeping on NCCL]'s path, driven on gloo (the CPU standing in for the GPU): the same
+    weights and norms, bit for bit, and the path was taken (flags, norms, the step's checks)."""
+    plain = run_ranks(_nccl_like_run, 2, False)
+    staged = run_ranks(_nccl_like_run, 2, True)
+    for (w0, n0, c0), (w1, n1, c1) in zip(plain, staged):
+        assert c0 == 0 and c1 >= 6, (c0, c1)  # at least end of backward and finish(), 3 steps
+        assert n0 == n1
+        assert all(torch.equal(a, b) for a, b in zip(w0, w1))

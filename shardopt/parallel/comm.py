@@ -107,6 +107,11 @@ def reduces_on_device(backend: str, device_type: str) -> bool:
 # made), reduces it there and copies it back: one small copy each way, which
 # the host reads next anyway. A group with a CPU backend ("cpu:gloo,cuda:nccl")
 # reduces it where it is.
+def to_staging(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of host tensor `tensor` where NCCL reduces it: on this rank's current CUDA device."""
+    return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+
+
 def all_reduce(tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
     """torch's dist.all_reduce (gloo's or NCCL's own), whose failure names what was being reduced and the
     likely cause, as the ring's errors do: gloo alone says "Timed out waiting ...ms for send operation to
@@ -114,7 +119,7 @@ def all_reduce(tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
     CUDA device (Note [Host bookkeeping on NCCL])."""
     try:
         if reduces_on_device(str(dist.get_backend(group)), tensor.device.type):
-            staged = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            staged = to_staging(tensor)
             dist.all_reduce(staged, op=op, group=group)
             tensor.copy_(staged)
             return
