@@ -364,10 +364,11 @@ class OneBitRoom:
         offsets = layout.chunk_offsets()
         self.piece_at = [offsets[pc.bucket] + pc.start - layout.buckets[pc.bucket].chunk(self.rank)[0]
                          for pc in opt._pieces]
-        if self.world > 1 and _comm.reduces_on_device(str(dist.get_backend(opt.world_group)), "cpu"):
+        backend = str(dist.get_backend(opt.world_group))
+        if self.world > 1 and _comm.reduces_on_device(backend, "cpu"):
             raise ValueError(
                 f"OneBitAdam exchanges its 1-bit messages as CPU tensors, and this process group "
-                f"({dist.get_backend(opt.world_group)}) has no CPU backend: initialise it with "
+                f"({backend}) has no CPU backend: initialise it with "
                 f"init_process_group(backend=\"cpu:gloo,cuda:nccl\") (never tried on GPUs), or train with "
                 f"optim=torch.optim.AdamW")
         if opt.config.inter_node_dtype is not None:

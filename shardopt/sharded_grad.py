@@ -281,11 +281,12 @@ class GradShard:
     """Operations on this rank's gradient shard for ShardedGrad, on lists of parameters (and its reconciling)."""
 
     def __init__(self, params, pieces, piece_grads, param_offsets, process_group, world_size: int, had_grad,
-                 shapes=None, device=None):
+                 shapes=None, *, device):
         """had_grad(): per parameter, whether DDP would hold a gradient tensor for it now. shapes: the
         parameters' own shapes (at stage 3 a parameter is empty between uses, and so is its p.grad's
         stand-in, which must match it; full() still gives the whole gradient). device: the gradient
-        shard's, the same on every rank (a rank whose chunks hold only padding has no pieces to ask)."""
+        shard's, the same on every rank (a rank whose chunks hold only padding has no pieces to ask), where
+        the norms live."""
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else [tuple(p.shape) for p in params]
         self.process_group = process_group
         self._had_grad = had_grad
@@ -301,9 +302,7 @@ class GradShard:
         for pc, g in zip(pieces, piece_grads):
             self._pieces[pc.param].append((g, pc.start - param_offsets[pc.param]))
         self._all = list(piece_grads)  # in piece order, as _piece_param
-        # Per-parameter norms are computed, reduced and kept here (Note [Norms live with the gradients]).
-        self.device = torch.device(device) if device is not None else \
-            self._all[0].device if self._all else torch.device("cpu")
+        self.device = torch.device(device)  # Note [Norms live with the gradients]
         self._piece_param = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.device)
         nonempty = [k for k, g in enumerate(self._all) if g.numel()]
         self._nonempty = [self._all[k] for k in nonempty]
