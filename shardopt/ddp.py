@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import types
 import weakref
 
@@ -188,6 +189,15 @@ class ShardedDDP(nn.Module):
         self.optimizer.wait_params()
         self._refresh_params()
         return iter(self._param_list)  # Note [Parameters fixed at wrap time]
+
+    def is_every_gradient(self, params: list) -> bool:
+        """Whether the gradients of `params` are exactly those the optimizer holds: `params` is this model's
+        parameters() (the same tensors in the same order, as accelerate asks of an FSDP model) and no frozen
+        one has a gradient. Then torch's clip_grad_norm_(params) and opt.clip_grad_norm() are the same clip."""
+        self._refresh_params()
+        mine = self._param_list
+        return (len(params) == len(mine) and all(map(operator.is_, params, mine))
+                and all(p.grad is None for p in self._frozen))
 
     def _cached_named_parameters(self, prefix: str):
         head = prefix + ("." if prefix else "")

@@ -9,6 +9,7 @@ import contextlib
 import glob
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -72,7 +73,10 @@ def _fit(sharded, args, resume=None, dataset=48, cls=None, **kw):
     model = kw.pop("model", None) or tiny_gpt2()
     cls = cls or (ShardedTrainer if sharded else transformers.Trainer)
     trainer = cls(model=model, args=args, train_dataset=TextDataset(dataset), **kw)
-    trainer.train(resume_from_checkpoint=resume)
+    # How often torch's clip_grad_norm_ ran: the Trainer's clipping should be the optimizer's own.
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=torch.nn.utils.clip_grad_norm_) as clip:
+        trainer.train(resume_from_checkpoint=resume)
+    trainer.torch_clips = clip.call_count
     logs = [{k: v for k, v in entry.items() if k in ("loss", "grad_norm", "learning_rate", "step", "eval_loss")}
             for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
     # At stage 3 the parameters are empty between uses: full_params gathers them (a no-op at stages 1-2).
@@ -112,6 +116,9 @@ def _is_sharded(trainer, what):
     if opt.engine.num_reduce_scatters != steps * len(opt.layout.buckets):
         out.append(f"{what}: {opt.engine.num_reduce_scatters} reduce-scatters for {steps} steps of "
                    f"{len(opt.layout.buckets)} buckets")
+    # Note [The Trainer's clipping is the optimizer's]: no per-tensor torch clip_grad_norm_.
+    if trainer.torch_clips:
+        out.append(f"{what}: torch.nn.utils.clip_grad_norm_ ran {trainer.torch_clips} times")
     return out
 
 
@@ -131,6 +138,9 @@ def _parity(rank, world_size, tmp):
         failures += _is_sharded(ours[2], what)
         if "ddp_bucket_cap_mb" in kw and ours[2]._sharded()[1].config.reduce_bucket_size != 2621:
             failures.append(f"{what}: reduce_bucket_size {ours[2]._sharded()[1].config.reduce_bucket_size}")
+        if ref[2].torch_clips < ref[2].state.global_step:
+            failures.append(f"{what}: the DDP reference clipped {ref[2].torch_clips} times in "
+                            f"{ref[2].state.global_step} steps (the count of torch's clips cannot be trusted)")
         clipped = [e["grad_norm"] for e in ref[0] if e["grad_norm"] > 0.5]
         if not clipped:
             failures.append(f"{what}: clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")

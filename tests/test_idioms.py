@@ -444,3 +444,22 @@ def test_idiom_raises_documented_error(idiom, stage):
         status, value = results[idiom]
         assert status == "raised", f"rank {rank}: {idiom} did not raise"
         assert issubclass(value[0], exc_type) and text in value[1], f"rank {rank}: {value}"
+
+
+def _every_gradient(rank, world_size):
+    pair = Pair(rank, 2)
+    model, params = pair.sharded, list(pair.sharded.parameters())
+    pair.loss(model, 0).backward()
+    out = dict(whole=model.is_every_gradient(params), module=model.is_every_gradient(list(pair.module.parameters())),
+               subset=model.is_every_gradient(params[:-1]), reordered=model.is_every_gradient(params[::-1]))
+    frozen = next(p for p in params if not p.requires_grad)
+    frozen.grad = torch.ones_like(frozen)  # a frozen parameter given a gradient by hand
+    out["frozen_with_grad"] = model.is_every_gradient(params)
+    return out
+
+
+def test_which_lists_hold_every_gradient():
+    # Note [The Trainer's clipping is the optimizer's]: the Trainer's clip is the optimizer's only for the
+    # model's own parameters (wrapper's or module's list), and only while no frozen parameter has a gradient.
+    assert run_ranks(_every_gradient, 1)[0] == dict(whole=True, module=True, subset=False, reordered=False,
+                                                    frozen_with_grad=False)

@@ -24,10 +24,29 @@ evaluation, callbacks, autocast, checkpoint folders), except four things:
   * a DeepSpeed-format `shardopt_config` is read as the Trainer reads one for
     DeepSpeed ("auto" values: Note [Trainer "auto" values] in hf_config.py).
 The Trainer's loop needs nothing else: it clears gradients with
-model.zero_grad(), clips with clip_grad_norm_ over model.parameters() and
-unscales through GradScaler, all of which act on the shards (Note [Sharded
-p.grad] in shardopt/sharded_grad.py). One exception: in OneBitAdam's
-compression stage the accelerator's clip_grad_norm_ is the optimizer's own.
+model.zero_grad() and unscales through GradScaler, which act on the shards
+(Note [Sharded p.grad] in shardopt/sharded_grad.py), and its clipping is the
+optimizer's own (Note [The Trainer's clipping is the optimizer's]).
+
+Note [The Trainer's clipping is the optimizer's]
+------------------------------------------------
+The Trainer clips with accelerator.clip_grad_norm_(model.parameters(), c),
+which for DDP is torch's clip_grad_norm_ over every parameter: correct over
+the sharded p.grad, but with torch's own Python per parameter tensor (its
+norms listed, moved and stacked one by one; accelerate's scan for DTensors):
+27 ms against 0.5 ms for the optimizer's call at 8000 tensors, 2-10% of the
+Trainer's step there (benchmarks/results/2026-11-26-trainer-clip.md). Every
+trainable parameter of a ShardedDDP model is in its optimizer (others are
+refused at wrap time), so when the list is the model's own parameters and no
+frozen one has a gradient (ShardedDDP.is_every_gradient, the test accelerate
+makes for an FSDP model), the two clips compute the same global norm of the
+same gradients: the accelerator's clip_grad_norm_ then is
+opt.clip_grad_norm, after unscaling as accelerate does. Any other list goes
+to accelerate. In OneBitAdam's compression stage it is the optimizer's in
+any case: no rank holds the averaged gradient (a flat mesh's p.grad is the
+rank's own), so a clip over model.parameters() would clip each rank by its
+own norm; the optimizer's estimates the mean gradient's norm (Note [Clipping
+by a sketch] in shardopt/onebit.py), the same on every rank.
 
 Note [ShardedTrainer at stage 3]
 --------------------------------
@@ -236,12 +255,13 @@ class ShardedTrainer(Trainer):
 
         @functools.wraps(clip)
         def clip_grad_norm_(parameters, max_norm, norm_type=2):
-            # OneBitAdam's compression stage: no rank holds the averaged gradient (a flat mesh's p.grad is
-            # the rank's own), so the Trainer's clip_grad_norm_ over model.parameters() would clip each
-            # rank by its own norm. The optimizer's clipping estimates the mean gradient's norm (Note
-            # [Clipping by a sketch] in shardopt/onebit.py) and returns it, the same on every rank.
-            opt = self._sharded()[1] if self.optimizer is not None else None
-            if opt is not None and opt._compressing():
+            # Note [The Trainer's clipping is the optimizer's]
+            if self.optimizer is None:
+                return clip(parameters, max_norm, norm_type=norm_type)
+            model, opt = self._sharded()
+            model = getattr(model, "_orig_mod", model)  # under torch.compile
+            parameters = list(parameters)
+            if opt._compressing() or (isinstance(model, ShardedDDP) and model.is_every_gradient(parameters)):
                 acc.unscale_gradients()
                 return opt.clip_grad_norm(max_norm, norm_type)
             return clip(parameters, max_norm, norm_type=norm_type)
