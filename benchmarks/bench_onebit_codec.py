@@ -3,7 +3,8 @@
     python benchmarks/bench_onebit_codec.py                 # 1M elements (a 2x2 shard of GPT 'small'), 1 thread
     python benchmarks/bench_onebit_codec.py --numel 4194304 --trials 21
 
-"composed" is shardopt/onebit.py's encode / decode at commit 90f98c2 (RMS scales, as now), transcribed: per
+"composed" is shardopt/onebit.py's encode / decode at commit 90f98c2, transcribed, with the block scale made the
+mean |x| as the fused codec's since 2026-11-26 (90f98c2 took the RMS; the same passes either way): per
 message a dozen ATen passes with allocations. "encode+feedback" is x + residual encoded and the residual left
 with what was lost (every message a rank sends); "decode" what a receiver does. Correctness comes first: the
 fused messages equal the reference's (tests/test_onebit.py, bit for bit) and the composed version's bits, with
@@ -37,7 +38,7 @@ def composed_encode(rows: torch.Tensor) -> torch.Tensor:
     a[:, :n] = rows
     counts = torch.full((nb,), float(BLOCK), dtype=torch.float64)
     counts[-1] = n - (nb - 1) * BLOCK
-    scales = (a.view(k, nb, BLOCK).square().sum(-1) / counts).sqrt().float()
+    scales = (a.view(k, nb, BLOCK).abs().sum(-1) / counts).float()
     nbytes = -(-n // 8)
     ge = torch.zeros(k, nbytes * 8, dtype=torch.uint8)
     ge[:, :n] = rows >= 0

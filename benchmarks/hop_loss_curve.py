@@ -106,10 +106,10 @@ def _train(rank, world_size, hop_dtype, train_bytes, held_bytes, steps, batch, s
                 in_sync=in_sync)
 
 
-def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed):
-    """`steps` clipped steps on the training windows, then the held-out loss: fixed windows (seed -1),
-    split over the ranks. Returns (per-step losses, held-out loss), each summed over the ranks, and the
-    training seconds."""
+def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, scheduler=None):
+    """`steps` clipped steps on the training windows (`scheduler.step()` after each, if given), then the
+    held-out loss: fixed windows (seed -1), split over the ranks. Returns (per-step losses, held-out loss),
+    each summed over the ranks, and the training seconds."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -122,6 +122,8 @@ def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed):
         loss.backward()
         opt.clip_grad_norm(CLIP)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad()
         losses[step] = loss.detach()
     seconds = time.perf_counter() - t0

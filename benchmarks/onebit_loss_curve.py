@@ -34,7 +34,7 @@ RUNS = {"AdamW, 2x2 mesh": ("adamw", (2, 2)), "OneBitAdam, 2x2 mesh": ("onebit",
         "AdamW, flat 4 ranks": ("adamw", None), "OneBitAdam, flat 4 ranks": ("onebit", None)}
 
 
-def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze):
+def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze, schedule, lr):
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardopt
@@ -45,13 +45,15 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     model = GPT(CONFIG)
     kw = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))} if shape else {}
     if kind == "onebit":
-        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=LR, weight_decay=WD,
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=lr, weight_decay=WD,
                                         betas=(0.9, 0.999), freeze_step=freeze, stage=2, **kw)
     else:
-        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD,
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=lr, weight_decay=WD,
                                         stage=2, **kw)
+    # "linear": the lr falls linearly to 0 over the run (the Trainer's default schedule), for both optimizers.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps) if schedule == "linear" else None
     losses, ev, seconds = train_and_evaluate(rank, shardopt.ShardedDDP(model, opt), opt, train, held, steps,
-                                             batch, seed)
+                                             batch, seed, scheduler=sched)
     started = opt.onebit.started_at if kind == "onebit" else None
     return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
                 started=started)
@@ -89,6 +91,10 @@ def main():
     ap.add_argument("--freeze", type=int, default=75, help="OneBitAdam's freeze_step")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedule", choices=("constant", "linear"), default="constant",
+                    help="the lr: constant, or falling linearly to 0 over the run (both optimizers)")
+    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--meshes", choices=("both", "flat", "2x2"), default="both")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
@@ -98,10 +104,11 @@ def main():
     train, held, files = read_corpus()
     params = num_params(GPT(CONFIG))
     results = {}
-    for name, (kind, shape) in RUNS.items():
+    runs = {n: v for n, v in RUNS.items() if args.meshes == "both" or args.meshes in n}
+    for name, (kind, shape) in runs.items():
         t0 = time.time()
         per_rank = run_ranks(_train, 4, kind, shape, train, held, args.steps, args.batch, args.seed, args.freeze,
-                             timeout=3600, collective_timeout=600)
+                             args.schedule, args.lr, timeout=3600, collective_timeout=600)
         r = per_rank[0]
         r["seconds"] = max(p["seconds"] for p in per_rank)
         r["wall"] = time.time() - t0
@@ -115,12 +122,13 @@ def main():
                       for n, r in results.items())
     lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
-             f"{args.batch} --seed {args.seed}` at commit {_git_head()}. Machine: {platform.machine()}, "
+             f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}` at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",
              f"Model, data and evaluation as benchmarks/hop_loss_curve.py: byte-level GPT ({CONFIG}), "
              f"{params:,} parameters, this repository's source ({len(files)} files, {len(train):,} training "
-             f"bytes, {len(held):,} held out). 4 ranks, ZeRO-2, lr={LR}, weight_decay={WD}, betas (0.9, 0.999), "
+             f"bytes, {len(held):,} held out). 4 ranks, ZeRO-2, lr={args.lr} "
+             f"({'constant' if args.schedule == 'constant' else 'falling linearly to 0 over the run'}), weight_decay={WD}, betas (0.9, 0.999), "
              f"clip_grad_norm({CLIP}). OneBitAdam: freeze_step={args.freeze}, then {args.steps - args.freeze} "
              f"compressed steps. Final = mean training loss of the last {TAIL} steps.", "",
              "| run | compression from step | final loss | vs AdamW (same mesh) | held-out loss | vs AdamW | within 1% | "

@@ -44,9 +44,7 @@ local momentum b1*m + (1-b1)*g_i; under ZeRO rank r owns the shard of every buck
       scales +10.8%, the momentum over d with RMS scales (this exchange) -3.7%, with mean-|x| scales
       +0.4%, DeepSpeed's own (the raw momentum, one RMS per chunk) +8.3%, a frozen variance with an
       exact exchange -0.2%. Error feedback on the momentum, whose signs are stable, loses far less
-      than on increments, mostly noise; and an RMS scale steps most elements of a block further than
-      their own |m| (the error feedback takes it back later), which this short, under-trained run
-      rewards: do not read the -3.7% as a general gain.)
+      than on increments, mostly noise. The scale: Note [1-bit format].)
     hybrid mesh (R replicas of S shards, the link between replicas). Inside the shard group the
       gradients are reduced exactly by the backward, as in warm-up (the bucket engine's reduce-scatter,
       overlapped with backward, with its hop across replicas switched off: set_replica_hop), giving
@@ -108,12 +106,17 @@ skipped steps do not count toward freeze_step.
 
 Note [1-bit format]
 -------------------
-Per block of ONEBIT_BLOCK (1024) consecutive elements of a message: one fp32 scale, the root mean
-square of the block's elements (summed in fp64; DeepSpeed's choice: the decoded block keeps the norm of
-what was encoded. Until 2026-11-25 it was the mean |x|, the scale of least squared error, which shrinks
-every decoded block by sqrt(|x|_1^2 / (n |x|_2^2)) and trained worse: benchmarks/results/
-2026-11-25-onebit-momentum.md), then one bit per element, 1 for x >= 0, packed eight to a byte, element
-8k+i in bit i of byte k. A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives
+Per block of ONEBIT_BLOCK (1024) consecutive elements of a message: one fp32 scale, the mean |x| of
+the block's elements (summed in fp64), then one bit per element, 1 for x >= 0, packed eight to a byte,
+element 8k+i in bit i of byte k.
+The mean |x| is the scale of least squared error (it minimises |x - s sign(x)|^2), so the decoded
+message is the closest a sign and one scale come to what was encoded. DeepSpeed takes the root mean
+square, which keeps the block's norm but steps most of its elements further than their own value (the
+error feedback takes the excess back on later steps); from 2026-11-25 to 2026-11-26 so did shardopt. On
+benchmarks/onebit_loss_curve.py (75 exact steps, 300 compressed, lr 1e-3) that made OneBitAdam end 3.4-4.5%
+*below* AdamW, and 3.8-5.0% above it at lr 2e-3 and 4e-3 (benchmarks/results/2026-11-26-onebit-lr.md): the
+overshoot is an effective change of learning rate, not fidelity to Adam. With the mean |x| the same run
+ends +0.3% (flat) and -1.1% (2x2 mesh) from AdamW (benchmarks/results/2026-11-26-onebit-loss.md). A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives
 +scale or -scale. The pure-PyTorch reference is in reference.py (onebit_*_reference).
 """
 from __future__ import annotations

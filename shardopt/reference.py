@@ -139,7 +139,7 @@ def int8_hop_reference(chunks, residuals=None, block=256):
 
 # ------------------------------------------------------------------ 1-bit format
 # Note [1-bit format] in shardopt/onebit.py: per block of ONEBIT_BLOCK elements one fp32 scale (the
-# root mean square of the block's real elements) and one sign bit per element (1: x >= 0), packed 8 to a
+# mean |x| of the block's real elements) and one sign bit per element (1: x >= 0), packed 8 to a
 # byte, element 8k+i in bit i of byte k; a value decodes to +scale or -scale.
 def onebit_encode_reference(x, block=1024):
     """fp32 ``x`` (n elements) -> (scales fp32 [ceil(n / block)], bits uint8 [ceil(n / 8)])."""
@@ -149,10 +149,10 @@ def onebit_encode_reference(x, block=1024):
     scales = torch.empty(nb, dtype=torch.float32)
     for k in range(nb):
         part = x[k * block:(k + 1) * block]
-        acc = 0.0  # fp64, in element order (each square of an fp32 value is exact in fp64)
+        acc = 0.0  # fp64, in element order
         for f in part.tolist():
-            acc += f * f
-        scales[k] = torch.tensor(math.sqrt(acc / part.numel()), dtype=torch.float64).float()
+            acc += abs(f)
+        scales[k] = torch.tensor(acc / part.numel(), dtype=torch.float64).float()
     bits = torch.zeros(-(-n // 8), dtype=torch.uint8)
     for i in range(n):
         if x[i] >= 0:

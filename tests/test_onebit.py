@@ -129,11 +129,11 @@ def test_hand_computed_block():
 
     x = torch.tensor([[2.0, -4.0, 0.0, 4.0, 2.0, -4.0, 0.0, 4.0, -2.0]])
     msgs = onebit.encode(x, block=8)
-    # Blocks [2, -4, 0, 4, 2, -4, 0, 4] (root mean square sqrt(72 / 8) = 3) and [-2] (2); signs
+    # Blocks [2, -4, 0, 4, 2, -4, 0, 4] (mean |x| 20 / 8 = 2.5) and [-2] (2); signs
     # 1 0 1 1 1 0 1 1 (element i in bit i: 0b11011101) and 0.
-    assert msgs[0, :8].clone().view(torch.float32).tolist() == [3.0, 2.0]
+    assert msgs[0, :8].clone().view(torch.float32).tolist() == [2.5, 2.0]
     assert msgs[0, 8:].tolist() == [0b11011101, 0]
-    assert onebit.decode(msgs, 9, block=8).tolist() == [[3.0, -3.0, 3.0, 3.0, 3.0, -3.0, 3.0, 3.0, -2.0]]
+    assert onebit.decode(msgs, 9, block=8).tolist() == [[2.5, -2.5, 2.5, 2.5, 2.5, -2.5, 2.5, 2.5, -2.0]]
 
 
 def test_warmup_lr_is_deepspeeds():

@@ -66,8 +66,8 @@ void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded
       std::memcpy(v, xb, sizeof(float) * static_cast<size_t>(c));
     }
     double sum = 0.0;  // in element order: the reference's order
-    for (int64_t i = 0; i < c; ++i) sum += static_cast<double>(v[i]) * static_cast<double>(v[i]);
-    const float scale = static_cast<float>(std::sqrt(sum / static_cast<double>(c)));
+    for (int64_t i = 0; i < c; ++i) sum += std::fabs(static_cast<double>(v[i]));
+    const float scale = static_cast<float>(sum / static_cast<double>(c));
     std::memcpy(msg + 4 * b, &scale, sizeof(float));
     const float pm[2] = {-scale, scale};
     // lo is a multiple of 8: the block's bytes are its own.

@@ -9,8 +9,8 @@
 // bytes of signs] (the last block may be short; element 8k+i is bit i of byte
 // k). Encoding x with residual r, per block of c values:
 //     v     = x + r                      fp32 (v = x without a residual)
-//     scale = fp32(sqrt(S / c))          S = the fp64 sum of v*v in element
-//                                        order (each v*v is exact in fp64)
+//     scale = fp32(S / c)                S = the fp64 sum of |v| in element
+//                                        order (the mean |v|)
 //     bit   = v >= 0                     (nan -> 0)
 //     d     = bit ? scale : -scale       what every receiver decodes
 //     r     = v - d                      fp32: the error fed back next time
@@ -21,8 +21,8 @@
 // onebit_encode_feedback_reference; tests/test_onebit.py). A nan or inf in a
 // block makes its scale nan or inf (the step checks for them before encoding).
 //
-// Why fused: in ATen ops an encode was a dozen passes with allocations (abs or
-// square, the block sums in fp64, the bit packing as a multiply-and-sum over
+// Why fused: in ATen ops an encode was a dozen passes with allocations (abs,
+// the block sums in fp64, the bit packing as a multiply-and-sum over
 // bytes, the decode again for the residual) and was most of OneBitAdam's step
 // on the emulated cluster (benchmarks/results/2026-11-24-onebit-cluster.md);
 // here x and r are read once and the block stays in L1 for its second loop.
