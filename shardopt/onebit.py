@@ -116,7 +116,8 @@ error feedback takes the excess back on later steps); from 2026-11-25 to 2026-11
 benchmarks/onebit_loss_curve.py (75 exact steps, 300 compressed, lr 1e-3) that made OneBitAdam end 3.4-4.5%
 *below* AdamW, and 3.8-5.0% above it at lr 2e-3 and 4e-3 (benchmarks/results/2026-11-26-onebit-lr.md): the
 overshoot is an effective change of learning rate, not fidelity to Adam. With the mean |x| the same run
-ends +0.3% (flat) and -1.1% (2x2 mesh) from AdamW (benchmarks/results/2026-11-26-onebit-loss.md).
+ends +0.3% / -0.2% (flat) and -1.1% / -1.4% (2x2 mesh) from AdamW over two seeds
+(benchmarks/results/2026-11-26-onebit-loss.md).
 A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives +scale or -scale. The
 pure-PyTorch reference is in reference.py (onebit_*_reference).
 """
