@@ -17,7 +17,6 @@ flags), master_step.py (the inner optimizer on this rank's pieces; Note
 from __future__ import annotations
 
 import contextlib
-import math
 import operator
 import time
 import warnings
@@ -321,13 +320,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads_and_rounds()
         norm_type = float(norm_type)
         g = self.shard_grad
-        # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]).
+        # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]), then their norm
+        # as torch.nn.utils.clip_grad_norm_ forms it from the per-parameter norms it gets (in the gradients'
+        # dtype, at least float32): the same total, bit for bit, as that call over model.parameters().
         norms = self.grads.shard.norms(norm_type)
-        if math.isinf(norm_type):
-            total = norms.max().float() if norms.numel() else torch.zeros((), device=norms.device)
-        else:
-            total = (norms ** norm_type).sum() ** (1.0 / norm_type)
+        if norms.numel():
+            total = torch.linalg.vector_norm(norms.to(torch.promote_types(self.dtype, torch.float32)), norm_type)
             total = total.float()
+        else:
+            total = torch.zeros((), device=norms.device)
         # As torch.nn.utils.clip_grad_norm_: scale by a clamped coefficient.
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         g.mul_(coef.to(g.dtype))
