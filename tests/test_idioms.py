@@ -452,6 +452,10 @@ def _every_gradient(rank, world_size):
     pair.loss(model, 0).backward()
     out = dict(whole=model.is_every_gradient(params), module=model.is_every_gradient(list(pair.module.parameters())),
                subset=model.is_every_gradient(params[:-1]), reordered=model.is_every_gradient(params[::-1]))
+    # ... and there the two clips agree: the same total norm, bit for bit (max_norm inf: nothing is scaled).
+    out["same_total"] = all(torch.equal(torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=o),
+                                        pair.opt.clip_grad_norm(float("inf"), norm_type=o))
+                            for o in (2.0, 1.0, float("inf")))
     frozen = next(p for p in params if not p.requires_grad)
     frozen.grad = torch.ones_like(frozen)  # a frozen parameter given a gradient by hand
     out["frozen_with_grad"] = model.is_every_gradient(params)
@@ -461,5 +465,5 @@ def _every_gradient(rank, world_size):
 def test_which_lists_hold_every_gradient():
     # Note [The Trainer's clipping is the optimizer's]: the Trainer's clip is the optimizer's only for the
     # model's own parameters (wrapper's or module's list), and only while no frozen parameter has a gradient.
-    assert run_ranks(_every_gradient, 1)[0] == dict(whole=True, module=True, subset=False, reordered=False,
-                                                    frozen_with_grad=False)
+    assert run_ranks(_every_gradient, 2)[0] == dict(whole=True, module=True, subset=False, reordered=False,
+                                                    same_total=True, frozen_with_grad=False)
