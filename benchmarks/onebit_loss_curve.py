@@ -122,13 +122,15 @@ def main():
                       for n, r in results.items())
     lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
-             f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}` at commit {_git_head()}. Machine: {platform.machine()}, "
+             f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}` "
+             f"at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",
              f"Model, data and evaluation as benchmarks/hop_loss_curve.py: byte-level GPT ({CONFIG}), "
              f"{params:,} parameters, this repository's source ({len(files)} files, {len(train):,} training "
              f"bytes, {len(held):,} held out). 4 ranks, ZeRO-2, lr={args.lr} "
-             f"({'constant' if args.schedule == 'constant' else 'falling linearly to 0 over the run'}), weight_decay={WD}, betas (0.9, 0.999), "
+             f"({'constant' if args.schedule == 'constant' else 'falling linearly to 0 over the run'}), "
+             f"weight_decay={WD}, betas (0.9, 0.999), "
              f"clip_grad_norm({CLIP}). OneBitAdam: freeze_step={args.freeze}, then {args.steps - args.freeze} "
              f"compressed steps. Final = mean training loss of the last {TAIL} steps.", "",
              "| run | compression from step | final loss | vs AdamW (same mesh) | held-out loss | vs AdamW | within 1% | "
