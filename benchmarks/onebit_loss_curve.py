@@ -8,6 +8,10 @@ says whether they are at most 1% above it (no worse), since a frozen variance al
 
     python benchmarks/onebit_loss_curve.py                  # 375 steps (75 warm-up + 300 compressed)
     python benchmarks/onebit_loss_curve.py --steps 40 --freeze 10 --out-dir /tmp
+    python benchmarks/onebit_loss_curve.py --control       # + a frozen variance with the exchange exact
+
+The control separates the algorithm's two changes to Adam: freezing the variance (the control differs from
+AdamW by that alone) and compressing the momentum (OneBitAdam differs from the control by that alone).
 """
 from __future__ import annotations
 
@@ -30,8 +34,38 @@ from shardopt.cluster.ranks import run_ranks  # noqa: E402
 from shardopt.tools.gpt import GPT, num_params  # noqa: E402
 
 # Each OneBitAdam run is compared with the AdamW run on the same mesh (its warm-up must equal it bit for bit).
-RUNS = {"AdamW, 2x2 mesh": ("adamw", (2, 2)), "OneBitAdam, 2x2 mesh": ("onebit", (2, 2)),
-        "AdamW, flat 4 ranks": ("adamw", None), "OneBitAdam, flat 4 ranks": ("onebit", None)}
+# With --control, a third run per mesh: OneBitAdam's frozen variance with the exchange exact (the 1-bit
+# compression left out), which separates what freezing the variance does from what the compression does.
+MESHES = {"2x2 mesh": (2, 2), "flat 4 ranks": None}
+KINDS = {"AdamW": "adamw", "OneBitAdam": "onebit", "frozen variance, exact exchange (control)": "exact"}
+
+
+def _runs(meshes: str, control: bool) -> dict:
+    return {f"{label}, {mesh}": (kind, shape) for mesh, shape in MESHES.items() if meshes in ("both", mesh.split()[0])
+            for label, kind in KINDS.items() if control or kind != "exact"}
+
+
+def _reference(name: str) -> str:
+    """The AdamW run on the same mesh."""
+    return "AdamW, " + name.split(", ")[-1]
+
+
+def _exact_exchange(state) -> torch.Tensor:
+    """The control's exchange: OneBitAdam's step with the momentum formed from the exact mean gradient,
+    b1 * m + (1 - b1) * mean(G) on this rank's shard (clipped as OneBitAdam clips), instead of the 1-bit
+    exchange of Note [1-bit Adam under ZeRO]. Replaces the room's _exchange in the control run only."""
+    import torch.distributed as dist
+
+    opt, b1 = state.opt, state.beta1
+    if state.replicas > 1:  # the shard group's mean (reduced by the backward), then the replicas' mean
+        g = opt.shard_grad.float().cpu().clone()
+        dist.all_reduce(g, group=opt.sharding.replicate)
+        g /= state.replicas
+    else:  # every rank's local gradient in rows (row r: rank r's shard), summed over the world
+        rows = state._rows(state._local_grad()).clone()
+        dist.all_reduce(rows, group=opt.process_group)
+        g = rows[state.rank] / state.world
+    return state.m.float().cpu().mul(b1).add_(g, alpha=(1.0 - b1) * state._coef)
 
 
 def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze, schedule, lr):
@@ -44,9 +78,13 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     torch.manual_seed(0)
     model = GPT(CONFIG)
     kw = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))} if shape else {}
-    if kind == "onebit":
+    if kind in ("onebit", "exact"):
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=lr, weight_decay=WD,
                                         betas=(0.9, 0.999), freeze_step=freeze, stage=2, **kw)
+        if kind == "exact":
+            import types
+
+            opt.onebit._exchange = types.MethodType(_exact_exchange, opt.onebit)
     else:
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=lr, weight_decay=WD,
                                         stage=2, **kw)
@@ -54,7 +92,7 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps) if schedule == "linear" else None
     losses, ev, seconds = train_and_evaluate(rank, shardopt.ShardedDDP(model, opt), opt, train, held, steps,
                                              batch, seed, scheduler=sched)
-    started = opt.onebit.started_at if kind == "onebit" else None
+    started = opt.onebit.started_at if kind != "adamw" else None
     return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
                 started=started)
 
@@ -67,8 +105,8 @@ def chart(path: str, results: dict, steps: int, freeze: int) -> None:
     for name, r in results.items():
         s = smooth(r["losses"])
         ax.plot(range(1, steps + 1), s, label=name, linewidth=1.3)
-        if name.startswith("OneBitAdam"):
-            ref = smooth(results[name.replace("OneBitAdam", "AdamW")]["losses"])
+        if not name.startswith("AdamW"):
+            ref = smooth(results[_reference(name)]["losses"])
             dx.plot(range(1, steps + 1), [100 * (a / b - 1) for a, b in zip(s, ref)], label=name, linewidth=1.3)
     for bound in (-100 * TOLERANCE, 100 * TOLERANCE):
         dx.axhline(bound, color="gray", linestyle="--", linewidth=1)
@@ -76,7 +114,7 @@ def chart(path: str, results: dict, steps: int, freeze: int) -> None:
         a.axvline(freeze + 0.5, color="black", linestyle=":", linewidth=1)
         a.grid(alpha=0.3)
     ax.set(title=f"training loss (trailing mean of {TAIL} steps)", xlabel="step", ylabel="cross-entropy (nats/byte)")
-    dx.set(title=f"OneBitAdam relative to AdamW on the same mesh (dashed: ±{TOLERANCE:.0%})", xlabel="step",
+    dx.set(title=f"relative to AdamW on the same mesh (dashed: ±{TOLERANCE:.0%})", xlabel="step",
            ylabel="loss difference (%)")
     ax.legend(), dx.legend()
     fig.suptitle(f"1-bit Adam (freeze_step={freeze}, dotted) against exact AdamW")
@@ -95,6 +133,8 @@ def main():
                     help="the lr: constant, or falling linearly to 0 over the run (both optimizers)")
     ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--meshes", choices=("both", "flat", "2x2"), default="both")
+    ap.add_argument("--control", action="store_true",
+                    help="also the frozen variance with an exact exchange (no compression), per mesh")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
@@ -104,7 +144,7 @@ def main():
     train, held, files = read_corpus()
     params = num_params(GPT(CONFIG))
     results = {}
-    runs = {n: v for n, v in RUNS.items() if args.meshes == "both" or args.meshes in n}
+    runs = _runs(args.meshes, args.control)
     for name, (kind, shape) in runs.items():
         t0 = time.time()
         per_rank = run_ranks(_train, 4, kind, shape, train, held, args.steps, args.batch, args.seed, args.freeze,
@@ -117,12 +157,13 @@ def main():
               f"train {r['seconds']:.0f} s, compression from step {r['started']}", flush=True)
     chart(png, results, args.steps, args.freeze)
     final = {n: sum(r["losses"][-TAIL:]) / TAIL for n, r in results.items()}
-    ref_of = {n: n.replace("OneBitAdam", "AdamW") for n in results}
+    ref_of = {n: _reference(n) for n in results}
     same_warmup = all(r["losses"][:args.freeze] == results[ref_of[n]]["losses"][:args.freeze]
                       for n, r in results.items())
     lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
-             f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}` "
+             f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}"
+             f"{' --control' if args.control else ''}` "
              f"at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",

@@ -209,6 +209,7 @@ class ShardedDDP(nn.Module):
         self._named_params = list(super().named_parameters())  # the wrapper's: "module." + the model's names
         self._param_list = [p for _, p in self._named_params]
         self._frozen = [p for _, p in self._named_params if id(p) not in managed]
+        self.optimizer.order_norms_as(self._param_list)  # Note [Norms summed in the model's order]
         self._registrations_seen = _REGISTRATIONS[0]
 
     def _refresh_params(self) -> None:

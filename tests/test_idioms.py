@@ -467,3 +467,36 @@ def test_which_lists_hold_every_gradient():
     # model's own parameters (wrapper's or module's list), and only while no frozen parameter has a gradient.
     assert run_ranks(_every_gradient, 2)[0] == dict(whole=True, module=True, subset=False, reordered=False,
                                                     same_total=True, frozen_with_grad=False)
+
+
+def _totals_in_model_order(rank, world_size):
+    import shardopt
+
+    torch.manual_seed(0)
+    # 48 layers of assorted widths and scales, one unused (no gradient); the optimizer's groups put every
+    # weight before every bias (as the HF Trainer's decay / no-decay groups do), not the model's order.
+    layers = nn.ModuleList(nn.Linear(3 + k % 7, 3 + k % 7) for k in range(48))
+    with torch.no_grad():
+        for k, layer in enumerate(layers):
+            layer.weight.mul_(10.0 ** (k % 5 - 2))
+    weights = [m.weight for m in layers]
+    biases = [m.bias for m in layers]
+    opt = shardopt.ShardedOptimizer([{"params": weights}, {"params": biases, "weight_decay": 0.0}],
+                                    optim=torch.optim.AdamW, lr=1e-3, stage=2, reduce_bucket_size=500)
+    model = shardopt.ShardedDDP(layers, opt)
+    params = list(model.parameters())
+    same = []
+    for step in range(20):  # a norm of the same values in another order differs in the last bit only at times
+        x = torch.randn(4, 9, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = sum(layer(x[:, :layer.in_features]).square().sum() for k, layer in enumerate(layers) if k != 5)
+        loss.backward()
+        same.append([bool(torch.equal(torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=o),
+                                      opt.clip_grad_norm(float("inf"), norm_type=o))) for o in (2.0, 1.0, float("inf"))])
+        opt.zero_grad()
+    return [all(col) for col in zip(*same)]
+
+
+def test_clip_total_sums_in_the_models_order():
+    # Note [Norms summed in the model's order]: the same total as torch's clip over model.parameters(), bit for
+    # bit, when the optimizer's groups hold the parameters in another order and one has no gradient.
+    assert run_ranks(_totals_in_model_order, 2) == [[True, True, True]] * 2
