@@ -36,12 +36,17 @@ from shardopt.tools.gpt import GPT, num_params  # noqa: E402
 # Each OneBitAdam run is compared with the AdamW run on the same mesh (its warm-up must equal it bit for bit).
 # With --control, a third run per mesh: OneBitAdam's frozen variance with the exchange exact (the 1-bit
 # compression left out), which separates what freezing the variance does from what the compression does.
-MESHES = {"2x2 mesh": (2, 2), "flat 4 ranks": None}
+MESHES = {"2x2 mesh": (2, 2), "flat 4 ranks": None, "4x1 mesh": (4, 1)}  # 4x1: four replicas of one shard
 KINDS = {"AdamW": "adamw", "OneBitAdam": "onebit", "frozen variance, exact exchange (control)": "exact"}
 
 
 def _runs(meshes: str, control: bool) -> dict:
-    return {f"{label}, {mesh}": (kind, shape) for mesh, shape in MESHES.items() if meshes in ("both", mesh.split()[0])
+    """meshes: "both" (2x2 and flat) or a comma-separated list of 2x2, flat, 4x1."""
+    chosen = ("2x2", "flat") if meshes == "both" else tuple(meshes.split(","))
+    unknown = set(chosen) - {m.split()[0] for m in MESHES}
+    if unknown:
+        raise SystemExit(f"--meshes: unknown {sorted(unknown)}; choose from both, or 2x2, flat, 4x1")
+    return {f"{label}, {mesh}": (kind, shape) for mesh, shape in MESHES.items() if mesh.split()[0] in chosen
             for label, kind in KINDS.items() if control or kind != "exact"}
 
 
@@ -68,7 +73,8 @@ def _exact_exchange(state) -> torch.Tensor:
     return state.m.float().cpu().mul(b1).add_(g, alpha=(1.0 - b1) * state._coef)
 
 
-def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze, schedule, lr):
+def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze, schedule, lr,
+           block=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardopt
@@ -81,6 +87,10 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     if kind in ("onebit", "exact"):
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=lr, weight_decay=WD,
                                         betas=(0.9, 0.999), freeze_step=freeze, stage=2, **kw)
+        if block:  # a diagnosis (--block): the 1-bit format's block size on a hybrid mesh
+            import dataclasses
+
+            opt.onebit.config = dataclasses.replace(opt.onebit.config, block=block)
         if kind == "exact":
             import types
 
@@ -132,9 +142,12 @@ def main():
     ap.add_argument("--schedule", choices=("constant", "linear"), default="constant",
                     help="the lr: constant, or falling linearly to 0 over the run (both optimizers)")
     ap.add_argument("--lr", type=float, default=LR)
-    ap.add_argument("--meshes", choices=("both", "flat", "2x2"), default="both")
+    ap.add_argument("--meshes", default="both", help='"both" (2x2 and flat) or a comma-separated list of 2x2, '
+                    'flat, 4x1 (four replicas of one shard each: the replicas\' exchange with R = 4)')
     ap.add_argument("--control", action="store_true",
                     help="also the frozen variance with an exact exchange (no compression), per mesh")
+    ap.add_argument("--block", type=int, default=None,
+                    help="a diagnosis: the 1-bit format's block size (shardopt's is 1024), hybrid meshes only")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
@@ -145,10 +158,13 @@ def main():
     params = num_params(GPT(CONFIG))
     results = {}
     runs = _runs(args.meshes, args.control)
+    if args.block and any(shape is None for _, shape in runs.values()):
+        raise SystemExit("--block is for hybrid meshes only (the flat mesh's residual holds messages of the "
+                         "default block): pass --meshes 2x2 or 4x1")
     for name, (kind, shape) in runs.items():
         t0 = time.time()
         per_rank = run_ranks(_train, 4, kind, shape, train, held, args.steps, args.batch, args.seed, args.freeze,
-                             args.schedule, args.lr, timeout=3600, collective_timeout=600)
+                             args.schedule, args.lr, args.block, timeout=3600, collective_timeout=600)
         r = per_rank[0]
         r["seconds"] = max(p["seconds"] for p in per_rank)
         r["wall"] = time.time() - t0
@@ -163,7 +179,7 @@ def main():
     lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
              f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}"
-             f"{' --control' if args.control else ''}` "
+             f"{' --control' if args.control else ''}{f' --block {args.block}' if args.block else ''}` "
              f"at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",
@@ -173,7 +189,7 @@ def main():
              f"({'constant' if args.schedule == 'constant' else 'falling linearly to 0 over the run'}), "
              f"weight_decay={WD}, betas (0.9, 0.999), "
              f"clip_grad_norm({CLIP}). OneBitAdam: freeze_step={args.freeze}, then {args.steps - args.freeze} "
-             f"compressed steps. Final = mean training loss of the last {TAIL} steps.", "",
+             f"compressed steps{f' (1-bit blocks of {args.block} elements)' if args.block else ''}. Final = mean training loss of the last {TAIL} steps.", "",
              "| run | compression from step | final loss | vs AdamW (same mesh) | held-out loss | vs AdamW | within 1% | "
              "at most 1% above | train s |",
              "|---|---|---|---|---|---|---|---|---|"]
