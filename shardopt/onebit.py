@@ -117,7 +117,9 @@ benchmarks/onebit_loss_curve.py (75 exact steps, 300 compressed, lr 1e-3) that m
 *below* AdamW, and 3.8-5.0% above it at lr 2e-3 and 4e-3 (benchmarks/results/2026-11-26-onebit-lr.md): the
 overshoot is an effective change of learning rate, not fidelity to Adam. With the mean |x| the same run
 ends +0.3% / -0.2% (flat) and -1.1% / -1.4% (2x2 mesh) from AdamW over two seeds
-(benchmarks/results/2026-11-26-onebit-loss.md).
+(benchmarks/results/2026-11-26-onebit-loss.md); on the corpus of later that day -0.3% to -0.7% (flat) and
+-2.2% to -3.0% (2x2), while the frozen variance with the exchange made exact stays within 0.9% of AdamW
+(benchmarks/results/2026-11-26-onebit-control.md): the 2x2 gap is the two replicas' 1-bit exchange.
 A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives +scale or -scale. The
 pure-PyTorch reference is in reference.py (onebit_*_reference).
 """
