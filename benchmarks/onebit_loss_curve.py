@@ -189,7 +189,8 @@ def main():
              f"({'constant' if args.schedule == 'constant' else 'falling linearly to 0 over the run'}), "
              f"weight_decay={WD}, betas (0.9, 0.999), "
              f"clip_grad_norm({CLIP}). OneBitAdam: freeze_step={args.freeze}, then {args.steps - args.freeze} "
-             f"compressed steps{f' (1-bit blocks of {args.block} elements)' if args.block else ''}. Final = mean training loss of the last {TAIL} steps.", "",
+             f"compressed steps{f' (1-bit blocks of {args.block} elements)' if args.block else ''}. "
+             f"Final = mean training loss of the last {TAIL} steps.", "",
              "| run | compression from step | final loss | vs AdamW (same mesh) | held-out loss | vs AdamW | within 1% | "
              "at most 1% above | train s |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -209,7 +209,8 @@ class ShardedDDP(nn.Module):
         self._named_params = list(super().named_parameters())  # the wrapper's: "module." + the model's names
         self._param_list = [p for _, p in self._named_params]
         self._frozen = [p for _, p in self._named_params if id(p) not in managed]
-        self.optimizer.order_norms_as(self._param_list)  # Note [Norms summed in the model's order]
+        # Note [Norms summed in the model's order] in grad_sync.py
+        self.optimizer.grads.order_norms_as([managed[id(p)] for p in self._param_list if id(p) in managed])
         self._registrations_seen = _REGISTRATIONS[0]
 
     def _refresh_params(self) -> None:

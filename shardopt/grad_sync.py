@@ -84,6 +84,10 @@ class GradSync:
         self.backwards = 0         # backward passes reduced since the last step
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
+        # The order in which clip totals sum the per-parameter norms (Note [Norms summed in the model's
+        # order]), and the index of those with a gradient, kept until that set changes.
+        self._norm_order = torch.arange(len(params))
+        self._norm_pick: tuple[torch.Tensor, torch.Tensor] | None = None  # (who had a gradient, its index)
 
     def require_engine(self):
         if not self.attached:
@@ -100,6 +104,31 @@ class GradSync:
             self.installed[i] = p.grad
         self.handles_out = False
         self.attached = False
+
+    # Note [Norms summed in the model's order]
+    # -----------------------------------------
+    # The total of torch's clip_grad_norm_(model.parameters()) is vector_norm of the per-parameter norms
+    # of the gradients that exist, in the model's order. The optimizer's own order is its groups' (the HF
+    # Trainer puts decayed parameters before the rest), and a norm of the same values in another order can
+    # differ in the last bit: the clip coefficient then differs by an ulp, which bf16 autocast amplifies
+    # past the parity bars within a few steps (seen on a GPU and on the CPU, 2026-11-26). ShardedDDP hands
+    # its module's order over (order_norms_as), and the norms skip the parameters without a gradient, as
+    # torch's do.
+    def order_norms_as(self, order: list[int]) -> None:
+        """Parameter indices in the model's order (those it does not list follow in this optimizer's)."""
+        seen = set(order)
+        order = list(order) + [i for i in range(len(self.params)) if i not in seen]
+        self._norm_order = torch.tensor(order, dtype=torch.long)
+        self._norm_pick = None
+
+    def norms_in_model_order(self, ord: float) -> torch.Tensor:
+        """Every global per-parameter norm of order `ord` of the parameters with a gradient, in the model's
+        order (Note above). The index goes to the norms' device only when that set changes."""
+        norms = self.shard.norms(ord)
+        had = self.had_grad()
+        if self._norm_pick is None or not torch.equal(self._norm_pick[0], had):
+            self._norm_pick = (had, self._norm_order[had[self._norm_order]].to(norms.device))
+        return norms[self._norm_pick[1]]
 
     def had_grad(self) -> torch.Tensor:
         """Per parameter: whether DDP + torch.optim would hold a gradient tensor for it (p.grad not None)."""

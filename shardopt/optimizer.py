@@ -95,9 +95,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("ShardedOptimizer got no parameter that requires grad")
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        # The order in which clip_grad_norm sums the per-parameter norms: the model's (order_norms_as).
-        self._norm_order = torch.arange(len(self._params))
-        self._norm_pick: tuple[torch.Tensor, torch.Tensor] | None = None  # (who had a gradient, its index)
         self._check_params()
         # Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
         # process_group / rank / world_size are the shard group's: the layout is split over it.
@@ -325,9 +322,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         g = self.shard_grad
         # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]), then their norm
         # as torch.nn.utils.clip_grad_norm_ forms it from the per-parameter norms it gets (in the gradients'
-        # dtype, at least float32, in the model's order: Note [Norms summed in the model's order]): the same
-        # total, bit for bit, as that call over model.parameters().
-        norms = self._in_model_order(self.grads.shard.norms(norm_type))
+        # dtype, at least float32, in the model's order: Note [Norms summed in the model's order] in
+        # grad_sync.py): the same total, bit for bit, as that call over model.parameters().
+        norms = self.grads.norms_in_model_order(norm_type)
         if norms.numel():
             total = torch.linalg.vector_norm(norms.to(torch.promote_types(self.dtype, torch.float32)), norm_type)
             total = total.float()
@@ -338,31 +335,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         g.mul_(coef.to(g.dtype))
         self.grads.shard.scale_all(coef)
         return total
-
-    # Note [Norms summed in the model's order]: the total of torch's clip_grad_norm_(model.parameters())
-    # is vector_norm of the per-parameter norms of the gradients that exist, in the model's order. The
-    # optimizer's own order is its groups' (the HF Trainer puts decayed parameters before the rest), and a
-    # norm of the same values in another order can differ in the last bit: the coefficient then differs by
-    # an ulp, which bf16 autocast amplifies past the parity bars within a few steps (seen on a GPU and on
-    # the CPU, 2026-11-26). ShardedDDP hands its module's order over (order_norms_as), and the sum skips the
-    # parameters without a gradient, as torch's does.
-    def order_norms_as(self, params) -> None:
-        """clip_grad_norm sums the per-parameter norms in the order of `params` (the model's parameters()
-        as ShardedDDP sees them; those this optimizer does not hold are skipped), then the rest in its own."""
-        order = [self._index[id(p)] for p in params if id(p) in self._index]
-        seen = set(order)
-        order += [i for i in range(len(self._params)) if i not in seen]
-        self._norm_order = torch.tensor(order, dtype=torch.long)
-        self._norm_pick = None
-
-    def _in_model_order(self, norms: torch.Tensor) -> torch.Tensor:
-        """The norms of the parameters that have a gradient, in the model's order (Note above). The index
-        is made again only when the set of parameters with a gradient changes (no copy to the GPU per step)."""
-        had = self.grads.had_grad()
-        if self._norm_pick is None or not torch.equal(self._norm_pick[0], had):
-            pick = self._norm_order[had[self._norm_order]]
-            self._norm_pick = (had.clone(), pick.to(norms.device))
-        return norms[self._norm_pick[1]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets accumulated gradients (the shard, and .grad of the managed parameters).

@@ -446,16 +446,21 @@ def test_idiom_raises_documented_error(idiom, stage):
         assert issubclass(value[0], exc_type) and text in value[1], f"rank {rank}: {value}"
 
 
+def _same_clip_totals(params, opt) -> list[bool]:
+    """torch's clip_grad_norm_(params) and opt.clip_grad_norm give the same total, bit for bit, for the 2-, 1- and
+    inf-norms (max_norm inf: nothing is scaled)."""
+    return [bool(torch.equal(torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=o),
+                             opt.clip_grad_norm(float("inf"), norm_type=o))) for o in (2.0, 1.0, float("inf"))]
+
+
 def _every_gradient(rank, world_size):
     pair = Pair(rank, 2)
     model, params = pair.sharded, list(pair.sharded.parameters())
     pair.loss(model, 0).backward()
     out = dict(whole=model.is_every_gradient(params), module=model.is_every_gradient(list(pair.module.parameters())),
                subset=model.is_every_gradient(params[:-1]), reordered=model.is_every_gradient(params[::-1]))
-    # ... and there the two clips agree: the same total norm, bit for bit (max_norm inf: nothing is scaled).
-    out["same_total"] = all(torch.equal(torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=o),
-                                        pair.opt.clip_grad_norm(float("inf"), norm_type=o))
-                            for o in (2.0, 1.0, float("inf")))
+    # ... and there the two clips agree: the same total norm, bit for bit.
+    out["same_total"] = all(_same_clip_totals(params, pair.opt))
     frozen = next(p for p in params if not p.requires_grad)
     frozen.grad = torch.ones_like(frozen)  # a frozen parameter given a gradient by hand
     out["frozen_with_grad"] = model.is_every_gradient(params)
@@ -490,8 +495,7 @@ def _totals_in_model_order(rank, world_size):
         x = torch.randn(4, 9, generator=torch.Generator().manual_seed(100 * step + rank))
         loss = sum(layer(x[:, :layer.in_features]).square().sum() for k, layer in enumerate(layers) if k != 5)
         loss.backward()
-        same.append([bool(torch.equal(torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type=o),
-                                      opt.clip_grad_norm(float("inf"), norm_type=o))) for o in (2.0, 1.0, float("inf"))])
+        same.append(_same_clip_totals(params, opt))
         opt.zero_grad()
     return [all(col) for col in zip(*same)]
 
