@@ -211,7 +211,26 @@ class ShardedDDP(nn.Module):
         self._frozen = [p for _, p in self._named_params if id(p) not in managed]
         # Note [Norms summed in the model's order] in grad_sync.py
         self.optimizer.grads.order_norms_as([managed[id(p)] for p in self._param_list if id(p) in managed])
+        self._remember_buffers()
         self._registrations_seen = _REGISTRATIONS[0]
+
+    def _remember_buffers(self) -> None:
+        """self.module.buffers() (each once, in its order), and where each sits: (its module's _buffers, name)."""
+        self._buffer_slots, self._buffer_list, seen = [], [], set()
+        for mod in self.module.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    self._buffer_slots.append((mod._buffers, name))
+                    self._buffer_list.append(b)
+
+    def _module_buffers(self) -> list:
+        """self.module.buffers() from the list taken at wrap time (Note [Parameters fixed at wrap time]), taken
+        again when a registration happened or a buffer was replaced without one (model.to(), _buffers[k] = t)."""
+        self._refresh_params()
+        if not all(map(operator.is_, (d.get(k) for d, k in self._buffer_slots), self._buffer_list)):
+            self._remember_buffers()
+        return self._buffer_list
 
     def _refresh_params(self) -> None:
         """Takes the list again if a parameter or module was registered anywhere since it was taken."""
@@ -280,7 +299,7 @@ class ShardedDDP(nn.Module):
         # previous forward was one whose backward reduces (grad enabled, not in
         # no_sync), so once per accumulation cycle, at its first micro-step.
         if self.broadcast_buffers and self._buffers_need_sync:
-            self._broadcast_coalesced(list(self.module.buffers()))
+            self._broadcast_coalesced(self._module_buffers())
         out = self.module(*args, **kwargs)
         self._buffers_need_sync = torch.is_grad_enabled() and self._sync
         return out
@@ -345,6 +364,10 @@ def _begin_backward_hook(wrapper_ref):
 # nn.Module's register_parameter / register_module / attribute assignment,
 # counted by torch's global registration hooks) makes the next call walk the
 # module again and take a new list, so an added parameter is always seen.
+# The forward's buffer broadcast (DDP's broadcast_buffers) takes the buffers
+# the same way, with buffer registrations counted too; each forward also checks
+# that every listed buffer is still in its module's slot, as replacing one
+# without a registration (model.to(), _apply, _buffers[name] = t) leaves it.
 # Deleting one (del module.weight) registers nothing: a managed parameter
 # stays the optimizer's anyway, and a frozen one deleted after wrapping stays
 # listed until the next registration anywhere.
@@ -362,6 +385,7 @@ def _count_registrations() -> None:
     from torch.nn.modules import module as nn_module
     _COUNTING.append(nn_module.register_module_parameter_registration_hook(bump))
     _COUNTING.append(nn_module.register_module_module_registration_hook(bump))
+    _COUNTING.append(nn_module.register_module_buffer_registration_hook(bump))
 
 
 def _check_in_place_hook(wrapper_ref):

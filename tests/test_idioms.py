@@ -504,3 +504,44 @@ def test_clip_total_sums_in_the_models_order():
     # Note [Norms summed in the model's order]: the same total as torch's clip over model.parameters(), bit for
     # bit, when the optimizer's groups hold the parameters in another order and one has no gradient.
     assert run_ranks(_totals_in_model_order, 2) == [[True, True, True]] * 2
+
+
+def _total_norm_in_one_piece(rank, world_size):
+    from shardopt.sharded_grad import GradShard
+
+    calls, originals = [], {n: getattr(GradShard, n) for n in ("norm_vector", "norm_list")}
+    for name, fn in originals.items():
+        setattr(GradShard, name, lambda self, *a, _fn=fn, _name=name: calls.append(_name) or _fn(self, *a))
+    out = {}
+    try:
+        for stage in (2, 3):
+            pair = Pair(rank, stage)
+            model = pair.sharded
+            pair.loss(model, 0).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            plain = torch.arange(3.0)
+            for o in (2.0, 1.0, float("inf"), 0.0):
+                del calls[:]
+                each = list(torch._foreach_norm(grads, o))  # one norm per gradient
+                by_hand = torch.linalg.vector_norm(torch.stack(each), o)
+                total = torch.nn.utils.get_total_norm(grads, o)  # torch's code: in one piece
+                mixed = torch.nn.utils.get_total_norm(grads + [plain], o)  # a plain tensor too: one per gradient
+                mixed_by_hand = torch.linalg.vector_norm(torch.stack(each + [torch.linalg.vector_norm(plain, o)]), o)
+                out[stage, o] = (len(each) == len(grads), torch.equal(total, by_hand),
+                                 torch.equal(mixed, mixed_by_hand), list(calls))
+            pair.opt.zero_grad()
+    finally:
+        for name, fn in originals.items():
+            setattr(GradShard, name, fn)
+    return out
+
+
+def test_torch_total_norm_in_one_piece():
+    # Note [torch's total norm in one piece]: torch's get_total_norm / clip_grad_norm_ over a shard's gradients
+    # gets the norms as one tensor (norm_vector alone), and the same total, bit for bit, as from per-gradient
+    # norms (norm_list, which calls norm_vector); any other caller or list gets one norm per gradient.
+    per_gradient = ["norm_list", "norm_vector"]
+    for result in run_ranks(_total_norm_in_one_piece, 2):
+        for key, (one_each, same, same_mixed, calls) in result.items():
+            assert one_each and same and same_mixed, key
+            assert calls == per_gradient + ["norm_vector"] + per_gradient, (key, calls)

@@ -131,6 +131,34 @@ def test_parameters_and_buffers_come_from_rank_0():
             assert torch.equal(state[k], v), f"rank {rank}: {k} differs from rank 0's"
 
 
+def _buffers_replaced_after_wrap(rank, world_size):
+    import shardopt
+
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, reduce_bucket_size=300)
+    wrapped = shardopt.ShardedDDP(model, opt)
+    model.eval()  # BatchNorm reads its running statistics and leaves them as they are
+    x, _ = batch(0, rank)
+    seen = []
+    # Each forward broadcasts rank 0's buffers first (DDP's broadcast_buffers): also a buffer replaced after
+    # wrapping, by attribute (a registration) or behind torch's hooks (as model.to() / _apply do).
+    for replace in (lambda t: setattr(model.norm, "running_mean", t),
+                    lambda t: model.norm._buffers.__setitem__("running_var", t)):
+        replace(torch.full((model.norm.num_features,), 10.0 + rank))
+        wrapped(x, True)
+        seen.append((model.norm.running_mean.clone(), model.norm.running_var.clone()))
+    return seen
+
+
+def test_buffers_replaced_after_wrapping_are_broadcast():
+    # Note [Parameters fixed at wrap time]: the buffer list is taken at wrap time, and taken again when a buffer
+    # is registered or no longer in its slot.
+    for rank, (first, second) in enumerate(run_ranks(_buffers_replaced_after_wrap, 2)):
+        assert torch.equal(first[0], torch.full_like(first[0], 10.0)), rank   # rank 0's new running_mean
+        assert torch.equal(second[1], torch.full_like(second[1], 10.0)), rank  # and its new running_var
+
+
 # ---------------------------------------------------------- rank disagreement
 def _build_differently(rank, what):
     """Rank 1 builds something different from rank 0 in one respect: `what`."""
