@@ -116,12 +116,14 @@ class _Floor:
     """Note [The idioms' floor]: torch's clip_grad_norm_ over `tensors` one-element plain tensors.
 
     What torch's own Python and per-tensor calls in clip_grad_norm_ cost at this
-    tensor count with (almost) no arithmetic: every loop that calls it pays
-    about this whatever p.grad is (its per-tensor list building, grouping,
-    `.to()` per norm and `stack` of N norms; a foreach handler of ours can
-    shave only the native kernels' per-tensor share), and shardopt's own call
-    (opt.clip_grad_norm) pays none of it. The torch-idiom step's excess over
-    the own-call step is to be read against this share.
+    tensor count with (almost) no arithmetic, over plain tensors: its
+    per-tensor list building, two groupings by device and dtype, a `.to()` per
+    norm and a `stack` of N norms. shardopt's own call (opt.clip_grad_norm)
+    pays none of it. Over ShardedGrads the norms come in one piece (Note
+    [torch's total norm in one piece] in shardopt/sharded_grad.py), so the
+    `.to()` and `stack` shares drop out and the torch-idiom step's excess over
+    the own-call step can be below this share; what stays is the list
+    building, the groupings and two N-tensor lists through __torch_dispatch__.
     """
 
     def __init__(self, tensors: int):
