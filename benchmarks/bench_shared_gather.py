@@ -46,7 +46,7 @@ def _rank(rank, world_size, sizes, trials):
     torch.set_num_threads(1)
     out = {}
     for size in sizes:
-        n = size * MB // 4
+        n = int(size * MB) // 4
         layout = plan_layout([[("flat", (n,))]], world_size, n, n)  # one bucket, as big as the buffer
         total = layout.total_numel
         shared = open_shared_flat(total, torch.float32, dist.group.WORLD, True,
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--memory-model", default="30m", help="GPT preset for the memory table ('' to skip)")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [float(s) for s in args.sizes.split(",")]
     print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start, "
           f"torch {torch.__version__}; one thread per rank, gloo over 127.0.0.1; medians of {args.trials} trials "
           f"of the slowest rank.\n")
