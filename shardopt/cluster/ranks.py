@@ -22,7 +22,11 @@ import torch
 _RANK_THREADS = 1
 
 
-def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, args, kwargs, backend="gloo"):
+def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, args, kwargs, backend="gloo",
+               env=None):
+    if env is not None:  # a forkserver's child has the server's environment, not the caller's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
 
@@ -52,22 +56,50 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, backend="gloo", **kwargs):
+# Note [Ranks from a forkserver]
+# A spawned rank is a new interpreter that imports torch and shardopt before it
+# runs anything: about 4 s for 4 ranks on this 2-core VM, paid by each of the
+# test suite's hundreds of launches. start_method="forkserver" (the tests' choice,
+# tests/dist_harness.py) forks each rank from a server process that imported
+# them once (multiprocessing's forkserver with a preload): 0.1 s for the same 4
+# ranks. The server is a fresh process too, started from nothing of the caller's
+# but its sys.path, so no torch state of the caller leaks in either way; it is
+# started once, so each rank is given the caller's environment of the moment
+# (a forkserver child would otherwise have the server's). NCCL ranks are always
+# spawned: nothing CUDA may be inherited through a fork.
+_PRELOAD = ["torch", "torch.distributed", "shardopt", "shardopt.cluster.ranks"]
+
+
+def _context(start_method: str, backend: str):
+    if start_method == "spawn" or backend == "nccl":
+        return mp.get_context("spawn")
+    if start_method != "forkserver":
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first launch)
+    return ctx
+
+
+def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, backend="gloo", start_method="spawn",
+              **kwargs):
     """Runs fn(rank, world_size, *args, **kwargs) on `world_size` ranks; returns [result of rank r].
 
     backend: the process group's ("nccl": fn selects its GPU before its first collective).
+    start_method: "spawn" (a new interpreter per rank) or "forkserver" (forked from a process that
+    imported torch and shardopt once: Note [Ranks from a forkserver]).
 
-    fn must be a module-level function (ranks are spawned, not forked, so torch
-    state from the test process never leaks in). Raises RankFailure with every
+    fn must be a module-level function (ranks start in fresh processes, so torch
+    state from the calling process never leaks in). Raises RankFailure with every
     failing rank's traceback, or after `timeout` seconds naming the ranks that
     never finished.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method, backend)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardopt-store-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main,
-                             args=(fn, r, world_size, store_path, collective_timeout, results, args, kwargs, backend),
+                             args=(fn, r, world_size, store_path, collective_timeout, results, args, kwargs, backend,
+                                   dict(os.environ)),
                              daemon=True)
                  for r in range(world_size)]
         for p in procs:
