@@ -29,3 +29,20 @@ def test_all_reduce_runs(world_size):
 def test_failing_rank_is_reported_not_hung():
     with pytest.raises(RankFailure, match="boom on rank 1"):
         run_ranks(_one_rank_raises, 2, timeout=60, collective_timeout=5)
+
+
+def _environment(rank, world_size):
+    import os
+
+    return os.environ.get("SHARDOPT_TEST_HARNESS_VALUE")
+
+
+def test_ranks_see_the_callers_environment_of_the_moment(monkeypatch):
+    # Note [Ranks from a forkserver]: the server is started once, so each launch hands its ranks the caller's
+    # environment as it is then (set before this launch, changed before the next).
+    monkeypatch.setenv("SHARDOPT_TEST_HARNESS_VALUE", "first")
+    assert run_ranks(_environment, 2) == ["first"] * 2
+    monkeypatch.setenv("SHARDOPT_TEST_HARNESS_VALUE", "second")
+    assert run_ranks(_environment, 2) == ["second"] * 2
+    monkeypatch.delenv("SHARDOPT_TEST_HARNESS_VALUE")
+    assert run_ranks(_environment, 2) == [None] * 2
