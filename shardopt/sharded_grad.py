@@ -219,11 +219,11 @@ def _total_norm_of_all(tensors) -> bool:
 
 
 def _foreach_norm(tensors, ord=2, dtype=None):
-    out = [None] * len(tensors)
     plain, shards = _split(tensors)
     if not plain and len(shards) == 1 and _total_norm_of_all(tensors):
         ((owner, (_, indices)),) = shards.items()
         return [owner.norm_vector(indices, float(ord), dtype or tensors[0].dtype, tensors[0].device)]
+    out = [None] * len(tensors)
     if plain:
         for pos, n in zip(plain, aten._foreach_norm.Scalar([tensors[i] for i in plain], ord, dtype=dtype)):
             out[pos] = n
@@ -421,7 +421,9 @@ class GradShard:
     def norm_vector(self, indices, ord: float, dtype, device) -> torch.Tensor:
         """The listed parameters' global gradient norms, one tensor of `dtype` on `device`, in the list's order
         (a new tensor: the cached norms are scaled in place with the gradients)."""
-        return self.norms(ord)[self._select(indices)].to(dtype=dtype, device=device, copy=True)
+        sel = self._select(indices)
+        # Indexing by a tensor copies already; only the whole-list slice is a view of the cache.
+        return self.norms(ord)[sel].to(dtype=dtype, device=device, copy=isinstance(sel, slice))
 
     def norm_list(self, indices, ord: float, dtype, device) -> list[torch.Tensor]:
         """The listed parameters' global gradient norms, as 0-d tensors of `dtype` on `device`."""
