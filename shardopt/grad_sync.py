@@ -4,9 +4,10 @@ holds in between (Note [Sharded p.grad] in sharded_grad.py).
     backward   -> ShardedDDP's hooks. Stages 1-2 (C++, Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h):
                   begin_backward() once, then the engine takes each gradient without Python; stage 3
                   (Python hooks): before_accumulate(i), then on_grad(i)
-    end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms),
-                  every reached parameter's p.grad becomes its ShardedGrad
-    step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step
+    end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms, the step's
+                  flags), every reached parameter's p.grad becomes its ShardedGrad
+    step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step:
+                  from that all-reduce (Note [The step's flags ride the end of backward])
 """
 from __future__ import annotations
 
@@ -84,6 +85,11 @@ class GradSync:
         self.backwards = 0         # backward passes reduced since the last step
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
+        # Note [The step's flags ride the end of backward]: what the last end-of-backward all-reduce said
+        # (used anywhere, some rank reached a parameter, some rank saw inf/nan), and this rank's p.grad
+        # replacements since then (parameter -> has a gradient now). None: finish() all-reduces them.
+        self.flags_at_end: tuple[torch.Tensor, bool, bool] | None = None
+        self.replaced_since: dict[int, bool] = {}
         # The order in which clip totals sum the per-parameter norms (Note [Norms summed in the model's
         # order]), and the index of those with a gradient, kept until that set changes.
         self._norm_order = torch.arange(len(params))
@@ -182,8 +188,27 @@ class GradSync:
             p.grad = None  # stage 2: the full-size gradient is released here
         self.installed[index] = p.grad
 
-    def end_backward(self) -> None:
-        """End of a backward pass (or a rank that had none): reduce what is left."""
+    # Note [The step's flags ride the end of backward]
+    # --------------------------------------------------
+    # A step needs three answers from every rank: which parameters got a gradient anywhere, whether any
+    # rank ran a backward that reached a parameter, and whether any rank saw inf/nan. They used to take
+    # an all-reduce of their own in finish(), after the end-of-backward one: one more point per step
+    # where every rank waits for the slowest. On a small model that wait was 5% of the step against
+    # DDP's one all-reduce (2 ranks, 500 tensors: benchmarks/results/2026-11-26-idioms.md, second
+    # part). Nothing between the end of the last backward and step() changes them, except user code
+    # replacing p.grad (reconcile: None clears a parameter's gradient, a tensor gives it one). So the
+    # end-of-backward all-reduce carries the three answers too, and finish() takes them from there,
+    # with this rank's replacements since then applied on top: for a loop that does the same on every
+    # rank, as DDP requires, that is exactly what a second all-reduce (MAX over ranks) would give. Each
+    # rank decides alone, and every rank decides the same (no collective can go missing on one rank):
+    # every step's end_backward() all-reduces, also on a rank with no backward (finish() calls it),
+    # and zero_grad forgets the answers on every rank. A loop that replaces p.grad on some ranks only
+    # (DDP's replicas would drift apart) gets each rank's own view of those parameters, where the
+    # second all-reduce gave their union; the other parameters are unaffected. With gradients on a
+    # device the flags still take finish()'s all-reduce: reading "saw inf/nan" at the end of backward
+    # would add a host synchronisation there (Note [Norms live with the gradients] in sharded_grad.py).
+    def end_backward(self, reached: bool = True) -> None:
+        """End of a backward pass (or, reached=False, a rank that had none): reduce what is left."""
         engine = self.require_engine()
         if self.stage >= 2:
             # Gradients accumulated under no_sync for parameters this backward did not reach.
@@ -204,11 +229,19 @@ class GradSync:
         n = len(self.params)
         had, squares = self.had_grad().double(), self.shard.local_square_norms()
         several = dist.get_world_size(self.world_group) > 1
-        if squares.device == had.device:  # gradients on the host: one all-reduce for both
-            stats = torch.cat([had, squares])
+        self.flags_at_end = None
+        self.replaced_since.clear()
+        if squares.device == had.device:  # gradients on the host: one all-reduce for all
+            used = (engine.used().bool() | self.shard.kept).double()
+            tail = torch.cat([torch.tensor([float(reached)], dtype=torch.float64),
+                              engine.found_nonfinite().reshape(1).double()])
+            stats = torch.cat([had, squares, used, tail])
             if several:
-                comm.all_reduce(stats, self.world_group, "end-of-backward (which parameters have gradients, their norms)")
-            had, squares = stats[:n], stats[n:]
+                comm.all_reduce(stats, self.world_group,
+                                "end-of-backward (which parameters have gradients, their norms, the step's flags)")
+            had, squares = stats[:n], stats[n:2 * n]
+            reached_any, found = (stats[3 * n:] > 0).tolist()
+            self.flags_at_end = (stats[2 * n:3 * n] > 0, reached_any, found)
         elif several:
             # Note [Norms live with the gradients] in sharded_grad.py: the flags are read here, the norms are not.
             comm.all_reduce(squares, self.world_group, "end-of-backward (the gradients' norms)")
@@ -241,10 +274,12 @@ class GradSync:
             if p.grad is None:
                 cleared.append(i)
                 self.installed[i] = None
+                self.replaced_since[i] = False
             else:
                 self.shard.assign(i, p.grad)
                 self.engine.note_used(i)
                 p.grad = handle
+                self.replaced_since[i] = True
         if not cleared:
             return
         if len(cleared) == len(self.params):
@@ -266,19 +301,24 @@ class GradSync:
             if self.backwards == 0:
                 # This rank ran no backward that reached a parameter; its peers may
                 # have, and wait for its share of every bucket: reduce zeros.
-                self.end_backward()
+                self.end_backward(reached=False)
                 self.backwards = 0
-            # One small all-reduce answers every cross-rank question of this step.
-            used = engine.used().bool() | self.shard.kept
-            flags = torch.cat([used.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
-                               engine.found_nonfinite().cpu().to(torch.int32)])
-            if dist.get_world_size(self.world_group) > 1:
-                comm.all_reduce(flags, self.world_group, "gradient flags", op=dist.ReduceOp.MAX)
-            backwards, found = flags[-2:].tolist()
-            if backwards == 0:
+            if self.flags_at_end is not None:  # Note [The step's flags ride the end of backward]
+                used, reached, found = self.flags_at_end
+                if self.replaced_since:
+                    used = used.clone()
+                    used[list(self.replaced_since)] = torch.tensor(list(self.replaced_since.values()))
+            else:  # gradients on a device: one small all-reduce of the flags
+                local = engine.used().bool() | self.shard.kept
+                flags = torch.cat([local.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
+                                   engine.found_nonfinite().cpu().to(torch.int32)])
+                if dist.get_world_size(self.world_group) > 1:
+                    comm.all_reduce(flags, self.world_group, "gradient flags", op=dist.ReduceOp.MAX)
+                used, (reached, found) = flags[:-2].bool(), flags[-2:].tolist()
+            if not reached:
                 raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
                                    "step on every rank: call loss.backward() first")
-            self.global_used = flags[:-2].bool()
+            self.global_used = used
             self.last_used |= self.global_used
             self.found_nonfinite = bool(found)
             if self.found_nonfinite and self.nonfinite == "raise":
@@ -293,6 +333,8 @@ class GradSync:
         self.backwards = 0
         self.global_used = None
         self.found_nonfinite = False
+        self.flags_at_end = None
+        self.replaced_since.clear()
 
     def zero(self, set_to_none: bool) -> None:
         """Forgets accumulated gradients: the engine's, the shard's and every managed p.grad."""
@@ -316,3 +358,5 @@ class GradSync:
         self.installed = fresh
         self.backwards = 0
         self.global_used = None
+        self.flags_at_end = None
+        self.replaced_since.clear()

@@ -516,6 +516,13 @@ class GradShard:
 
     def assign(self, i: int, grad: torch.Tensor) -> None:
         """A full gradient the user put in p.grad becomes parameter i's pieces."""
+        if tuple(grad.shape) != self.shapes[i]:
+            raise ValueError(
+                f"a parameter of shape {self.shapes[i]} had its p.grad replaced by a tensor of shape "
+                f"{tuple(grad.shape)}; a replaced p.grad must be the parameter's whole gradient. At stage 3 a "
+                f"parameter is empty outside a forward (so is torch.ones_like(p)): build the replacement inside "
+                f"opt.full_params(), or change the gradient in place (p.grad.mul_(...), "
+                f"torch.nn.utils.clip_grad_norm_), which works at every stage.")
         flat = grad.detach().reshape(-1)
         for g, at in self._pieces[i]:
             g.copy_(flat[at:at + g.numel()])

@@ -126,6 +126,26 @@ def submodule_zero_grad(rank, stage):
     return _train(pair, body)
 
 
+def gradients_replaced_before_step(rank, stage):
+    # Between backward and step(), on every rank: the branch's gradients cleared on even steps (on steps 0
+    # and 2 only one rank's backward reached it: it must not be stepped, no decay either), l2.weight's
+    # replaced by a tensor on odd steps. Note [The step's flags ride the end of backward].
+    pair = Pair(rank, stage, ADAMW)
+
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step).backward()
+        if step % 2 == 0:
+            module.branch.zero_grad()
+        else:
+            whole = opt.full_params(writeback=False) if opt is pair.opt else contextlib.nullcontext()
+            with whole:  # stage 3: a parameter is whole only in there
+                module.l2.weight.grad = torch.full_like(module.l2.weight, 0.01 * step)
+        log.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    return _train(pair, body)
+
+
 def clip_grad_norm_(rank, stage):
     return _standard(Pair(rank, stage),
                      clip=lambda w, o, m: float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.05)))
@@ -367,6 +387,7 @@ def reading_sharded_grad_values(rank, stage):
 
 
 MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_between_forward_and_backward,
+         gradients_replaced_before_step,
          submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,

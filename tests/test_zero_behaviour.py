@@ -59,6 +59,72 @@ def test_bucket_sizes_change_collectives(world_size):
     assert big_small_gather[3] > big[3] and big_small_gather[0] == big[0]
 
 
+def _all_reduces_per_step(rank, world_size):
+    # Note [The step's flags ride the end of backward] in shardopt/grad_sync.py: one all-reduce per
+    # backward carries the norms and the step's flags; step() and the clips add none.
+    from shardopt.parallel import comm
+
+    real, real_comm = dist.all_reduce, comm.all_reduce
+    calls, whats = [], []
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    def naming(tensor, group, what, *args, **kwargs):
+        whats.append(what.split(" (")[0])
+        return real_comm(tensor, group, what, *args, **kwargs)
+
+    out = {}
+    for stage in (1, 2, 3):
+        model, opt, wrapper = _build(stage=stage, rbs=300)
+        steps = []
+        for step in range(4):
+            dist.all_reduce, comm.all_reduce = counting, naming
+            try:
+                calls.clear()
+                whats.clear()
+                x, y = batch(step, rank)
+                for micro in range(1 + step % 2):  # odd steps: two backwards before the step
+                    out_ = wrapper(x + micro, uses_branch(step, rank))
+                    nn.functional.cross_entropy(out_.reshape(-1, 37), y.reshape(-1)).backward()
+                if step == 2:  # user code replaces a gradient between backward and step
+                    with opt.full_params(writeback=False):  # stage 3: a parameter is whole only in there
+                        model.l2.bias.grad = torch.ones_like(model.l2.bias)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.clip_grad_norm(1.0)
+                opt.step()
+                opt.zero_grad()
+                steps.append((len(calls), list(whats)))
+            finally:
+                dist.all_reduce, comm.all_reduce = real, real_comm
+        out[stage] = steps
+    # Stage 3, outside full_params(): the parameter is empty, and so is a tensor made like it.
+    x, y = batch(0, rank)
+    nn.functional.cross_entropy(wrapper(x, True).reshape(-1, 37), y.reshape(-1)).backward()
+    model.l2.bias.grad = torch.ones_like(model.l2.bias)
+    try:
+        opt.step()
+        out["empty replacement"] = "stepped"
+    except ValueError as e:
+        out["empty replacement"] = str(e)
+    return out
+
+
+def test_one_all_reduce_per_backward_and_none_for_the_step():
+    end = "end-of-backward"
+    want = [[end], [end, end], [end, "gradient norms of order 2.0"], [end, end]]
+    for rank, results in enumerate(run_ranks(_all_reduces_per_step, 2)):
+        error = results.pop("empty replacement")
+        assert "p.grad replaced by a tensor of shape (0,)" in error and "opt.full_params()" in error, error
+        for stage, steps in results.items():
+            # One all-reduce per backward (steps 1 and 3 run two); the step's flags add none: they used to
+            # take an all-reduce of their own in step(), a second wait for the slowest rank. A replaced
+            # gradient (step 2) needs its norm again: the clips' one all-reduce, shared by both.
+            assert [n for n, _ in steps] == [len(w) for w in want], f"rank {rank}, stage {stage}: {steps}"
+            assert [w for _, w in steps] == want, f"rank {rank}, stage {stage}: {steps}"
+
+
 # ------------------------------------------------------------------- memory
 def _memory(rank, world_size, stage):
     model, opt, wrapper = _build(stage=stage, rbs=300)
