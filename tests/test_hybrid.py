@@ -842,14 +842,14 @@ def _refusals(rank, world_size):
         out.append(f"stage 3 did not get node-aware collectives: {[o.sharding for o in s3]}")
     # Its subgroups (the parameter shard's too) fail within the world's timeout, not c10d's default 30
     # minutes (a lost node); so does stage 3's flat gather group.
-    from shardopt.parallel.mesh import _group_timeout
-    world_timeout = _group_timeout(dist.group.WORLD)
+    from shardopt.parallel.mesh import group_timeout
+    world_timeout = group_timeout(dist.group.WORLD)
     flat3 = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3, node_aware=False).param_shard
     groups = [sharding.node, sharding.across, s3[0].param_shard.node_group, s3[0].param_shard.across_group,
               flat3.group]
     if world_timeout is None or world_timeout.total_seconds() >= 1800 or \
-            {_group_timeout(g) for g in groups} != {world_timeout}:
-        out.append(f"node-aware groups' timeouts {[_group_timeout(g) for g in groups]} differ from the world's "
+            {group_timeout(g) for g in groups} != {world_timeout}:
+        out.append(f"node-aware groups' timeouts {[group_timeout(g) for g in groups]} differ from the world's "
                    f"{world_timeout}")
     if shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, node_aware=False).sharding.nodes is not None:
         out.append("node_aware=False was ignored")
@@ -865,11 +865,11 @@ def _refusals(rank, world_size):
         out.append(f"node mesh is {opt.sharding.shape}")
     # Its groups keep the world's timeout (60 s here), not c10d's 30 minutes: a lost node must fail the
     # survivors as soon as the flat groups would.
-    from shardopt.parallel.mesh import _group_timeout
-    world_timeout = _group_timeout(torch.distributed.group.WORLD)
+    from shardopt.parallel.mesh import group_timeout
+    world_timeout = group_timeout(torch.distributed.group.WORLD)
     for name, group in (("shard", opt.sharding.shard), ("replicate", opt.sharding.replicate)):
-        if _group_timeout(group) != world_timeout:
-            out.append(f"the {name} group's timeout is {_group_timeout(group)}, the world's {world_timeout}")
+        if group_timeout(group) != world_timeout:
+            out.append(f"the {name} group's timeout is {group_timeout(group)}, the world's {world_timeout}")
     # DCP export of replicated shards is refused, naming the way out.
     from shardopt.checkpoint import dcp
     try:

@@ -66,6 +66,8 @@ def _parity(rank, world_size):
                 models[shared] = model
                 if shared is None:
                     out[f"used {optim.__name__} {stage}"] = opt.publisher.shared_gather is not None
+                    # On this x86 host the barriers go through shared memory too (Note [Barriers in shared memory]).
+                    out[f"used barrier {optim.__name__} {stage}"] = opt.publisher.shared_gather.shared.barrier is not None
                     out[f"gathers {optim.__name__} {stage}"] = opt.publisher.gatherer.num_all_gathers
                     out[f"files left {optim.__name__} {stage}"] = _ours()
             out[f"equal {optim.__name__} {stage}"] = all(
@@ -197,3 +199,45 @@ def test_a_hybrid_meshs_shard_group_gathers_through_shared_memory_and_flat_shard
         assert r["hybrid used"] and r["hybrid equal"], (rank, r)
         assert r["flat None"] == "process group", (rank, r)
         assert "spans nodes [0, 1]" in r["flat True"], (rank, r)
+
+
+def test_barrier_through_shared_memory_only_where_it_is_safe():
+    from shardopt.parallel.shm_barrier import why_not_fast
+
+    assert why_not_fast([("x86_64", 5), ("x86_64", 5), ("x86_64", 5)]) is None
+    assert why_not_fast([("AMD64", 5), ("AMD64", 5)]) is None
+    assert "memory model" in why_not_fast([("aarch64", 5), ("aarch64", 5)])
+    assert "memory model" in why_not_fast([("x86_64", 5), ("ppc64le", 5)])
+    assert "pid namespace" in why_not_fast([("x86_64", 5), ("x86_64", 6)])
+    assert "pid namespace" in why_not_fast([("x86_64", None), ("x86_64", None)])
+
+
+def test_barrier_waits_for_every_rank_and_raises_for_a_dead_or_late_one():
+    import subprocess
+    import threading
+
+    from shardopt.parallel.shm_barrier import ShmBarrier
+
+    counters = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
+    me = os.getpid()
+    # Every rank arrives (two of them late, from a thread): wait() returns, twice in a row.
+    barrier = ShmBarrier(counters, 0, [me] * 3, timeout_s=30)
+    for epoch in (1, 2):
+        arrival = barrier.arrive()
+        late = threading.Timer(0.03, lambda e=epoch: [c.fill_(e) for c in counters[1:]])
+        late.start()
+        t0 = time.monotonic()
+        arrival.wait()
+        assert 0.02 < time.monotonic() - t0 < 5
+    # A peer that exited (its pid is gone): raised within about 50 ms, naming it.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    barrier = ShmBarrier([torch.zeros(1, dtype=torch.int64) for _ in range(2)], 0, [me, dead.pid], timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of this host's shard group exited"):
+        barrier.arrive().wait()
+    assert time.monotonic() - t0 < 2
+    # A live peer that never arrives: raised after the group's timeout, naming it.
+    barrier = ShmBarrier([torch.zeros(1, dtype=torch.int64) for _ in range(2)], 1, [me, me], timeout_s=0.2)
+    with pytest.raises(RuntimeError, match=r"for rank\(s\) \[0\], which are alive but did not arrive"):
+        barrier.arrive().wait()

@@ -135,7 +135,7 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
     (sharded_param.py)."""
     # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
     # fail every survivor within the timeout the user gave init_process_group.
-    timeout = _group_timeout(group)
+    timeout = group_timeout(group)
     node, _ = dist.new_subgroups_by_enumeration([shape.shard_ranks(i) for i in range(shape.replicas)],
                                                 timeout=timeout)
     across, _ = dist.new_subgroups_by_enumeration([shape.replicate_ranks(j) for j in range(shape.shards)],
@@ -146,10 +146,10 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
 def copy_group(group):
     """A new process group of `group`'s ranks with `group`'s timeout (only those ranks call it)."""
     return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True,
-                          timeout=_group_timeout(group))
+                          timeout=group_timeout(group))
 
 
-def _group_timeout(group):
+def group_timeout(group):
     """The timeout `group` was made with (None: c10d's default), read from its CPU backend."""
     import torch
 
@@ -185,7 +185,7 @@ def _keep_world_timeout(device_type: str):
     """init_device_mesh's backend_override that gives the mesh's gloo groups the world's timeout: without it
     they get c10d's 30 minutes, and a lost node would hang the survivors that long, not for the timeout the
     user gave init_process_group (as _node_aware's subgroups, above). None (torch's defaults) off the CPU."""
-    timeout = _group_timeout(dist.group.WORLD)
+    timeout = group_timeout(dist.group.WORLD)
     if device_type != "cpu" or timeout is None:
         return None
     options = dist.ProcessGroupGloo._Options()

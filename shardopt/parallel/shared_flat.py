@@ -26,8 +26,10 @@ them (a process's Rss then counts the other ranks' pages it read, (W-1)/W of the
 the host's memory, do not grow). The values are the same bytes the process group would deliver: a run
 is bit for bit the same with it on or off.
 
-Two barriers (on a gloo group of their own, with the shard group's timeout: a lost rank raises, never
-hangs) keep readers and writers apart:
+Two barriers keep readers and writers apart. On x86 they go through shared memory too (a counter per
+rank in a page after its buffer: Note [Barriers in shared memory] in shm_barrier.py); elsewhere they are
+gloo barriers on a group of their own. Either way with the shard group's timeout: a lost rank raises,
+never hangs.
   written:   started when this rank's own chunks hold the step's values (Publisher.publish, after the
              master copy); a bucket is copied only after it completed on every rank.
   read_done: started once this rank copied every bucket; waited before this rank writes its own chunks
@@ -49,14 +51,17 @@ shared_memory_gather=True raises, naming the reason, where any of this does not 
 """
 from __future__ import annotations
 
+import mmap
 import os
+import platform
 import secrets
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardopt.parallel.mesh import copy_group
+from shardopt.parallel.mesh import group_timeout, copy_group
+from shardopt.parallel.shm_barrier import ShmBarrier, pid_namespace, why_not_fast
 
 SHM_DIR = "/dev/shm"
 _MARK = 16  # bytes of the handshake mark at the start of each file
@@ -87,12 +92,14 @@ def why_not_shared(stage: int, device: torch.device, node_aware: bool, shard_ran
 
 
 class SharedFlat:
-    """This rank's flat buffer (`flat`) and every rank's, mapped (`buffers[r]`, `buffers[rank] is flat`)."""
+    """This rank's flat buffer (`flat`) and every rank's, mapped (`buffers[r]`, `buffers[rank] is flat`); the
+    barrier through shared memory (None: the gloo barrier on `barrier_group`)."""
 
-    def __init__(self, buffers: list[torch.Tensor], rank: int, barrier_group):
+    def __init__(self, buffers: list[torch.Tensor], rank: int, barrier_group, barrier: ShmBarrier | None = None):
         self.buffers = buffers
         self.flat = buffers[rank]
         self.barrier_group = barrier_group
+        self.barrier = barrier
 
 
 def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, why_not: str | None
@@ -107,12 +114,15 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
                              f"shared memory where it can) or pass False.")
         return None
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    nbytes = max(numel * dtype.itemsize, _MARK)
+    # The buffer, then one page holding this rank's barrier counter (Note [Barriers in shared memory]).
+    data_bytes = -(-max(numel * dtype.itemsize, _MARK) // mmap.PAGESIZE) * mmap.PAGESIZE
+    nbytes = data_bytes + mmap.PAGESIZE
     token = [f"{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
     names = [os.path.join(SHM_DIR, f"shardopt-flat-{token[0]}-{r}") for r in range(world)]
     mark = f"{token[0]}:{rank}".encode().ljust(_MARK, b"\0")[:_MARK]
     buffers: list[torch.Tensor | None] = [None] * world
+    counters: list[torch.Tensor | None] = [None] * world
     reason = None
     try:
         # 1. Each rank makes and reserves its own file (a short /dev/shm says so here, not with a SIGBUS later).
@@ -131,7 +141,9 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
             if _all_ok(reason is None, group):
                 for r in range(world):
                     buffers[r] = torch.from_file(names[r], shared=True, size=numel, dtype=dtype)
+                    counters[r] = _map_counter(names[r], data_bytes)
                 buffers[rank].zero_()  # the mark
+                counters[rank].zero_()
             elif reason is None:
                 reason = "another rank could not use shared memory"
         elif reason is None:
@@ -144,10 +156,32 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
             pass
     dist.barrier(group=group)  # and every name is gone when any rank returns
     if reason is None:
-        return SharedFlat(buffers, rank, copy_group(group))
+        return SharedFlat(buffers, rank, copy_group(group), _barrier(counters, rank, group))
     if want:
         raise RuntimeError(f"shared_memory_gather=True: {reason}. Pass None to fall back to the process group.")
     return None
+
+
+def _map_counter(name: str, at: int) -> torch.Tensor:
+    """The int64 counter at byte `at` (a page boundary) of file `name`, mapped shared."""
+    fd = os.open(name, os.O_RDWR)
+    try:
+        page = mmap.mmap(fd, mmap.PAGESIZE, offset=at)
+    finally:
+        os.close(fd)  # the mapping stays
+    return torch.frombuffer(page, dtype=torch.int64, count=1)
+
+
+def _barrier(counters: list[torch.Tensor], rank: int, group) -> ShmBarrier | None:
+    """The barrier through shared memory, if every rank can use it (a collective: every rank decides the
+    same); None: the gloo barrier."""
+    infos: list = [None] * len(counters)
+    dist.all_gather_object(infos, (platform.machine(), pid_namespace(), os.getpid()), group=group)
+    if why_not_fast([(m, ns) for m, ns, _ in infos]) is not None:
+        return None
+    timeout = group_timeout(group)
+    return ShmBarrier(counters, rank, [pid for _, _, pid in infos],
+                      timeout.total_seconds() if timeout is not None else 1800.0)
 
 
 def _check_marks(names: list[str], token: str, rank: int) -> str | None:
@@ -189,6 +223,12 @@ class SharedGather:
         self.read_done = None  # Work: every rank copied every bucket
         self.num_all_gathers = 0
 
+    def _barrier(self):
+        """Starts a barrier of the shard group; returns what to wait() on."""
+        if self.shared.barrier is not None:
+            return self.shared.barrier.arrive()
+        return dist.barrier(group=self.group, async_op=True)
+
     @property
     def num_pending_gathers(self) -> int:
         return len(self.pending)
@@ -199,7 +239,7 @@ class SharedGather:
         if self.pending:
             raise RuntimeError("start_all_gather_params: the previous all-gather of parameters was not finished")
         self.wait_readers()  # Publisher.wait() did it already; a no-op then
-        self.written = dist.barrier(group=self.group, async_op=True)
+        self.written = self._barrier()
         self.pending = set(range(len(self.spans)))
         self.num_all_gathers += len(self.spans)
 
@@ -213,7 +253,7 @@ class SharedGather:
         self.pending.discard(bucket)
         if not self.pending:
             self.written = None
-            self.read_done = dist.barrier(group=self.group, async_op=True)
+            self.read_done = self._barrier()
 
     def finish_all_gather_params(self) -> None:
         for b in sorted(self.pending):
