@@ -193,9 +193,9 @@ class GradSync:
     # A step needs three answers from every rank: which parameters got a gradient anywhere, whether any
     # rank ran a backward that reached a parameter, and whether any rank saw inf/nan. They used to take
     # an all-reduce of their own in finish(), after the end-of-backward one: one more point per step
-    # where every rank waits for the slowest. On a small model that wait was 5% of the step against
-    # DDP's one all-reduce (2 ranks, 500 tensors: benchmarks/results/2026-11-26-idioms.md, second
-    # part). Nothing between the end of the last backward and step() changes them, except user code
+    # where every rank waits for the slowest. On a small model that wait was 3-5% of the step against
+    # DDP's one all-reduce (2 ranks, 500 tensors: benchmarks/results/2026-11-26-idioms-flags.md).
+    # Nothing between the end of the last backward and step() changes them, except user code
     # replacing p.grad (reconcile: None clears a parameter's gradient, a tensor gives it one). So the
     # end-of-backward all-reduce carries the three answers too, and finish() takes them from there,
     # with this rank's replacements since then applied on top: for a loop that does the same on every
