@@ -218,13 +218,16 @@ def test_barrier_waits_for_every_rank_and_raises_for_a_dead_or_late_one():
 
     from shardopt.parallel.shm_barrier import ShmBarrier
 
-    counters = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
+    def counters(n):
+        return [memoryview(bytearray(8)).cast("q") for _ in range(n)]
+
+    shared = counters(3)
     me = os.getpid()
     # Every rank arrives (two of them late, from a thread): wait() returns, twice in a row.
-    barrier = ShmBarrier(counters, 0, [me] * 3, timeout_s=30)
+    barrier = ShmBarrier(shared, 0, [me] * 3, timeout_s=30)
     for epoch in (1, 2):
         arrival = barrier.arrive()
-        late = threading.Timer(0.03, lambda e=epoch: [c.fill_(e) for c in counters[1:]])
+        late = threading.Timer(0.03, lambda e=epoch: [c.__setitem__(0, e) for c in shared[1:]])
         late.start()
         t0 = time.monotonic()
         arrival.wait()
@@ -232,12 +235,12 @@ def test_barrier_waits_for_every_rank_and_raises_for_a_dead_or_late_one():
     # A peer that exited (its pid is gone): raised within about 50 ms, naming it.
     dead = subprocess.Popen(["true"])
     dead.wait()
-    barrier = ShmBarrier([torch.zeros(1, dtype=torch.int64) for _ in range(2)], 0, [me, dead.pid], timeout_s=30)
+    barrier = ShmBarrier(counters(2), 0, [me, dead.pid], timeout_s=30)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of this host's shard group exited"):
         barrier.arrive().wait()
     assert time.monotonic() - t0 < 2
     # A live peer that never arrives: raised after the group's timeout, naming it.
-    barrier = ShmBarrier([torch.zeros(1, dtype=torch.int64) for _ in range(2)], 1, [me, me], timeout_s=0.2)
+    barrier = ShmBarrier(counters(2), 1, [me, me], timeout_s=0.2)
     with pytest.raises(RuntimeError, match=r"for rank\(s\) \[0\], which are alive but did not arrive"):
         barrier.arrive().wait()

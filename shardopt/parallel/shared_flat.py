@@ -122,7 +122,7 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
     names = [os.path.join(SHM_DIR, f"shardopt-flat-{token[0]}-{r}") for r in range(world)]
     mark = f"{token[0]}:{rank}".encode().ljust(_MARK, b"\0")[:_MARK]
     buffers: list[torch.Tensor | None] = [None] * world
-    counters: list[torch.Tensor | None] = [None] * world
+    counters: list[memoryview | None] = [None] * world
     reason = None
     try:
         # 1. Each rank makes and reserves its own file (a short /dev/shm says so here, not with a SIGBUS later).
@@ -143,7 +143,7 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
                     buffers[r] = torch.from_file(names[r], shared=True, size=numel, dtype=dtype)
                     counters[r] = _map_counter(names[r], data_bytes)
                 buffers[rank].zero_()  # the mark
-                counters[rank].zero_()
+                counters[rank][0] = 0
             elif reason is None:
                 reason = "another rank could not use shared memory"
         elif reason is None:
@@ -162,17 +162,17 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
     return None
 
 
-def _map_counter(name: str, at: int) -> torch.Tensor:
+def _map_counter(name: str, at: int) -> memoryview:
     """The int64 counter at byte `at` (a page boundary) of file `name`, mapped shared."""
     fd = os.open(name, os.O_RDWR)
     try:
         page = mmap.mmap(fd, mmap.PAGESIZE, offset=at)
     finally:
         os.close(fd)  # the mapping stays
-    return torch.frombuffer(page, dtype=torch.int64, count=1)
+    return memoryview(page).cast("q")[:1]
 
 
-def _barrier(counters: list[torch.Tensor], rank: int, group) -> ShmBarrier | None:
+def _barrier(counters: list[memoryview], rank: int, group) -> ShmBarrier | None:
     """The barrier through shared memory, if every rank can use it (a collective: every rank decides the
     same); None: the gloo barrier."""
     infos: list = [None] * len(counters)

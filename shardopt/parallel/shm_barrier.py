@@ -14,7 +14,9 @@ kernel until its message comes: on the project VM (2 cores) the two cost 3-4 ms 
 (benchmarks/results/2026-11-26-idioms-flags.md), more than the optimizer step itself.
 
 Here each rank owns one int64 counter, in a page of its own after its flat buffer's file, that every rank
-maps. To arrive, a rank stores its next epoch in its counter; to wait, it reads every rank's counter until
+maps (read and written through a memoryview: a plain load or store, not a torch operation, so waiting
+reads nothing through the dispatcher and counts as no host read). To arrive, a rank stores its next epoch
+in its counter; to wait, it reads every rank's counter until
 all reached that epoch, yielding the CPU between reads (on a host with more ranks than cores, the rank it
 waits for runs meanwhile) and, after 10 ms, sleeping 0.2 ms between reads. Each counter has one writer, so
 no atomic read-modify-write is needed. What it orders: a rank writes its chunks and then its counter; a
@@ -32,7 +34,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 
 FAST_MACHINES = ("x86_64", "amd64", "i386", "i686")  # platform.machine(), lower case
 SPIN_S = 0.010    # yield between reads for this long, then sleep
@@ -83,10 +84,10 @@ def alive(pid: int) -> bool:
 
 
 class ShmBarrier:
-    """`counters[r]`: rank r's counter (a one-element int64 tensor in shared memory, zero at the start);
-    `pids[r]`: its process."""
+    """`counters[r]`: rank r's counter (a one-element int64 memoryview of shared memory, format "q", zero
+    at the start); `pids[r]`: its process."""
 
-    def __init__(self, counters: list[torch.Tensor], rank: int, pids: list[int], timeout_s: float):
+    def __init__(self, counters: list[memoryview], rank: int, pids: list[int], timeout_s: float):
         self.counters = counters
         self.rank = rank
         self.pids = pids
@@ -96,11 +97,11 @@ class ShmBarrier:
     def arrive(self) -> "Arrival":
         """This rank is here: store the next epoch. Returns what to wait on."""
         self.epoch += 1
-        self.counters[self.rank].fill_(self.epoch)
+        self.counters[self.rank][0] = self.epoch
         return Arrival(self, self.epoch)
 
     def late(self, epoch: int) -> list[int]:
-        return [r for r, c in enumerate(self.counters) if int(c) < epoch]
+        return [r for r, c in enumerate(self.counters) if c[0] < epoch]
 
 
 class Arrival:
