@@ -37,6 +37,7 @@ import threading
 import time
 
 from shardopt.cluster import plan as cp
+from shardopt.parallel.shm_barrier import pid_alive
 
 
 class ClusterUnavailable(RuntimeError):
@@ -241,22 +242,6 @@ def existing_namespaces() -> set[str]:
     """Names of every network namespace on the machine (for leak checks)."""
     r = _run(["ip", "netns", "list"], check=False)
     return {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (a killed child its parent has not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists; it is someone else's
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc to ask: it exists
-    return state != "Z"
 
 
 def sweep(prefix: str = "shardopt") -> list[str]:

@@ -156,7 +156,7 @@ def open_shared_flat(numel: int, dtype: torch.dtype, group, want: bool | None, w
             pass
     dist.barrier(group=group)  # and every name is gone when any rank returns
     if reason is None:
-        return SharedFlat(buffers, rank, copy_group(group), _barrier(counters, rank, group))
+        return SharedFlat(buffers, rank, copy_group(group), _open_barrier(counters, rank, group))
     if want:
         raise RuntimeError(f"shared_memory_gather=True: {reason}. Pass None to fall back to the process group.")
     return None
@@ -172,7 +172,7 @@ def _map_counter(name: str, at: int) -> memoryview:
     return memoryview(page).cast("q")[:1]
 
 
-def _barrier(counters: list[memoryview], rank: int, group) -> ShmBarrier | None:
+def _open_barrier(counters: list[memoryview], rank: int, group) -> ShmBarrier | None:
     """The barrier through shared memory, if every rank can use it (a collective: every rank decides the
     same); None: the gloo barrier."""
     infos: list = [None] * len(counters)

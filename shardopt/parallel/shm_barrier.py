@@ -67,19 +67,20 @@ def pid_namespace() -> int | None:
         return None
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie, exited but not yet reaped, has)."""
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, a killed child its parent has not reaped
+    yet, has). Also the emulated cluster's test for a namespace's owner (cluster/emulated.py)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass  # it exists
+        return True  # it exists; it is someone else's
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return True  # no /proc to ask: it exists
     return state not in (b"Z", b"X")
 
 
@@ -115,8 +116,6 @@ class Arrival:
 
     def wait(self) -> None:
         b = self.barrier
-        if not b.late(self.epoch):
-            return
         start = time.monotonic()
         check = start + CHECK_S
         while True:
@@ -125,7 +124,7 @@ class Arrival:
                 return
             now = time.monotonic()
             if now >= check:
-                dead = [r for r in late if not alive(b.pids[r])]
+                dead = [r for r in late if not pid_alive(b.pids[r])]
                 if dead:
                     raise RuntimeError(
                         f"shardopt: rank(s) {dead} of this host's shard group exited while rank {b.rank} waited "
