@@ -167,10 +167,14 @@ def _zero(g):
 # those get the plain op.
 def _split(tensors):
     """(positions of plain tensors, {GradShard: (positions, parameter indices)}) of a foreach op's list."""
-    # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each:
-    # every tensor one of the first one's shard's handles (looked up by identity; the shard holds them).
+    # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each.
     if tensors and type(tensors[0]) is ShardedGrad:
         owner = _owner(tensors[0])
+        # Every handle in the shard's order (one parameter group, every gradient present): `every`, which
+        # the shard's methods recognise by identity and take as the whole shard at once.
+        if len(tensors) == len(owner.handles) and all(map(operator.is_, tensors, owner.handles)):
+            return [], {owner: (owner.every, owner.every)}
+        # Else every tensor one of that shard's handles, looked up by identity (the shard holds them).
         try:
             return [], {owner: (range(len(tensors)), list(map(owner.index_of.__getitem__, map(id, tensors))))}
         except KeyError:  # not all of them
@@ -345,6 +349,7 @@ class GradShard:
         # The whole gradient shard, the pieces' storage (GradSync hands it over); None: pieces only.
         self.flat: torch.Tensor | None = None
         self.handles = [ShardedGrad(p, self, i) for i, p in enumerate(params)]
+        self.every = range(len(params))  # the list of every parameter, in order (known by identity: _select)
         self.index_of = {id(h): i for i, h in enumerate(self.handles)}  # handle -> parameter index
         self._norms: dict[float, torch.Tensor] = {}
 
@@ -379,6 +384,8 @@ class GradShard:
 
     def _select(self, indices):
         """An index for per-parameter tensors: everything, or the listed parameters."""
+        if indices is self.every:
+            return slice(None)
         if len(indices) == len(self._params) and indices == list(range(len(self._params))):
             return slice(None)
         return torch.tensor(indices, dtype=torch.long)
@@ -393,7 +400,9 @@ class GradShard:
         else:
             a = abs(float(factor))
         for ord, norms in self._norms.items():
-            if ord != 0:
+            if ord != 0 and isinstance(sel, slice):  # every parameter: in place, no write back
+                norms.mul_(a)
+            elif ord != 0:
                 norms[sel] *= a
             elif torch.is_tensor(a):
                 norms[sel] = torch.where(a == 0, torch.zeros((), dtype=norms.dtype, device=norms.device), norms[sel])
@@ -409,6 +418,8 @@ class GradShard:
         later backward accumulates into); else the listed parameters' pieces.
         """
         if self.flat is not None and keeps_zero:
+            if indices is self.every:
+                return [self.flat] if self.flat.numel() else []
             listed, n = set(indices), len(self._params)
             # The scan over every parameter only for lists of at least half of them: O(1) per listed
             # gradient (a per-parameter loop such as nn.Module.zero_grad must not cost O(n) each).
@@ -489,7 +500,7 @@ class GradShard:
 
     def scale_all(self, factor) -> None:
         """The whole shard was multiplied by `factor` (ShardedOptimizer.clip_grad_norm)."""
-        self._scale_norms(list(range(len(self._params))), factor)
+        self._scale_norms(self.every, factor)
 
     def clamp(self, indices, lo, hi) -> None:
         if torch.is_tensor(lo) or torch.is_tensor(hi):  # tensor bounds (rare): piece by piece
