@@ -169,6 +169,15 @@ def clip_grad_value_(rank, stage):
     return _standard(Pair(rank, stage), clip=clip)
 
 
+def clip_lists_in_another_order(rank, stage):
+    # Lists that are not every gradient in the shard's order (the whole-shard path of _split in
+    # sharded_grad.py): one module's gradients clamped, then every gradient clipped in reverse order.
+    def clip(w, o, m):
+        torch.nn.utils.clip_grad_value_(m.l1.parameters(), 0.004)
+        return float(torch.nn.utils.clip_grad_norm_(list(w.parameters())[::-1], 0.05))
+    return _standard(Pair(rank, stage), clip=clip)
+
+
 def grad_norm_logged_on_rank_0_only(rank, stage):
     # DDP's p.grad is local: rank 0 alone may read its norm. So is a sharded p.grad's 2-norm
     # (computed with the reduction), also after clip_grad_norm_ scaled it.
@@ -389,6 +398,7 @@ def reading_sharded_grad_values(rank, stage):
 MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_between_forward_and_backward,
          gradients_replaced_before_step,
          submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
+         clip_lists_in_another_order,
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,
          no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather,
