@@ -126,6 +126,7 @@ class GradSync:
         order = list(order) + [i for i in range(len(self.params)) if i not in seen]
         self._norm_order = torch.tensor(order, dtype=torch.long)
         self._norm_pick = None
+        self.shard.set_model_order(order)  # that whole list in one identity pass (Note [Foreach over a shard])
 
     def norms_in_model_order(self, ord: float) -> torch.Tensor:
         """Every global per-parameter norm of order `ord` of the parameters with a gradient, in the model's

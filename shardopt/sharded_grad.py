@@ -160,9 +160,11 @@ def _zero(g):
 # cached at the end of backward; scaling, clamping and zeroing touch the whole
 # gradient shard in one kernel when the list holds every parameter whose p.grad
 # is its ShardedGrad (a Trainer's model.parameters()), else the listed
-# parameters' pieces in one foreach call. Scale factors stay tensors (torch's
-# clip coefficient, GradScaler's inv_scale): no value is read on the host, so
-# nothing waits for the device. A list may mix ShardedGrads (of one or several
+# parameters' pieces in one foreach call. The usual lists, every gradient in
+# the shard's order or in the model's (ShardedDDP hands it over), are known
+# in one identity pass over the list, without a lookup per tensor. Scale
+# factors stay tensors (torch's clip coefficient, GradScaler's inv_scale): no
+# value is read on the host, so nothing waits for the device. A list may mix ShardedGrads (of one or several
 # optimizers) with plain tensors (parameters no ShardedOptimizer manages):
 # those get the plain op.
 def _split(tensors):
@@ -170,10 +172,14 @@ def _split(tensors):
     # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each.
     if tensors and type(tensors[0]) is ShardedGrad:
         owner = _owner(tensors[0])
-        # Every handle in the shard's order (one parameter group, every gradient present): `every`, which
-        # the shard's methods recognise by identity and take as the whole shard at once.
-        if len(tensors) == len(owner.handles) and all(map(operator.is_, tensors, owner.handles)):
-            return [], {owner: (owner.every, owner.every)}
+        # Every handle in the shard's order (one parameter group, every gradient present), or in the model's
+        # (groups that order them otherwise): `every` / `every_in_model_order`, which the shard's methods
+        # recognise by identity and take as the whole shard at once.
+        if len(tensors) == len(owner.handles):
+            if all(map(operator.is_, tensors, owner.handles)):
+                return [], {owner: (owner.every, owner.every)}
+            if all(map(operator.is_, tensors, owner.handles_in_model_order)):
+                return [], {owner: (owner.every, owner.every_in_model_order)}
         # Else every tensor one of that shard's handles, looked up by identity (the shard holds them).
         try:
             return [], {owner: (range(len(tensors)), list(map(owner.index_of.__getitem__, map(id, tensors))))}
@@ -350,6 +356,7 @@ class GradShard:
         self.flat: torch.Tensor | None = None
         self.handles = [ShardedGrad(p, self, i) for i, p in enumerate(params)]
         self.every = range(len(params))  # the list of every parameter, in order (known by identity: _select)
+        self.set_model_order(list(self.every))
         self.index_of = {id(h): i for i, h in enumerate(self.handles)}  # handle -> parameter index
         self._norms: dict[float, torch.Tensor] = {}
 
@@ -382,10 +389,23 @@ class GradShard:
         """Every parameter's global norm of order `ord`, computed by the caller (see the Note)."""
         self._norms = {ord: norms}
 
+    def set_model_order(self, order: list[int]) -> None:
+        """Every parameter index in the model's order (ShardedDDP's, through GradSync.order_norms_as): the
+        list of every gradient in that order is then known at once too (_split)."""
+        self.every_in_model_order = list(order)
+        self.handles_in_model_order = [self.handles[i] for i in order]
+        self._model_order_index = torch.tensor(order, dtype=torch.long, device=self.device)
+
+    def _whole(self, indices) -> bool:
+        """Whether `indices` is one of the shard's lists of every parameter (known by identity)."""
+        return indices is self.every or indices is self.every_in_model_order
+
     def _select(self, indices):
         """An index for per-parameter tensors: everything, or the listed parameters."""
         if indices is self.every:
             return slice(None)
+        if indices is self.every_in_model_order:
+            return self._model_order_index
         if len(indices) == len(self._params) and indices == list(range(len(self._params))):
             return slice(None)
         return torch.tensor(indices, dtype=torch.long)
@@ -399,8 +419,9 @@ class GradShard:
             a = factor.detach().to(torch.float64).abs().to(self.device).reshape(())  # no host read
         else:
             a = abs(float(factor))
+        whole = isinstance(sel, slice) or self._whole(indices)
         for ord, norms in self._norms.items():
-            if ord != 0 and isinstance(sel, slice):  # every parameter: in place, no write back
+            if ord != 0 and whole:  # every parameter: in place, no write back
                 norms.mul_(a)
             elif ord != 0:
                 norms[sel] *= a
@@ -418,7 +439,7 @@ class GradShard:
         later backward accumulates into); else the listed parameters' pieces.
         """
         if self.flat is not None and keeps_zero:
-            if indices is self.every:
+            if self._whole(indices):
                 return [self.flat] if self.flat.numel() else []
             listed, n = set(indices), len(self._params)
             # The scan over every parameter only for lists of at least half of them: O(1) per listed

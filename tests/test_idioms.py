@@ -33,7 +33,9 @@ ADAMW = (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))
 class Pair:
     """The DDP + torch.optim copy and the shardopt copy of one model, and the loop pieces both share."""
 
-    def __init__(self, rank, stage, optim=SGD, **shard_kw):
+    def __init__(self, rank, stage, optim=SGD, decay_groups=False, **shard_kw):
+        """decay_groups: two parameter groups, matrices first, then the rest without weight decay (the HF
+        Trainer's split: the optimizer orders parameters otherwise than the model)."""
         import shardopt
 
         cls, kw = optim
@@ -42,12 +44,20 @@ class Pair:
         self.rank = rank
         self.ref_module = copy.deepcopy(base)
         self.ref = DDP(self.ref_module, find_unused_parameters=True)
-        self.ref_opt = cls(self.ref_module.parameters(), **kw)
+        self.ref_opt = cls(self._groups(self.ref_module, decay_groups), **kw)
         self.module = copy.deepcopy(base)
-        self.opt = shardopt.ShardedOptimizer(self.module.parameters(), optim=cls, stage=stage,
+        self.opt = shardopt.ShardedOptimizer(self._groups(self.module, decay_groups), optim=cls, stage=stage,
                                              reduce_bucket_size=300, allgather_bucket_size=200,
                                              **shard_kw, **kw)
         self.sharded = shardopt.ShardedDDP(self.module, self.opt)
+
+    @staticmethod
+    def _groups(module, decay_groups):
+        if not decay_groups:
+            return module.parameters()
+        params = list(module.parameters())
+        return [{"params": [p for p in params if p.dim() > 1]},
+                {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
 
     def sides(self):
         """(wrapper, optimizer, unwrapped module) for DDP, then for shardopt."""
@@ -176,6 +186,15 @@ def clip_lists_in_another_order(rank, stage):
         torch.nn.utils.clip_grad_value_(m.l1.parameters(), 0.004)
         return float(torch.nn.utils.clip_grad_norm_(list(w.parameters())[::-1], 0.05))
     return _standard(Pair(rank, stage), clip=clip)
+
+
+def clip_with_decay_groups(rank, stage):
+    # The optimizer's groups order the parameters otherwise than the model: model.parameters()' gradients
+    # are the shard's whole list in the model's order (GradShard.every_in_model_order).
+    def clip(w, o, m):
+        torch.nn.utils.clip_grad_value_(w.parameters(), 0.004)
+        return float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.05))
+    return _standard(Pair(rank, stage, ADAMW, decay_groups=True), clip=clip)
 
 
 def grad_norm_logged_on_rank_0_only(rank, stage):
@@ -398,7 +417,7 @@ def reading_sharded_grad_values(rank, stage):
 MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_between_forward_and_backward,
          gradients_replaced_before_step,
          submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
-         clip_lists_in_another_order,
+         clip_lists_in_another_order, clip_with_decay_groups,
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,
          no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather,
@@ -509,8 +528,10 @@ def _totals_in_model_order(rank, world_size):
     import shardopt
 
     torch.manual_seed(0)
-    # 48 layers of assorted widths and scales, one unused (no gradient); the optimizer's groups put every
-    # weight before every bias (as the HF Trainer's decay / no-decay groups do), not the model's order.
+    # 48 layers of assorted widths and scales, one unused on even steps (no gradient; on odd steps every
+    # gradient is there: the shard's whole list in the model's order, GradShard.every_in_model_order); the
+    # optimizer's groups put every weight before every bias (as the HF Trainer's decay / no-decay groups
+    # do), not the model's order.
     layers = nn.ModuleList(nn.Linear(3 + k % 7, 3 + k % 7) for k in range(48))
     with torch.no_grad():
         for k, layer in enumerate(layers):
@@ -522,9 +543,10 @@ def _totals_in_model_order(rank, world_size):
     model = shardopt.ShardedDDP(layers, opt)
     params = list(model.parameters())
     same = []
-    for step in range(20):  # a norm of the same values in another order differs in the last bit only at times
+    for step in range(40):  # a norm of the same values in another order differs in the last bit only at times
         x = torch.randn(4, 9, generator=torch.Generator().manual_seed(100 * step + rank))
-        loss = sum(layer(x[:, :layer.in_features]).square().sum() for k, layer in enumerate(layers) if k != 5)
+        loss = sum(layer(x[:, :layer.in_features]).square().sum() for k, layer in enumerate(layers)
+                   if k != 5 or step % 2)
         loss.backward()
         same.append(_same_clip_totals(params, opt))
         opt.zero_grad()
