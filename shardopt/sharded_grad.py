@@ -164,9 +164,9 @@ def _zero(g):
 # the shard's order or in the model's (ShardedDDP hands it over), are known
 # in one identity pass over the list, without a lookup per tensor. Scale
 # factors stay tensors (torch's clip coefficient, GradScaler's inv_scale): no
-# value is read on the host, so nothing waits for the device. A list may mix ShardedGrads (of one or several
-# optimizers) with plain tensors (parameters no ShardedOptimizer manages):
-# those get the plain op.
+# value is read on the host, so nothing waits for the device. A list may mix
+# ShardedGrads (of one or several optimizers) with plain tensors (parameters
+# no ShardedOptimizer manages): those get the plain op.
 def _split(tensors):
     """(positions of plain tensors, {GradShard: (positions, parameter indices)}) of a foreach op's list."""
     # The usual list (model.parameters()' gradients, one optimizer) in C loops, not one Python step each.
