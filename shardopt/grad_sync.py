@@ -90,9 +90,8 @@ class GradSync:
         # replacements since then (parameter -> has a gradient now). None: finish() all-reduces them.
         self.flags_at_end: tuple[torch.Tensor, bool, bool] | None = None
         self.replaced_since: dict[int, bool] = {}
-        # The order in which clip totals sum the per-parameter norms (Note [Norms summed in the model's
-        # order]), and the index of those with a gradient, kept until that set changes.
-        self._norm_order = torch.arange(len(params))
+        # The index of the parameters with a gradient in the order clip totals sum their norms (Note [Norms
+        # summed in the model's order]; the shard holds that order), kept until that set changes.
         self._norm_pick: tuple[torch.Tensor, torch.Tensor] | None = None  # (who had a gradient, its index)
 
     def require_engine(self):
@@ -123,10 +122,8 @@ class GradSync:
     def order_norms_as(self, order: list[int]) -> None:
         """Parameter indices in the model's order (those it does not list follow in this optimizer's)."""
         seen = set(order)
-        order = list(order) + [i for i in range(len(self.params)) if i not in seen]
-        self._norm_order = torch.tensor(order, dtype=torch.long)
+        self.shard.set_model_order(list(order) + [i for i in range(len(self.params)) if i not in seen])
         self._norm_pick = None
-        self.shard.set_model_order(order)  # that whole list in one identity pass (Note [Foreach over a shard])
 
     def norms_in_model_order(self, ord: float) -> torch.Tensor:
         """Every global per-parameter norm of order `ord` of the parameters with a gradient, in the model's
@@ -134,7 +131,8 @@ class GradSync:
         norms = self.shard.norms(ord)
         had = self.had_grad()
         if self._norm_pick is None or not torch.equal(self._norm_pick[0], had):
-            self._norm_pick = (had, self._norm_order[had[self._norm_order]].to(norms.device))
+            order = self.shard.model_order
+            self._norm_pick = (had, order[had[order]].to(norms.device))
         return norms[self._norm_pick[1]]
 
     def had_grad(self) -> torch.Tensor:

@@ -391,10 +391,12 @@ class GradShard:
 
     def set_model_order(self, order: list[int]) -> None:
         """Every parameter index in the model's order (ShardedDDP's, through GradSync.order_norms_as): the
-        list of every gradient in that order is then known at once too (_split)."""
+        list of every gradient in that order is then known at once too (_split), and clip totals sum the
+        norms in it (GradSync.norms_in_model_order; `model_order` is that index on the CPU)."""
         self.every_in_model_order = list(order)
         self.handles_in_model_order = [self.handles[i] for i in order]
-        self._model_order_index = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.model_order = torch.tensor(order, dtype=torch.long)
+        self._model_order_index = self.model_order.to(self.device)
 
     def _whole(self, indices) -> bool:
         """Whether `indices` is one of the shard's lists of every parameter (known by identity)."""
