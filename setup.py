@@ -129,11 +129,14 @@ def _extension():
     return ext
 
 
-# ShardedTrainer's floors, each tested: .ci/run runs tests/test_hf_trainer.py on exactly these
-# (.venv-oldest) after the main suite, which gets the newest. transformers 5.0's Trainer needs
-# accelerate 1.3 (1.1 and 1.2 lack get_module_size_with_ties and unwrap_model(keep_torch_compile=)),
-# though 5.0 itself asks for >=1.1.0. Note [One ShardedTrainer for every transformers 5.x].
+# The integrations' floors, each tested: .ci/run runs the tests that use them (the Trainer, Lightning,
+# DeepSpeed interop and 1-bit Adam files) on exactly these (.venv-oldest) after the main suite, which
+# gets the newest. transformers 5.0's Trainer needs accelerate 1.3 (1.1 and 1.2 lack
+# get_module_size_with_ties and unwrap_model(keep_torch_compile=)), though 5.0 itself asks for >=1.1.0.
+# Note [One ShardedTrainer for every transformers 5.x].
 TRANSFORMERS = ["transformers>=5.0.0", "accelerate>=1.3.0"]
+LIGHTNING = "lightning>=2.6.0"          # the strategy uses some of its internals: developed against 2.6
+DEEPSPEED = "deepspeed>=0.19.0,<0.20"   # checkpoint formats as 0.19 writes them
 
 setup(
     name="shardopt",
@@ -146,14 +149,12 @@ setup(
     # this package against it with --no-build-isolation.
     install_requires=["numpy"],
     # Lightning is optional (shardopt.integrations.lightning); the tests cover it, so CI installs it.
-    # Developed and tested against lightning 2.6 (the strategy uses some of its internals).
     # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
-    # interop: DeepSpeed, whose ZeRO-1/2 checkpoints load_checkpoint reads (without it too); the
+    # interop: DeepSpeed, whose ZeRO-1/2/3 checkpoints load_checkpoint reads (without it too); the
     # tests resume real DeepSpeed runs. Its install pulls no torch when torch is already there (pin it).
-    extras_require={"lightning": ["lightning>=2.6"], "bench": ["matplotlib"], "interop": ["deepspeed>=0.19,<0.20"],
+    extras_require={"lightning": [LIGHTNING], "bench": ["matplotlib"], "interop": [DEEPSPEED],
                     "transformers": TRANSFORMERS,
-                    "test": ["pytest>=7", "pytest-timeout", "lightning>=2.6", "matplotlib", "deepspeed>=0.19,<0.20"]
-                    + TRANSFORMERS},
+                    "test": ["pytest>=7", "pytest-timeout", LIGHTNING, "matplotlib", DEEPSPEED] + TRANSFORMERS},
     entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

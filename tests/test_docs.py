@@ -149,3 +149,25 @@ def test_links_point_at_files_and_headings_that_exist():
             elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
                 broken.append(f"{page}: ({target}): no heading #{anchor} in {dest}")
     assert not broken, "\n".join(broken)
+
+
+# The integrations whose oldest admitted versions CI tests, and the test files that use them.
+_INTEGRATION_TESTS = {"transformers": ["tests/test_hf_trainer.py"], "accelerate": ["tests/test_hf_trainer.py"],
+                      "lightning": ["tests/test_lightning.py", "tests/test_onebit.py"],
+                      "deepspeed": ["tests/test_interop_deepspeed.py", "tests/test_onebit.py",
+                                    "tests/test_hf_trainer.py"]}
+
+
+def test_ci_tests_the_floors_setup_py_admits():
+    """.ci/run's second venv installs exactly the oldest version setup.py admits of each integration and
+    runs the tests that use it there."""
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    floors = dict(re.findall(r'"(transformers|accelerate|lightning|deepspeed)>=([0-9.]+)', setup))
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    installs = " ".join(ln for ln in ci.splitlines() if ln.startswith(".venv-oldest/bin/pip install"))
+    pins = dict(re.findall(r"\b(transformers|accelerate|lightning|deepspeed)==([0-9.]+)", installs))
+    assert floors.keys() == _INTEGRATION_TESTS.keys() and pins == floors, (floors, pins)
+    run = next(ln for ln in ci.splitlines() if ln.startswith('PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest'))
+    for name, files in _INTEGRATION_TESTS.items():
+        for f in files:
+            assert f in run.split(), (name, f, run)

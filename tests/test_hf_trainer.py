@@ -466,19 +466,6 @@ def test_refuses_a_plain_torch_optimizer(tmp_path):
                        optimizers=(torch.optim.AdamW(model.parameters()), None))
 
 
-def test_ci_tests_the_floors_setup_py_admits():
-    """.ci/run's second venv installs exactly the oldest transformers and accelerate that setup.py admits."""
-    import re
-
-    setup = open(os.path.join(ROOT, "setup.py")).read()
-    floors = dict(re.findall(r'"(transformers|accelerate)>=([0-9.]+)"', setup))
-    ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    line = next(ln for ln in ci.splitlines() if ".venv-oldest/bin/pip install" in ln and "transformers==" in ln)
-    pins = dict(re.findall(r"\b(transformers|accelerate)==([0-9.]+)", line))
-    assert floors.keys() == {"transformers", "accelerate"} and pins == floors, (floors, pins)
-    assert 'PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest -q tests/test_hf_trainer.py' in ci
-
-
 def test_example_trains_without_warnings_of_its_own(tmp_path):
     """docs/integrations.md's command (smaller): examples/hf_trainer_gpt2.py under torchrun, 2 processes. Its
     GPT-2 config keeps bos/eos inside the 256-byte vocabulary, so transformers has nothing to warn about it."""
