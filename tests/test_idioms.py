@@ -536,9 +536,7 @@ def _totals_in_model_order(rank, world_size):
     with torch.no_grad():
         for k, layer in enumerate(layers):
             layer.weight.mul_(10.0 ** (k % 5 - 2))
-    weights = [m.weight for m in layers]
-    biases = [m.bias for m in layers]
-    opt = shardopt.ShardedOptimizer([{"params": weights}, {"params": biases, "weight_decay": 0.0}],
+    opt = shardopt.ShardedOptimizer(Pair._groups(layers, decay_groups=True),
                                     optim=torch.optim.AdamW, lr=1e-3, stage=2, reduce_bucket_size=500)
     model = shardopt.ShardedDDP(layers, opt)
     params = list(model.parameters())
