@@ -290,7 +290,7 @@ class _Reference:
 
 
 def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, gather, hop=None, steps=8,
-           agbs=None, persist=0, param_hop=None):
+           agbs=None, persist=0, param_hop=None, impl="auto"):
     import shardopt
 
     torch.manual_seed(0)
@@ -308,7 +308,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     persistence = {"param_persistence_threshold": persist} if persist else {}
     opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
                                     allgather_bucket_size=agbs, overlap_gather=gather, inter_node_dtype=hop,
-                                    inter_node_param_dtype=param_hop, **where, **persistence, **kw)
+                                    inter_node_param_dtype=param_hop, comm_impl=impl, **where, **persistence, **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     if nodes is not None and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
                               or opt.layout.nodes != nodes):
@@ -320,7 +320,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     micro = 2 if accum else 1
     failures, losses = [], []
     where = f"nodes {nodes}" if nodes else f"mesh {shape}"
-    what = f"{where} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop}" + \
+    what = f"{where} {optim_name} stage {stage} rbs {rbs} {dtype} clip={clip} accum={accum} hop={hop} {impl}" + \
         (f" params across nodes in {param_hop}" if param_hop is not None else "")
     lowp = dtype != torch.float32 or param_hop is not None  # weights rounded to bf16: the bf16 bar
     for step in range(steps):
@@ -424,6 +424,10 @@ def _parity(rank, world_size, shapes):
                           param_hop=torch.bfloat16)
             out += _train(rank, world_size, shape, "sgd", 1, 1000, torch.float32, None, True, True, agbs=300,
                           param_hop=torch.bfloat16)
+        if shape[0] == "nodes" or shape[0] > 1:  # gloo's own collectives, not the ring (Note [gloo's
+            # reduce-scatter copies on every wait] in csrc/comm/wait_once.h): the inter-node phase sums in place
+            for cfg in _CONFIGS[:3] + _CONFIGS[4:5]:
+                out += _train(rank, world_size, shape, *cfg, impl="native")
     return out
 
 

@@ -210,6 +210,34 @@ def test_bad_inputs_raise_before_anything_runs():
     assert run_ranks(_bad_inputs, 2) == [True, True]
 
 
+def _waited_twice(rank, world_size):
+    """Note [gloo's reduce-scatter copies on every wait] (csrc/comm/wait_once.h): gloo's own reduce-scatter
+    copies its result into the output at each wait(). Waited for from two threads, with the output summed
+    into in between (what an inter-node phase does), the second wait must leave the output alone."""
+    import threading
+
+    from shardopt.parallel import comm
+
+    out = []
+    for impl in ("native", "ring"):
+        x = _inputs("int", 4, world_size, rank, torch.float32, 2)
+        handle = comm.start_reduce_scatter(x.clone(), torch.empty(4), impl=impl)
+        waiter = threading.Thread(target=handle.wait)
+        waiter.start()
+        waiter.join()
+        done = handle.is_completed()
+        handle.output.add_(100.0)  # the inter-node phase's sum, in place
+        out.append((impl, done, torch.equal(handle.wait(), _reference_rs(x) + 100.0)))
+    return out
+
+
+def test_a_reduce_scatter_waited_twice_keeps_what_came_after_the_first_wait():
+    for rank, results in enumerate(run_ranks(_waited_twice, 2)):
+        for impl, done, kept in results:
+            assert done, f"rank {rank} {impl}: is_completed() is False after wait() returned"
+            assert kept, f"rank {rank} {impl}: a second wait() overwrote the output"
+
+
 GROUP_TIMEOUT = 3  # seconds
 
 
