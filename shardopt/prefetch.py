@@ -134,7 +134,12 @@ def plan_gather_order(layout: Layout, waits: Sequence[ForwardWait]) -> tuple[int
 # agreement: in forward, a bucket is freed once every outermost module that
 # waits for it (not nested in another that does) has returned (`users`), or
 # when the forward ends; in backward, once all of its
-# parameters have their gradient, or when the backward ends.
+# parameters have their gradient, or when the backward ends. So the walk
+# never asks "is it free?" of a bucket that was gathered when its round began
+# (the seam a forward keeps for its backward): a rank that ran every module has
+# freed it once its gradients were in, one that skipped a module still holds
+# it, and a gather issued by the first alone would hang both. Such a bucket is
+# walked past; needed after it was freed, it takes the extra gather below.
 # The cost of never hanging is that a skipped module's bucket still crosses
 # the link. The limit: a module that needs a bucket *again* after it was freed
 # in the same pass (a module called twice, far apart) gets one extra gather,

@@ -60,11 +60,14 @@ FREE, GATHERING, LIVE = "free", "gathering", "live"
 class _Round:
     """One pass of the schedule (Note [Stage-3 schedule]): which gathers were issued, what may be freed."""
 
-    def __init__(self, kind: str, order: tuple, users: tuple):
+    def __init__(self, kind: str, order: tuple, users: tuple, carried: frozenset = frozenset()):
         self.kind = kind
         self.order = order
         self.position = {b: i for i, b in enumerate(order)}
         self.pos = 0                     # next position of `order` to issue
+        # Buckets of `order` gathered when the round began (the seam a forward kept for its backward): the
+        # walk never gathers them again, even where this rank has freed them since (Note [Stage-3 schedule]).
+        self.carried = carried
         self.needed = -1                 # the furthest position a module has asked for
         self.users = list(users)         # forward: modules still to run per bucket
         self.ran: set[int] = set()       # forward: ids of the modules that ran (first call counts)
@@ -318,7 +321,10 @@ class ParamShard:
         """The root module's forward starts: a forward round (Note [Stage-3 schedule])."""
         if self.round is not None:  # a pass that never ended (an exception): close it as every rank does
             self._close_round()
-        self.round = _Round("forward", self.schedule.forward, self.schedule.users)
+        self.round = self._new_round("forward", self.schedule.forward)
+
+    def _new_round(self, kind: str, order: tuple) -> _Round:
+        return _Round(kind, order, self.schedule.users, frozenset(b for b in order if self.state[b] != FREE))
 
     def end_forward(self, grad_enabled: bool) -> None:
         """The root module's forward returned (or raised): the rest of the round, then frees.
@@ -343,7 +349,7 @@ class ParamShard:
 
     def _begin_backward(self) -> None:
         order = self.schedule.backward if self.reshard_after_forward else ()
-        self.round = _Round("backward", order, self.schedule.users)
+        self.round = self._new_round("backward", order)
         self.round.pending = {b: len(self.bucket_params[b]) for b in order}
         if torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
@@ -387,7 +393,7 @@ class ParamShard:
         r = self.round
         b = r.order[r.pos]
         r.pos += 1
-        if self.state[b] == FREE:
+        if self.state[b] == FREE and b not in r.carried:
             self._issue(b)
 
     def _room(self) -> bool:
@@ -403,7 +409,7 @@ class ParamShard:
             if in_backward:
                 self._begin_backward()
             else:  # a submodule called on its own, outside the root's forward
-                self.round = _Round("forward", self.schedule.forward, self.schedule.users)
+                self.round = self._new_round("forward", self.schedule.forward)
         r = self.round
         for b in buckets:
             if self.state[b] != FREE:
@@ -412,7 +418,7 @@ class ParamShard:
                 continue
             if self.state[b] == FREE:
                 at = r.position.get(b, -1)
-                if at < r.pos:
+                if at < r.pos or b in r.carried:
                     # Needed again after it was freed in this pass: the rest of the round first, then one
                     # extra gather (Note [Stage-3 schedule], the limit).
                     self._finish_round_gathers()

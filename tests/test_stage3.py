@@ -223,6 +223,43 @@ def test_a_rank_that_skips_a_module_does_not_hang():
         assert seam["eval_and_step"] == seam["want"], seam
 
 
+def _one_bucket_kept_then_freed(rank, world_size):
+    """One bucket for the model and room for one (max_live_parameters): the forward keeps it for its backward
+    (the seam), and the backward walk cannot move past it while it is live. Rank 0 runs the expert, so all of
+    the bucket's gradients arrive and rank 0 frees it; rank 1 skips the expert and holds it to the end. A
+    walk that asked "is it free?" there gathered on rank 0 alone, and both ranks hung (found by a randomised
+    parity run). Against DDP + AdamW (find_unused_parameters) on the same data."""
+    import shardopt
+
+    torch.manual_seed(0)
+    base = StackNet(experts=1)  # rank 0 runs every module
+    ref_model = copy.deepcopy(base)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    model = copy.deepcopy(base)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
+                                    reduce_bucket_size=10**6, max_live_parameters=10**6)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    assert len(opt.layout.buckets) == 1 and opt.param_shard.max_live == 1
+    for step in range(3):
+        x, y = batch(step, rank)
+        for w, o in ((ref, ref_opt), (wrapper, opt)):
+            loss = torch.nn.functional.cross_entropy(w(x, 0 if rank == 0 else None).reshape(-1, VOCAB),
+                                                     y.reshape(-1))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    with opt.full_params(writeback=False):
+        err = max(((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item()
+                  for p, q in zip(ref_model.parameters(), model.parameters()))
+    return opt.param_shard.num_gathers, err
+
+
+def test_a_rank_that_skips_a_module_does_not_hang_when_the_seam_is_freed_first():
+    (g0, err0), (g1, err1) = run_ranks(_one_bucket_kept_then_freed, 2, timeout=120, collective_timeout=20)
+    assert g0 == g1 > 0 and max(err0, err1) < 1e-5, (g0, g1, err0, err1)
+
+
 # --------------------------------------------- weights that backward never reads
 class _UnreadWeights(torch.nn.Module):
     """Weights whose backward never needs them, each alone in its bucket (Note [Gradients of parameters
