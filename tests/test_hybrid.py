@@ -425,7 +425,7 @@ def _parity(rank, world_size, shapes):
             out += _train(rank, world_size, shape, "sgd", 1, 1000, torch.float32, None, True, True, agbs=300,
                           param_hop=torch.bfloat16)
         if shape[0] == "nodes" or shape[0] > 1:  # gloo's own collectives, not the ring (Note [gloo's
-            # reduce-scatter copies on every wait] in csrc/comm/wait_once.h): the inter-node phase sums in place
+            # reduce-scatter copies on every wait] in csrc/comm/gloo_reduce_scatter.h): the inter-node phase sums in place
             for cfg in _CONFIGS[:3] + _CONFIGS[4:5]:
                 out += _train(rank, world_size, shape, *cfg, impl="native")
     return out

@@ -211,7 +211,7 @@ def test_bad_inputs_raise_before_anything_runs():
 
 
 def _waited_twice(rank, world_size):
-    """Note [gloo's reduce-scatter copies on every wait] (csrc/comm/wait_once.h): gloo's own reduce-scatter
+    """Note [gloo's reduce-scatter copies on every wait] (csrc/comm/gloo_reduce_scatter.h): gloo's own reduce-scatter
     copies its result into the output at each wait(). Waited for from two threads, with the output summed
     into in between (what an inter-node phase does), the second wait must leave the output alone."""
     import threading

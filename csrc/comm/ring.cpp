@@ -11,7 +11,7 @@
 #include <torch/version.h>
 
 #include "ring_worker.h"
-#include "wait_once.h"
+#include "gloo_reduce_scatter.h"
 
 namespace shardopt::comm {
 
@@ -349,11 +349,12 @@ WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor inp
 
 WorkPtr start_reduce_scatter_native(const GroupPtr& pg, at::Tensor input, at::Tensor output) {
   check_reduce_scatter(pg, input, output, "native reduce_scatter");
-  // Note [gloo's reduce-scatter copies on every wait] (wait_once.h).
+  // Note [gloo's reduce-scatter copies on every wait] (gloo_reduce_scatter.h).
+  if (input.device().is_cpu() && ring_is_default(pg)) return start_gloo_reduce_scatter(pg, input, output);
 #if SHARDOPT_TORCH_HAS_SINGLE_COLLECTIVES
-  return wait_once_on_gloo(pg, input, pg->reduce_scatter_single(output, input));
+  return pg->reduce_scatter_single(output, input);
 #else
-  return wait_once_on_gloo(pg, input, pg->_reduce_scatter_base(output, input));
+  return pg->_reduce_scatter_base(output, input);
 #endif
 }
 
