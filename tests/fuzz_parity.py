@@ -29,6 +29,7 @@ take different branches (Note [Stage-3 schedule]).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -172,14 +173,6 @@ def _relative_error(p: torch.Tensor, q: torch.Tensor) -> float:
     return ((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item() if p.numel() else 0.0
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 # ------------------------------------------------------------------ train
 def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
     import shardopt
@@ -210,7 +203,7 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
                 g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
                 x, y = torch.randint(0, VOCAB, (2, 3), generator=g), torch.randint(0, VOCAB, (2, 3), generator=g)
                 quiet = loop["accum"] == "no_sync" and k < micro - 1 and hasattr(wrapper, "no_sync")
-                with wrapper.no_sync() if quiet else _Null():
+                with wrapper.no_sync() if quiet else contextlib.nullcontext():
                     out = wrapper(x, _uses_branch(spec["model"]["branch_mode"], step, rank))
                     loss = loss_fn(out.reshape(-1, VOCAB), y.reshape(-1)) / micro
                     loss.backward()
@@ -240,8 +233,9 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
                 fails.append(f"step {step}: eval output {(a - b).abs().max().item():.2e} apart")
     with opt.full_params(writeback=False):
         for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
-            if _relative_error(p, q) > TOL:
-                fails.append(f"final {name}: relative error {_relative_error(p, q):.2e}")
+            err = _relative_error(p, q)
+            if err > TOL:
+                fails.append(f"final {name}: relative error {err:.2e}")
     return fails
 
 
@@ -278,8 +272,10 @@ def _resume_steps(model, wrapper, opt, spec, steps, first, rank, ws, sharded) ->
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
         loss = loss_fn(wrapper(x, step % 3 == 0).reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
-        if spec["clip"]:
-            opt.clip_grad_norm(0.3) if sharded else torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        if spec["clip"] and sharded:
+            opt.clip_grad_norm(0.3)
+        elif spec["clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -347,8 +343,9 @@ def check_resume(spec: dict) -> tuple[str, list[str]]:
              for i, (a, b) in enumerate(zip(want[w], got[w][0][0])) if not _close(a, b)]
     for rank, (_, weights) in enumerate(got["b"]):
         for name, p in model.named_parameters():
-            if _relative_error(p.detach(), weights[name]) > TOL:
-                fails.append(f"rank {rank} final {name}: relative error {_relative_error(p.detach(), weights[name]):.2e}")
+            err = _relative_error(p.detach(), weights[name])
+            if err > TOL:
+                fails.append(f"rank {rank} final {name}: relative error {err:.2e}")
     return _status(fails)
 
 

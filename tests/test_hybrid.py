@@ -424,8 +424,9 @@ def _parity(rank, world_size, shapes):
                           param_hop=torch.bfloat16)
             out += _train(rank, world_size, shape, "sgd", 1, 1000, torch.float32, None, True, True, agbs=300,
                           param_hop=torch.bfloat16)
-        if shape[0] == "nodes" or shape[0] > 1:  # gloo's own collectives, not the ring (Note [gloo's
-            # reduce-scatter copies on every wait] in csrc/comm/gloo_reduce_scatter.h): the inter-node phase sums in place
+        # gloo's own collectives, not the ring, where an inter-node phase sums in place after the
+        # reduce-scatter (Note [gloo's reduce-scatter copies on every wait] in csrc/comm/gloo_reduce_scatter.h)
+        if shape[0] == "nodes" or shape[0] > 1:
             for cfg in _CONFIGS[:3] + _CONFIGS[4:5]:
                 out += _train(rank, world_size, shape, *cfg, impl="native")
     return out

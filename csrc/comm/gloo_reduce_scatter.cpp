@@ -9,8 +9,7 @@ GlooReduceScatterWork::GlooReduceScatterWork(c10::intrusive_ptr<c10d::Work> all_
     : c10d::Work(rank, c10d::OpType::_REDUCE_SCATTER_BASE),
       all_reduce_(std::move(all_reduce)),
       sum_(std::move(sum)),
-      output_(std::move(output)),
-      rank_(rank) {}
+      output_(std::move(output)) {}
 
 bool GlooReduceScatterWork::isCompleted() {
   return c10d::Work::isCompleted() || all_reduce_->isCompleted();  // the copy out is cheap and done in wait()

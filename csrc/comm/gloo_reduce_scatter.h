@@ -46,8 +46,7 @@ class GlooReduceScatterWork : public c10d::Work {
  private:
   c10::intrusive_ptr<c10d::Work> all_reduce_;
   at::Tensor sum_;     // the all-reduced copy of the input
-  at::Tensor output_;
-  int64_t rank_;
+  at::Tensor output_;  // this rank's chunk (c10d::Work::rank_) of sum_ goes here
   std::once_flag once_;
 };
 
