@@ -281,8 +281,11 @@ class GradSync:
                 self.replaced_since[i] = True
         if not cleared:
             return
-        if len(cleared) == len(self.params):
-            self.zero(set_to_none=True)  # model.zero_grad(): the same as opt.zero_grad()
+        if not any(isinstance(h, ShardedGrad) for h in self.installed):
+            # model.zero_grad(): every gradient there was is cleared (parameters that got none, unused or on
+            # a branch not taken, had nothing to clear): the same as opt.zero_grad(), the inf/nan flag of a
+            # skipped step included (Note [A cleared gradient forgets its inf]).
+            self.zero(set_to_none=True)
             return
         used = self.engine.used()  # the engine's own flags: cleared in place
         self.shard.zero(cleared)
@@ -290,6 +293,16 @@ class GradSync:
         used[idx] = 0
         self.last_used[idx] = False
         self.shard.kept[idx] = False
+        # Note [A cleared gradient forgets its inf]
+        # The engine's inf/nan flag is set while gradients are reduced and cleared by zero_grad. After a
+        # skipped step (fp16 loss scaling) the gradients still hold the inf/nan; if user code then clears
+        # them, the flag must go too, or every later step is skipped as well (seen: fp16, model.zero_grad()
+        # and one parameter without a gradient, skipping every step after the first overflow). Where only
+        # some are cleared, what is kept may still hold one: the flag becomes whether this rank's shard does
+        # (the reduced inf/nan lands in the shard of the rank that owns it; finish() takes the max over
+        # ranks). No host read: the flag stays a tensor.
+        found = self.engine.found_nonfinite()
+        found.copy_((~torch.isfinite(self.shard_grad)).any().to(found.device, found.dtype).reshape(found.shape))
 
     # ----------------------------------------------------------------- step
     def finish(self) -> torch.Tensor:

@@ -16,6 +16,10 @@ model's; an eval forward under no_grad).
 against one process training on the whole global batch; through save_checkpoint / load_checkpoint or through
 the consolidated torch.optim state dict.
 
+`precision`: a bf16 or fp16 model (fp16 with dynamic, static or first-overflowing loss scaling) against fp32
+master weights driven by hand in one process, on the loss scales shardopt used; losses, norms, skipped steps,
+final weights and the consolidated optimizer state, at a bar measured per seed (Note [The precision mode's bar]).
+
 Each seed prints ok, FAIL (with what differed), REFUSED (a configuration shardopt refuses at construction, with
 its message) or ERROR (an exception or a hang, with the ranks' tracebacks); every result goes to --out as a
 JSON line with the drawn configuration, so a failing seed reruns alone (--seeds 108:109). A FAIL just over
@@ -24,7 +28,8 @@ near zero (Adam divides by its root mean square): rerun the configuration with S
 gradient at full size (seen once in 680 seeds: 2.1e-5 with Adam, under 1e-7 with SGD). Not collected by
 pytest: tests/test_fuzz_parity.py runs a few seeds that once failed. Found so far: hybrid / node-aware with
 comm_impl="native" on gloo (Note [gloo's reduce-scatter copies on every wait]) and a stage-3 hang when ranks
-take different branches (Note [Stage-3 schedule]).
+take different branches (Note [Stage-3 schedule]); with precision, model.zero_grad() after a skipped fp16 step
+skipping every later step (Note [A cleared gradient forgets its inf]).
 """
 from __future__ import annotations
 
@@ -349,13 +354,237 @@ def check_resume(spec: dict) -> tuple[str, list[str]]:
     return _status(fails)
 
 
+# ------------------------------------------------------------------ precision
+PRECISION_TOL = {"bf16": 2e-2, "fp16": 5e-3}  # Note [The precision mode's bar]
+STATE_TOL = 1e-2
+TWIN_ORDERS = ("reversed", "rotated")
+
+# Note [The precision mode's bar]
+# A bf16/fp16 model's forward and backward are the same arithmetic in shardopt and in the reference, and their
+# fp32 master math differs only in summation order; but the master is cast into the model after every step,
+# and where a master sits within a few fp32 ulps of a rounding boundary of the model dtype the two casts can
+# land one model ulp apart (2**-8 relative in bf16, 2**-11 in fp16). From then on the runs see different
+# weights, and Adam, which divides by a gradient's root mean square, turns a near-zero gradient of the other
+# sign into a full learning-rate step the other way: over 7 steps at 3 ranks, a bf16 weight 3e-2 off (relative
+# to the tensor's largest) with nothing wrong. So the bar is measured beside each seed: two twin references
+# that differ from the reference only in the order the ranks' gradients are summed (reversed; starting at rank
+# 1) show how far that order alone moves this seed; shardopt must stay within 3x the larger of the two, and
+# never needs to be closer than a few model ulps (PRECISION_TOL; optimizer state STATE_TOL, its squares twice
+# that). A lost rank, a wrong divisor or scale, a stale master or a step taken that should have been skipped
+# moves the first step already, where the two runs still agree to fp32 rounding: checked by breaking the
+# reference on purpose (tests/README).
+
+
+def draw_precision(seed: int) -> dict:
+    r = random.Random(seed)
+    ws = r.choice([1, 2, 2, 3, 3, 4])
+    dtype = r.choice(["bf16", "bf16", "fp16"])
+    scale = r.choice(["auto", "static", "overflow"]) if dtype == "fp16" else None
+    return dict(seed=seed, ws=ws, dtype=dtype, loss_scale=scale, model=draw_model(r, r.randint(1, 4)),
+                config=draw_config(r), mesh=r.choice(["flat", "node_aware", "hybrid"]) if ws == 4 else "flat",
+                optim=r.choice(["adamw", "sgd", "cpuadam"]),
+                loop=dict(clip=r.choice(["none", "own", "torch", "option"]),
+                          accum=r.choice(["none", "no_sync", "plain"]),
+                          zero=r.choice(["optimizer", "keep", "model"]), groups=r.choice(["one", "decay", "lr"]),
+                          steps=r.randint(3, 8)))
+
+
+def _loss_scale_arg(name):
+    import shardopt
+
+    return {None: {}, "auto": {}, "static": dict(loss_scale=128.0),
+            # 2**20 overflows these fp16 gradients at once: the first step or two are skipped as the scale backs off.
+            "overflow": dict(loss_scale=shardopt.LossScaleConfig(init_scale=2.0 ** 20))}[name]
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_CLIP = 0.3
+
+
+def _precision_batch(step, rank, k):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+    return torch.randint(0, VOCAB, (2, 3), generator=g), torch.randint(0, VOCAB, (2, 3), generator=g)
+
+
+def _precision_loss(model, spec, step, rank, k, micro):
+    x, y = _precision_batch(step, rank, k)
+    out = model(x, _uses_branch(spec["model"]["branch_mode"], step, rank)).float()
+    return nn.CrossEntropyLoss()(out.reshape(-1, VOCAB), y.reshape(-1)) / micro
+
+
+def _master_reference(spec: dict, base: nn.Module, ws: int, rank: int, scales: list[float], order: str) -> dict:
+    """fp32 master weights driven by hand, one process: each rank's micro-batches in the model dtype, gradients
+    summed in fp32 (ranks in `order`), divided by the world size and the loss scale shardopt used that step,
+    clipped and stepped on the masters, cast into the model. Under no_sync a rank accumulates in its .grad, in
+    the model dtype, as DDP does (an fp16 sum can overflow there: the step is skipped); without it every
+    micro-batch is reduced into fp32."""
+    loop, dtype = spec["loop"], _DTYPES[spec["dtype"]]
+    model = copy.deepcopy(base)
+    named = list(model.named_parameters())
+    masters = {id(p): p.detach().float().clone().requires_grad_() for _, p in named}
+    _, _, ref_cls, ref_kw = _optim(spec["optim"])
+    opt = ref_cls([dict(g, params=[masters[id(p)] for p in g["params"]]) if isinstance(g, dict) else masters[id(g)]
+                   for g in _groups(model, loop["groups"])], **ref_kw)
+    micro = 1 if loop["accum"] == "none" else 2
+    ranks = {"natural": list(range(ws)), "reversed": list(range(ws))[::-1],
+             "rotated": list(range(1, ws)) + [0]}[order]
+    out = dict(losses=[], norms=[], overflow=[])
+    for step, scale in enumerate(scales):
+        total, losses = {}, []
+        for r in ranks:
+            model.zero_grad(set_to_none=True)
+            for k in range(micro):
+                loss = _precision_loss(model, spec, step, r, k, micro)
+                (loss * scale).backward()
+                if r == rank:
+                    losses.append(loss.item())
+                if loop["accum"] == "no_sync" and k < micro - 1:
+                    continue
+                for _, p in named:
+                    if p.grad is not None:
+                        g = p.grad.float() / (ws * scale)
+                        total[id(p)] = total[id(p)] + g if id(p) in total else g
+                model.zero_grad(set_to_none=True)
+        out["losses"].append(losses)
+        overflow = any(not torch.isfinite(g).all() for g in total.values())
+        out["overflow"].append(overflow)
+        if overflow:
+            out["norms"].append(None)
+            if loop["zero"] == "keep":  # a skipped step's gradients exist too: zero_grad(set_to_none=False) keeps them
+                for i in total:
+                    masters[i].grad = torch.zeros_like(masters[i]) if masters[i].grad is None else masters[i].grad
+            continue
+        for _, p in named:
+            m = masters[id(p)]
+            # zero_grad(set_to_none=False) leaves a zero gradient that torch.optim steps with (Adam's moments
+            # decay, weight decay applies) where a parameter got none this step; set_to_none leaves None: skipped.
+            keep = loop["zero"] == "keep" and m.grad is not None
+            m.grad = total[id(p)] if id(p) in total else torch.zeros_like(m) if keep else None
+        with_grad = [m for m in masters.values() if m.grad is not None]
+        if loop["clip"] == "torch":
+            # torch's function on the model's gradients: one norm per gradient in their dtype, the total and the
+            # factor in that dtype too (shardopt's p.grad has the parameter's dtype), applied to fp32 gradients.
+            total_norm = torch.linalg.vector_norm(torch.stack([m.grad.norm().to(dtype) for m in with_grad]))
+            torch._foreach_mul_([m.grad for m in with_grad], torch.clamp(_CLIP / (total_norm + 1e-6), max=1.0))
+            out["norms"].append(float(total_norm))
+        elif loop["clip"] != "none":
+            out["norms"].append(float(torch.nn.utils.clip_grad_norm_(with_grad, _CLIP)))
+        else:
+            out["norms"].append(None)
+        opt.step()
+        with torch.no_grad():
+            for _, p in named:
+                p.copy_(masters[id(p)])
+    out["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    ordered = [m for g in opt.param_groups for m in g["params"]]
+    out["state"] = {(i, k): v for i, m in enumerate(ordered) for k, v in opt.state.get(m, {}).items()
+                    if k != "step" and torch.is_tensor(v)}
+    return out
+
+
+def _precision_rank(rank: int, ws: int, spec: dict) -> list[str]:
+    """shardopt on a bf16/fp16 model, then the fp32-master reference and its twins (Note [The precision mode's
+    bar]) on the scales shardopt used."""
+    import shardopt
+
+    dtype, loop = _DTYPES[spec["dtype"]], spec["loop"]
+    where = _mesh_kwargs(rank, ws, spec["mesh"])
+    torch.manual_seed(0)
+    base = FuzzNet(spec["model"]).to(dtype)
+    model = copy.deepcopy(base)
+    cls, kw, _, _ = _optim(spec["optim"])
+    extra = dict(max_grad_norm=_CLIP) if loop["clip"] == "option" else {}
+    try:
+        opt = shardopt.ShardedOptimizer(_groups(model, loop["groups"]), optim=cls, **spec["config"], **where,
+                                        **_loss_scale_arg(spec["loss_scale"]), **extra, **kw)
+        sharded = shardopt.ShardedDDP(model, opt)
+    except REFUSALS as e:
+        return ["REFUSED: " + str(e)[:300]]
+    micro = 1 if loop["accum"] == "none" else 2
+    got = dict(losses=[], norms=[], skipped=[], scales=[])
+    for step in range(loop["steps"]):
+        got["scales"].append(opt.loss_scale)
+        losses = []
+        for k in range(micro):
+            quiet = loop["accum"] == "no_sync" and k < micro - 1
+            with sharded.no_sync() if quiet else contextlib.nullcontext():
+                loss = _precision_loss(sharded, spec, step, rank, k, micro)
+                opt.scale_loss(loss).backward()
+            losses.append(loss.item())
+        got["losses"].append(losses)
+        # shardopt's own call returns the fp32 norm; torch's, a norm in the gradients' dtype (as with DDP).
+        if loop["clip"] == "own":
+            got["norms"].append(float(opt.clip_grad_norm(_CLIP)))
+        elif loop["clip"] == "torch":
+            got["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), _CLIP)))
+        else:
+            got["norms"].append(None)
+        opt.step()
+        got["skipped"].append(opt.last_step_skipped)
+        if loop["zero"] == "model":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=loop["zero"] == "optimizer")
+    with opt.full_params(writeback=False):
+        weights = {n: q.detach().clone() for n, q in model.named_parameters()}
+    opt.consolidate_state_dict(to=0)
+    state = opt.state_dict()["state"] if rank == 0 else None
+
+    want = _master_reference(spec, base, ws, rank, got["scales"], "natural")
+    twins = [_master_reference(spec, base, ws, rank, got["scales"], o) for o in TWIN_ORDERS] if ws > 1 else []
+    tol = PRECISION_TOL[spec["dtype"]]
+    fails = []
+
+    def bar(floor, err_of):  # Note [The precision mode's bar]
+        return max([floor] + [3 * err_of(t) for t in twins])
+
+    for step in range(loop["steps"]):
+        if spec["dtype"] == "fp16" and want["overflow"][step] != got["skipped"][step]:
+            fails.append(f"step {step}: skipped={got['skipped'][step]}, the reference "
+                         f"{'overflowed' if want['overflow'][step] else 'did not'}")
+        for k, (a, b) in enumerate(zip(want["losses"][step], got["losses"][step])):
+            limit = bar(tol, lambda t: abs(t["losses"][step][k] - a) / max(1.0, abs(a)))
+            if abs(a - b) > limit * max(1.0, abs(a)):
+                fails.append(f"step {step} micro {k}: loss {b!r} vs {a!r} (reference; bar {limit:.1e})")
+        a, b = want["norms"][step], got["norms"][step]
+        if a is not None and b is not None:
+            limit = bar(tol, lambda t: abs((t["norms"][step] or a) - a) / max(1.0, abs(a)))
+            if abs(a - b) > limit * max(1.0, abs(a)):
+                fails.append(f"step {step}: norm {b!r} vs {a!r} (reference; bar {limit:.1e})")
+    for name, p in want["weights"].items():
+        q = weights[name]
+        if q.dtype != dtype:
+            fails.append(f"final {name}: the model's parameter is {q.dtype} now")
+        err, limit = _relative_error(p, q.float()), bar(tol, lambda t: _relative_error(p, t["weights"][name]))
+        if err > limit:
+            fails.append(f"final {name}: relative error {err:.2e} (bar {limit:.1e})")
+    if rank == 0:
+        for (i, key), v in want["state"].items():
+            floor = STATE_TOL * (2 if key == "exp_avg_sq" else 1)  # a square: twice its gradient's error
+            limit = bar(floor, lambda t: _relative_error(v, t["state"][(i, key)]))
+            got_v = state.get(i, {}).get(key)
+            if got_v is None:
+                fails.append(f"state {i} {key}: missing")
+            elif _relative_error(v, got_v.float()) > limit:
+                fails.append(f"state {i} {key}: relative error {_relative_error(v, got_v.float()):.2e} "
+                             f"(bar {limit:.1e})")
+    return fails
+
+
+def check_precision(spec: dict) -> tuple[str, list[str]]:
+    results = run_ranks(_precision_rank, spec["ws"], spec, timeout=150, collective_timeout=40,
+                        start_method="forkserver")
+    return _status(sorted({f for r in results for f in r}))
+
+
 def _status(fails: list[str]) -> tuple[str, list[str]]:
     if fails and all(f.startswith("REFUSED") for f in fails):
         return "REFUSED", fails
     return ("FAIL" if fails else "ok"), fails
 
 
-MODES = {"train": (draw_train, check_train), "resume": (draw_resume, check_resume)}
+MODES = {"train": (draw_train, check_train), "resume": (draw_resume, check_resume),
+         "precision": (draw_precision, check_precision)}
 
 
 def main(argv=None) -> int:

@@ -334,6 +334,41 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(world_size):
             assert torch.equal(p, q)  # lockstep: every rank holds the same model
 
 
+def _fp16_overflow_cleared_by(rank, world_size, poison_step):
+    from shardopt import LossScaleConfig
+
+    out = {}
+    for clear in ("optimizer", "model"):
+        torch.manual_seed(0)
+        model = AwkwardNet().half()
+        opt, wrapper = _sharded(model, optim=torch.optim.SGD, lr=5e-2, momentum=0.9,
+                                loss_scale=LossScaleConfig(init_scale=2.0 ** 12))
+        skipped = []
+        for step in range(6):
+            loss = _loss(wrapper, step, rank)
+            if step == poison_step and rank == 0:
+                loss = loss * math.inf
+            opt.scale_loss(loss).backward()
+            opt.step()
+            skipped.append(opt.last_step_skipped)
+            opt.zero_grad() if clear == "optimizer" else model.zero_grad()
+        out[clear] = (skipped, [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_model_zero_grad_after_a_skipped_step_clears_the_inf():
+    # Note [A cleared gradient forgets its inf]: model.zero_grad() (as the HF Trainer calls it) after a skipped
+    # step, at a step where no rank uses AwkwardNet's branch (so one parameter has no gradient to clear): every
+    # later step was skipped too, as if the inf were still there.
+    poison_step = 1
+    assert not any(uses_branch(poison_step, r) for r in range(2))
+    for rank, out in enumerate(run_ranks(_fp16_overflow_cleared_by, 2, poison_step)):
+        assert out["optimizer"][0] == [s == poison_step for s in range(6)], (rank, out["optimizer"][0])
+        assert out["model"][0] == out["optimizer"][0], (rank, out["model"][0])
+        for p, q in zip(out["model"][1], out["optimizer"][1]):
+            assert torch.equal(p, q)
+
+
 # ------------------------------------------------------------ inf/nan policy
 def _nonfinite(rank, world_size, dtype, nonfinite):
     import warnings
