@@ -333,7 +333,12 @@ class GradSync:
             self.global_used = used
             self.last_used |= self.global_used
             self.found_nonfinite = bool(found)
-            if self.found_nonfinite and self.nonfinite == "raise":
+            # Note [GradScaler owns the inf]
+            # nonfinite="raise" (fp32 and bf16 models) stops a diverged run. Under torch.amp.GradScaler an
+            # inf/nan is how a too-large scale shows: once scaler.unscale_(opt) went over these gradients (its
+            # found_inf then makes scaler.step skip opt.step), a clip in between, opt.clip_grad_norm as much as
+            # torch's, returns the inf/nan norm as it does under DDP instead of raising.
+            if self.found_nonfinite and self.nonfinite == "raise" and not self.shard.unscaled_by_amp:
                 raise FloatingPointError(
                     "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
                     "probably diverged: lower the learning rate, clip gradients (max_grad_norm=...), or check "
@@ -342,6 +347,7 @@ class GradSync:
         return self.global_used
 
     def end_step(self) -> None:
+        self.shard.unscaled_by_amp = False
         self.backwards = 0
         self.global_used = None
         self.found_nonfinite = False
@@ -350,6 +356,7 @@ class GradSync:
 
     def zero(self, set_to_none: bool) -> None:
         """Forgets accumulated gradients: the engine's, the shard's and every managed p.grad."""
+        self.shard.unscaled_by_amp = False
         if not set_to_none and self.engine is not None:
             self.reconcile()
             self.shard.kept |= self.had_grad()

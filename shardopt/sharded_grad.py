@@ -340,6 +340,9 @@ class GradShard:
         # p.grad is still a gradient. Zeroing only notes the index; `kept` settles the notes.
         self._kept = torch.zeros(len(params), dtype=torch.bool)
         self._pending_keep: list[int] = []
+        # GradScaler.unscale_ went over these gradients since they were last zeroed: an inf/nan is then the
+        # scaler's to handle (it skips the step), not a divergence (Note [GradScaler owns the inf]).
+        self.unscaled_by_amp = False
         self.world_size = world_size
         self._params = params
         # Per parameter: [(this rank's piece of the averaged gradient, its first element in the param)].
@@ -568,6 +571,7 @@ class GradShard:
         One all-reduce; nothing is read on the host. The cached norms scale with
         the gradients (an inf or nan stays one, as in the unscaled gradient).
         """
+        self.unscaled_by_amp = True
         targets = self._targets(indices)
         device = targets[0].device if targets else torch.device("cpu")
         found = torch.zeros(1, dtype=torch.float32, device=device)

@@ -16,6 +16,7 @@ model's; an eval forward under no_grad).
 against one process training on the whole global batch; through save_checkpoint / load_checkpoint or through
 the consolidated torch.optim state dict.
 
+`amp`: train's draw on 1 or 2 ranks under torch.autocast (fp16 or bf16) with torch.amp.GradScaler on both sides.
 `precision`: a bf16 or fp16 model (fp16 with dynamic, static or first-overflowing loss scaling) against fp32
 master weights driven by hand in one process, on the loss scales shardopt used; losses, norms, skipped steps,
 final weights and the consolidated optimizer state, at a bar measured per seed (Note [The precision mode's bar]).
@@ -29,7 +30,8 @@ gradient at full size (seen once in 680 seeds: 2.1e-5 with Adam, under 1e-7 with
 pytest: tests/test_fuzz_parity.py runs a few seeds that once failed. Found so far: hybrid / node-aware with
 comm_impl="native" on gloo (Note [gloo's reduce-scatter copies on every wait]) and a stage-3 hang when ranks
 take different branches (Note [Stage-3 schedule]); with precision, model.zero_grad() after a skipped fp16 step
-skipping every later step (Note [A cleared gradient forgets its inf]).
+skipping every later step (Note [A cleared gradient forgets its inf]); with amp, opt.clip_grad_norm raising on
+GradScaler's overflowing step (Note [GradScaler owns the inf]).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import random
 import sys
@@ -171,6 +174,8 @@ def _mesh_kwargs(rank: int, ws: int, mesh: str) -> dict:
 
 
 def _close(a: float, b: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):  # a skipped step's inf/nan norm (GradScaler): the same on both
+        return a == b or (a != a and b != b)
     return abs(a - b) <= TOL * max(1.0, abs(a))
 
 
@@ -198,29 +203,40 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
     except REFUSALS as e:
         return ["REFUSED: " + str(e)[:300]]
     scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (ref_opt, opt)] if loop["sched"] else []
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(loop.get("amp"))  # the amp mode (below)
+    scalers = {id(o): torch.amp.GradScaler("cpu", init_scale=loop["init_scale"]) for o in (ref_opt, opt)} if amp else {}
     loss_fn = nn.CrossEntropyLoss()
     fails = []
     for step in range(loop["steps"]):
         seen = []
         for wrapper, o, m in ((ref, ref_opt, ref_model), (sharded, opt, model)):
             micro = 1 if loop["accum"] == "none" else 2
+            scaler = scalers.get(id(o))
             for k in range(micro):
                 g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
                 x, y = torch.randint(0, VOCAB, (2, 3), generator=g), torch.randint(0, VOCAB, (2, 3), generator=g)
                 quiet = loop["accum"] == "no_sync" and k < micro - 1 and hasattr(wrapper, "no_sync")
                 with wrapper.no_sync() if quiet else contextlib.nullcontext():
-                    out = wrapper(x, _uses_branch(spec["model"]["branch_mode"], step, rank))
-                    loss = loss_fn(out.reshape(-1, VOCAB), y.reshape(-1)) / micro
-                    loss.backward()
+                    with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
+                        out = wrapper(x, _uses_branch(spec["model"]["branch_mode"], step, rank))
+                    loss = loss_fn(out.float().reshape(-1, VOCAB), y.reshape(-1)) / micro
+                    (scaler.scale(loss) if scaler else loss).backward()
                 seen.append(("loss", loss.item()))
             clip, order = loop["clip"], loop["norm_type"]
+            if scaler and clip != "none":
+                scaler.unscale_(o)
             if clip == "own" and o is opt:
                 seen.append(("norm", float(opt.clip_grad_norm(0.3, norm_type=order))))
             elif clip in ("own", "torch"):
                 seen.append(("norm", float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3, norm_type=order))))
             elif clip == "torch_value":
                 torch.nn.utils.clip_grad_value_(m.parameters(), 0.05)
-            o.step()
+            if scaler:
+                scaler.step(o)
+                scaler.update()
+                seen.append(("scale", scaler.get_scale()))
+            else:
+                o.step()
             if loop["zero"] == "model":
                 m.zero_grad()
             else:
@@ -248,6 +264,20 @@ def check_train(spec: dict) -> tuple[str, list[str]]:
     results = run_ranks(_train_rank, spec["ws"], spec, timeout=150, collective_timeout=40,
                         start_method="forkserver")
     return _status(sorted({f for r in results for f in r}))
+
+
+def draw_amp(seed: int) -> dict:
+    """train's draw on 1 or 2 ranks, with torch.autocast (fp16 or bf16) and torch.amp.GradScaler on both sides.
+
+    Two ranks at most: autocast rounds fp32 weights to fp16/bf16 in every op, so a weight one fp32 ulp apart
+    can round the other way (Note [The precision mode's bar]); at 1 and 2 ranks the sums are the same as DDP's
+    bit for bit and the 2e-5 bar holds. A first scale of 2**20 overflows fp16 gradients: steps skipped on both."""
+    spec = draw_train(seed)
+    r = random.Random(seed + 10 ** 6)
+    if spec["ws"] > 2:
+        spec["ws"], spec["mesh"] = r.choice([1, 2]), "flat"
+    spec["loop"].update(amp=r.choice(["fp16", "bf16"]), init_scale=r.choice([2.0 ** 16, 2.0 ** 20]))
+    return spec
 
 
 # ------------------------------------------------------------------ resume
@@ -584,7 +614,7 @@ def _status(fails: list[str]) -> tuple[str, list[str]]:
 
 
 MODES = {"train": (draw_train, check_train), "resume": (draw_resume, check_resume),
-         "precision": (draw_precision, check_precision)}
+         "precision": (draw_precision, check_precision), "amp": (draw_amp, check_train)}
 
 
 def main(argv=None) -> int:

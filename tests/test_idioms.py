@@ -14,6 +14,7 @@ All idioms of one stage run in one launch of 2 ranks (cached), one test each.
 import contextlib
 import copy
 import functools
+import math
 import traceback
 
 import pytest
@@ -288,6 +289,31 @@ def grad_scaler(rank, stage):
     return _train(pair, body)
 
 
+def grad_scaler_own_clip(rank, stage):
+    # The same with opt.clip_grad_norm in between on our side: on the overflowing step it returns the inf/nan
+    # norm, as torch's does, instead of raising (Note [GradScaler owns the inf]), and the step is skipped.
+    pair = Pair(rank, stage)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) for _ in range(2)]
+
+    def body(wrapper, opt, module, step, log):
+        scaler = scalers[0 if opt is pair.ref_opt else 1]
+        loss = pair.loss(wrapper, step)
+        if step == 2 and rank == 1:
+            loss = loss * 1e38
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if opt is pair.ref_opt:
+            norm = torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 0.05)
+        else:
+            norm = opt.clip_grad_norm(0.05)
+        log.append(float(norm) if math.isfinite(float(norm)) else None)  # inf or nan: skipped
+        scaler.step(opt)
+        scaler.update()
+        log.append(scaler.get_scale())
+        opt.zero_grad()
+    return _train(pair, body)
+
+
 def ema_after_step_overlap_gather(rank, stage):
     # An EMA over model.parameters() (the wrapper's and the unwrapped module's) right
     # after step(), with the all-gather still in flight (overlap_gather).
@@ -420,7 +446,7 @@ MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_
          clip_lists_in_another_order, clip_with_decay_groups,
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,
-         no_zero_grad_at_all, grad_scaler, ema_after_step_overlap_gather, compile_overlap_gather,
+         no_zero_grad_at_all, grad_scaler, grad_scaler_own_clip, ema_after_step_overlap_gather, compile_overlap_gather,
          ema_in_full_params, compile_model, parameter_registered_after_wrapping]
 # overlap_gather is stage 1/2's; stage 3 refuses it at construction (test_zero_behaviour checks the message).
 NOT_AT_STAGE_3 = {"ema_after_step_overlap_gather", "compile_overlap_gather"}
