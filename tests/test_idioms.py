@@ -268,9 +268,10 @@ def no_zero_grad_at_all(rank, stage):
     return _standard(Pair(rank, stage), zero=lambda w, o, m: None)
 
 
-def grad_scaler(rank, stage):
-    # torch.amp.GradScaler with unscale_ + clip_grad_norm_; on step 2 rank 1's gradients
-    # overflow: every rank must skip that step and halve the scale.
+def _grad_scaler(rank, stage, own_clip):
+    # torch.amp.GradScaler with unscale_ + a clip; on step 2 rank 1's gradients overflow: every rank must skip
+    # that step and halve the scale. own_clip: opt.clip_grad_norm on our side returns the inf/nan norm there, as
+    # torch's does, instead of raising (Note [GradScaler owns the inf]).
     pair = Pair(rank, stage)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) for _ in range(2)]
 
@@ -281,37 +282,24 @@ def grad_scaler(rank, stage):
             loss = loss * 1e38
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        log.append(float(torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 0.05)))
+        if own_clip and opt is not pair.ref_opt:
+            norm = float(opt.clip_grad_norm(0.05))
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 0.05))
+        log.append(norm if math.isfinite(norm) else None)  # inf or nan: the skipped step
         scaler.step(opt)
         scaler.update()
         log.append(scaler.get_scale())
         opt.zero_grad()
     return _train(pair, body)
+
+
+def grad_scaler(rank, stage):
+    return _grad_scaler(rank, stage, own_clip=False)
 
 
 def grad_scaler_own_clip(rank, stage):
-    # The same with opt.clip_grad_norm in between on our side: on the overflowing step it returns the inf/nan
-    # norm, as torch's does, instead of raising (Note [GradScaler owns the inf]), and the step is skipped.
-    pair = Pair(rank, stage)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) for _ in range(2)]
-
-    def body(wrapper, opt, module, step, log):
-        scaler = scalers[0 if opt is pair.ref_opt else 1]
-        loss = pair.loss(wrapper, step)
-        if step == 2 and rank == 1:
-            loss = loss * 1e38
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        if opt is pair.ref_opt:
-            norm = torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 0.05)
-        else:
-            norm = opt.clip_grad_norm(0.05)
-        log.append(float(norm) if math.isfinite(float(norm)) else None)  # inf or nan: skipped
-        scaler.step(opt)
-        scaler.update()
-        log.append(scaler.get_scale())
-        opt.zero_grad()
-    return _train(pair, body)
+    return _grad_scaler(rank, stage, own_clip=True)
 
 
 def ema_after_step_overlap_gather(rank, stage):
