@@ -173,6 +173,15 @@ def _mesh_kwargs(rank: int, ws: int, mesh: str) -> dict:
     return {"flat": {"node_aware": False}, "node_aware": {"node_aware": True}, "hybrid": {"shard_group": "node"}}[mesh]
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _batch(step: int, rank: int, k: int):
+    """Micro-batch k of a rank at a step (train, amp and precision)."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+    return torch.randint(0, VOCAB, (2, 3), generator=g), torch.randint(0, VOCAB, (2, 3), generator=g)
+
+
 def _close(a: float, b: float) -> bool:
     if not (math.isfinite(a) and math.isfinite(b)):  # a skipped step's inf/nan norm (GradScaler): the same on both
         return a == b or (a != a and b != b)
@@ -203,7 +212,7 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
     except REFUSALS as e:
         return ["REFUSED: " + str(e)[:300]]
     scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (ref_opt, opt)] if loop["sched"] else []
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(loop.get("amp"))  # the amp mode (below)
+    amp = _DTYPES.get(loop.get("amp"))  # the amp mode (below)
     scalers = {id(o): torch.amp.GradScaler("cpu", init_scale=loop["init_scale"]) for o in (ref_opt, opt)} if amp else {}
     loss_fn = nn.CrossEntropyLoss()
     fails = []
@@ -213,8 +222,7 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
             micro = 1 if loop["accum"] == "none" else 2
             scaler = scalers.get(id(o))
             for k in range(micro):
-                g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
-                x, y = torch.randint(0, VOCAB, (2, 3), generator=g), torch.randint(0, VOCAB, (2, 3), generator=g)
+                x, y = _batch(step, rank, k)
                 quiet = loop["accum"] == "no_sync" and k < micro - 1 and hasattr(wrapper, "no_sync")
                 with wrapper.no_sync() if quiet else contextlib.nullcontext():
                     with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
@@ -427,17 +435,11 @@ def _loss_scale_arg(name):
             "overflow": dict(loss_scale=shardopt.LossScaleConfig(init_scale=2.0 ** 20))}[name]
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _CLIP = 0.3
 
 
-def _precision_batch(step, rank, k):
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
-    return torch.randint(0, VOCAB, (2, 3), generator=g), torch.randint(0, VOCAB, (2, 3), generator=g)
-
-
 def _precision_loss(model, spec, step, rank, k, micro):
-    x, y = _precision_batch(step, rank, k)
+    x, y = _batch(step, rank, k)
     out = model(x, _uses_branch(spec["model"]["branch_mode"], step, rank)).float()
     return nn.CrossEntropyLoss()(out.reshape(-1, VOCAB), y.reshape(-1)) / micro
 
