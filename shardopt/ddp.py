@@ -488,7 +488,8 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
         ctx.__exit__(None, None, None)
 
     def load_and_free(mod, incompatible):
-        whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values, masters too
+        whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
+        optimizer._load_master_from_model()  # and the masters, whole (Note [Writing back keeps the master's bits])
 
     handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
     handles.append(module.register_state_dict_post_hook(copy_and_free))

@@ -86,10 +86,11 @@ class GradSync:
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
         # Note [The step's flags ride the end of backward]: what the last end-of-backward all-reduce said
-        # (used anywhere, some rank reached a parameter, some rank saw inf/nan), and this rank's p.grad
-        # replacements since then (parameter -> has a gradient now). None: finish() all-reduces them.
-        self.flags_at_end: tuple[torch.Tensor, bool, bool] | None = None
-        self.replaced_since: dict[int, bool] = {}
+        # (used anywhere, some rank reached a parameter, some rank saw inf/nan, and per parameter whether its
+        # gradient holds inf/nan), and this rank's p.grad replacements since then (parameter -> (has a
+        # gradient now, it holds inf/nan)). None: finish() all-reduces them.
+        self.flags_at_end: tuple[torch.Tensor, bool, bool, torch.Tensor] | None = None
+        self.replaced_since: dict[int, tuple[bool, bool]] = {}
         # The index of the parameters with a gradient in the order clip totals sum their norms (Note [Norms
         # summed in the model's order]; the shard holds that order), kept until that set changes.
         self._norm_pick: tuple[torch.Tensor, torch.Tensor] | None = None  # (who had a gradient, its index)
@@ -197,7 +198,8 @@ class GradSync:
     # Nothing between the end of the last backward and step() changes them, except user code
     # replacing p.grad (reconcile: None clears a parameter's gradient, a tensor gives it one). So the
     # end-of-backward all-reduce carries the three answers too, and finish() takes them from there,
-    # with this rank's replacements since then applied on top: for a loop that does the same on every
+    # with this rank's replacements since then applied on top (the inf/nan answer per parameter, from the
+    # norms that all-reduce sums: Note [A replaced gradient brings its own inf]): for a loop that does the same on every
     # rank, as DDP requires, that is exactly what a second all-reduce (MAX over ranks) would give. Each
     # rank decides alone, and every rank decides the same (no collective can go missing on one rank):
     # every step's end_backward() all-reduces, also on a rank with no backward (finish() calls it),
@@ -240,7 +242,9 @@ class GradSync:
                                 "end-of-backward (which parameters have gradients, their norms, the step's flags)")
             had, squares = stats[:n], stats[n:2 * n]
             reached_any, found = (stats[3 * n:] > 0).tolist()
-            self.flags_at_end = (stats[2 * n:3 * n] > 0, reached_any, found)
+            # A parameter's summed squares are inf/nan exactly when some rank's pieces of it are (float64
+            # squares of the master dtype's values do not overflow): which gradient holds the inf, for free.
+            self.flags_at_end = (stats[2 * n:3 * n] > 0, reached_any, found, ~torch.isfinite(squares))
         elif several:
             # Note [Norms live with the gradients] in sharded_grad.py: the flags are read here, the norms are not.
             comm.all_reduce(squares, self.world_group, "end-of-backward (the gradients' norms)")
@@ -273,26 +277,28 @@ class GradSync:
             if p.grad is None:
                 cleared.append(i)
                 self.installed[i] = None
-                self.replaced_since[i] = False
+                self.replaced_since[i] = (False, False)
             else:
+                # Gradients on the host: whether it holds inf/nan is read here, for finish() (Note [A
+                # replaced gradient brings its own inf]); on a device the flag is recomputed below.
+                bad = self.flags_at_end is not None and bool((~torch.isfinite(p.grad)).any())
                 self.shard.assign(i, p.grad)
                 self.engine.note_used(i)
                 p.grad = handle
-                self.replaced_since[i] = True
-        if not cleared:
-            return
-        if not any(isinstance(h, ShardedGrad) for h in self.installed):
+                self.replaced_since[i] = (True, bad)
+        if cleared and not any(isinstance(h, ShardedGrad) for h in self.installed):
             # model.zero_grad(): every gradient there was is cleared (parameters that got none, unused or on
             # a branch not taken, had nothing to clear): the same as opt.zero_grad(), the inf/nan flag of a
             # skipped step included (Note [A cleared gradient forgets its inf]).
             self.zero(set_to_none=True)
             return
-        used = self.engine.used()  # the engine's own flags: cleared in place
-        self.shard.zero(cleared)
-        idx = torch.tensor(cleared, dtype=torch.long)
-        used[idx] = 0
-        self.last_used[idx] = False
-        self.shard.kept[idx] = False
+        if cleared:
+            used = self.engine.used()  # the engine's own flags: cleared in place
+            self.shard.zero(cleared)
+            idx = torch.tensor(cleared, dtype=torch.long)
+            used[idx] = 0
+            self.last_used[idx] = False
+            self.shard.kept[idx] = False
         # Note [A cleared gradient forgets its inf]
         # The engine's inf/nan flag is set while gradients are reduced and cleared by zero_grad. After a
         # skipped step (fp16 loss scaling) the gradients still hold the inf/nan; if user code then clears
@@ -301,6 +307,13 @@ class GradSync:
         # some are cleared, what is kept may still hold one: the flag becomes whether this rank's shard does
         # (the reduced inf/nan lands in the shard of the rank that owns it; finish() takes the max over
         # ranks). No host read: the flag stays a tensor.
+        # Note [A replaced gradient brings its own inf]
+        # The same holds the other way: a tensor the user puts in p.grad between backward and step may hold
+        # inf/nan, and the step must see it (skip under loss scaling, raise under nonfinite='raise'), not
+        # write it into the weights (seen: every weight inf after one such step, every later step skipped).
+        # Here the engine's flag is recomputed from the shard after any replacement; with gradients on the
+        # host, finish() takes the answer from the end-of-backward norms and the replacements instead
+        # (Note [The step's flags ride the end of backward]).
         found = self.engine.found_nonfinite()
         found.copy_((~torch.isfinite(self.shard_grad)).any().to(found.device, found.dtype).reshape(found.shape))
 
@@ -316,10 +329,13 @@ class GradSync:
                 self.end_backward(reached=False)
                 self.backwards = 0
             if self.flags_at_end is not None:  # Note [The step's flags ride the end of backward]
-                used, reached, found = self.flags_at_end
+                used, reached, found, bad = self.flags_at_end
                 if self.replaced_since:
-                    used = used.clone()
-                    used[list(self.replaced_since)] = torch.tensor(list(self.replaced_since.values()))
+                    idx = list(self.replaced_since)
+                    now = torch.tensor(list(self.replaced_since.values()))  # (has a gradient, holds inf/nan)
+                    used, bad = used.clone(), bad.clone()
+                    used[idx], bad[idx] = now[:, 0], now[:, 1]
+                    found = bool(bad.any())  # Note [A replaced gradient brings its own inf]
             else:  # gradients on a device: one small all-reduce of the flags
                 local = engine.used().bool() | self.shard.kept
                 flags = torch.cat([local.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),

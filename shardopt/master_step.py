@@ -85,6 +85,28 @@ class MasterStep:
             for model_chunk, master_chunk in self.chunks:
                 master_chunk.copy_(model_chunk)
 
+    # Note [Writing back keeps the master's bits]
+    # ----------------------------------------------
+    # opt.full_params() hands out the model's weights: with a bf16/fp16 model (or the bf16 parameter hop)
+    # each is its master value rounded. A block that only reads them (an EMA, logging, generate()) must
+    # leave the masters as they are: taking the model's values back wholesale rounded every master to the
+    # model's dtype, so with a peek after every step a bf16 model at lr 1e-4 did not train at all (each
+    # step's update is below half a bf16 ulp and was rounded away; seen at stages 1-3, 2026-11-27). So
+    # writing back takes only the elements the block changed: those whose model value is no longer the
+    # master's rounding. An element written to the value it already had keeps its master, which rounds to
+    # it. Loading a state dict is different: there the model's values are the new truth, whole
+    # (load_from_model).
+    @torch.no_grad()
+    def take_model_writes(self) -> None:
+        """Master chunks take the model's values where user code changed them (Note above)."""
+        if self.master is None:
+            return  # the model's chunks are the optimizer's parameters
+        for model_chunk, master_chunk in self.chunks:
+            model = model_chunk.to(master_chunk.device)
+            rounded = master_chunk if self.round_to is None else master_chunk.to(self.round_to)
+            written = model != rounded.to(model.dtype)
+            master_chunk.copy_(torch.where(written, model.to(master_chunk.dtype), master_chunk))
+
     @torch.no_grad()
     def copy_to_model(self, ops) -> bool:
         """Master chunks cast into the model's chunks; True if some copy may still be running on the device."""

@@ -473,7 +473,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         logging, generate() on the bare module. At stage 3 it gathers every
         bucket and frees them on exit; at stages 1-2 parameters are whole
         anyway (it waits for gathers in flight). writeback=True: values written
-        inside become the parameters' values (master weights included).
+        inside become the parameters' values (master weights included); with a
+        bf16/fp16 model, elements left alone keep their fp32 master (Note
+        [Writing back keeps the master's bits] in master_step.py).
         """
         self.wait_params()
         if self.param_shard is None:
@@ -482,7 +484,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with self.param_shard.gathered(writeback):
                 yield
         if writeback:
-            self.stepper.load_from_model()
+            self.stepper.take_model_writes()
 
     def _grads_and_rounds(self) -> torch.Tensor:
         """Gradients reduced, and at stage 3 every backward round walked (Note [Stage-3 schedule])."""

@@ -369,6 +369,109 @@ def test_model_zero_grad_after_a_skipped_step_clears_the_inf():
             assert torch.equal(p, q)
 
 
+def _replaced_between_backward_and_step(rank, world_size):
+    """Per stage: parameter 0's p.grad replaced after backward, before step (fp16 with loss scaling, and fp32)."""
+    from shardopt import LossScaleConfig
+
+    out = {}
+    for stage in (1, 2, 3):
+        for dtype, case in ((torch.float16, "poison, then clear"), (torch.float16, "clear"),
+                            (torch.float16, "assign inf"), (torch.float16, "poison the loss"),
+                            (torch.float32, "poison, then clear"), (torch.float32, "assign inf")):
+            torch.manual_seed(0)
+            model = AwkwardNet().to(dtype)
+            kw = {"loss_scale": LossScaleConfig(init_scale=2.0 ** 8)} if dtype == torch.float16 else {}
+            opt, wrapper = _sharded(model, optim=torch.optim.SGD, lr=5e-2, momentum=0.9, stage=stage, **kw)
+            victim = next(model.parameters())
+            skipped, raised = [], None
+            for step in range(4):
+                hook = victim.register_hook(lambda g: g * math.inf) if step == 1 and "poison," in case else None
+                loss = _loss(wrapper, step, rank)
+                if step == 1 and case == "poison the loss":
+                    loss = loss * math.inf
+                (opt.scale_loss(loss) if dtype == torch.float16 else loss).backward()
+                if hook is not None:
+                    hook.remove()
+                if step == 1 and "clear" in case:
+                    victim.grad = None
+                if step == 1 and case == "assign inf":
+                    with opt.full_params():
+                        victim.grad = torch.full_like(victim, math.inf)
+                try:
+                    opt.step()
+                except FloatingPointError as e:
+                    raised = (step, str(e))
+                    break
+                skipped.append(opt.last_step_skipped)
+                opt.zero_grad()
+            with opt.full_params():
+                out[stage, dtype, case] = (skipped, raised, [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_a_gradient_replaced_before_step_decides_the_skip():
+    # Note [A replaced gradient brings its own inf] in grad_sync.py: the step's inf/nan answer came from the
+    # end of backward, so an inf put in p.grad afterwards was written into the weights (the step was not
+    # skipped, and every later one was), and a cleared inf still skipped (fp16) or raised (fp32) the step.
+    for out in run_ranks(_replaced_between_backward_and_step, 2):
+        for stage in (1, 2, 3):
+            clear, poisoned_clear = out[stage, torch.float16, "clear"], out[stage, torch.float16, "poison, then clear"]
+            assert poisoned_clear[0] == clear[0] == [False] * 4, (stage, poisoned_clear[0], clear[0])
+            assert all(torch.equal(p, q) for p, q in zip(poisoned_clear[2], clear[2])), stage
+            assigned, poisoned = out[stage, torch.float16, "assign inf"], out[stage, torch.float16, "poison the loss"]
+            assert assigned[0] == poisoned[0] == [False, True, False, False], (stage, assigned[0], poisoned[0])
+            assert all(torch.equal(p, q) for p, q in zip(assigned[2], poisoned[2])), stage
+            skipped, raised, _ = out[stage, torch.float32, "poison, then clear"]
+            assert raised is None and skipped == [False] * 4, (stage, raised)
+            skipped, raised, weights = out[stage, torch.float32, "assign inf"]
+            assert raised is not None and raised[0] == 1 and "inf or nan" in raised[1], (stage, raised)
+            assert all(torch.isfinite(p).all() for p in weights), stage
+
+
+def _peeking_at_weights(rank, world_size):
+    """Per (stage, offload): masters after 6 steps of a bf16 model, without and with a full_params() block after
+    every step (reading only; the last one writes one element), and what a stage-3 load_state_dict leaves."""
+    out = {}
+    for stage, offload in ((1, "none"), (2, "none"), (2, "cpu"), (3, "none")):
+        runs = {}
+        for peek in (False, True):
+            torch.manual_seed(0)
+            model = AwkwardNet().to(torch.bfloat16)
+            opt, wrapper = _sharded(model, optim=torch.optim.AdamW, lr=1e-4, stage=stage, offload=offload)
+            for step in range(6):
+                _loss(wrapper, step, rank).backward()
+                opt.step()
+                opt.zero_grad()
+                if peek:
+                    with opt.full_params():
+                        sum(p.float().sum() for p in model.parameters())  # an EMA or a log line reads them
+            if peek:  # a write: that element takes the written value
+                with opt.full_params():
+                    first = next(model.parameters())
+                    first.data.view(-1)[0] = 0.5
+            runs[peek] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
+            if peek and stage == 3:  # a load replaces the masters whole: they become the loaded bf16 values
+                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+                runs["loaded"] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
+        out[stage, offload] = runs
+    return out
+
+
+def test_reading_weights_in_full_params_keeps_the_fp32_masters():
+    # Note [Writing back keeps the master's bits] in master_step.py: leaving full_params() took the bf16
+    # weights back into the fp32 masters, so a model peeked at after every step trained at lr 1e-4 not at all.
+    outs = run_ranks(_peeking_at_weights, 2)
+    for key in outs[0]:
+        written = []  # (rank, value) of every master element that differs: the one element written, only
+        for rank, out in enumerate(outs):
+            plain, peeked = out[key][False], out[key][True]
+            assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in plain), "masters hold fp32 bits"
+            written += [(rank, b[a != b].tolist()) for a, b in zip(plain, peeked) if not torch.equal(a, b)]
+            if key[0] == 3:
+                assert all(torch.equal(m, m.to(torch.bfloat16).float()) for m in out[key]["loaded"])
+        assert len(written) == 1 and written[0][1] == [0.5], (key, written)
+
+
 # ------------------------------------------------------------ inf/nan policy
 def _nonfinite(rank, world_size, dtype, nonfinite):
     import warnings
