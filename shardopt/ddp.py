@@ -450,6 +450,7 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
         if saved:
             saved.pop().__exit__(None, None, None)
         shard.end_forward(torch.is_grad_enabled())
+        optimizer._note_model_version()  # a compiled forward counts as an edit (Note [Weights edited in place])
 
     handles.append(module.register_forward_pre_hook(begin))
     handles.append(module.register_forward_hook(end, always_call=True))

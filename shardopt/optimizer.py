@@ -46,6 +46,7 @@ from shardopt.sharded_param import ParamShard
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 _DTYPE = operator.attrgetter("dtype")
+_VERSION = operator.attrgetter("_version")
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -200,6 +201,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                   master_dtype=self.master_dtype, offloaded=offloaded, round_to=self.param_round,
                                   pin=offloaded and self.config.pin_memory, ops=self._ops)
         self.master, self.inner = self.stepper.master, self.stepper.inner
+        # Note [Weights edited in place]: whether an in-place edit of a parameter misses the optimizer.
+        self._edits_watched = self.param_shard is not None or self.master is not None
+        self._note_model_version()
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
         self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase,
                                    self.param_shard)
@@ -415,6 +419,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Master chunks take the model's values (at construction, after ShardedDDP's broadcast, a load)."""
         self.wait_params()
         self.stepper.load_from_model()
+        self._note_model_version()
+
+    # Note [Weights edited in place]
+    # ------------------------------
+    # Under DDP, code between steps may change weights in place: `with torch.no_grad(): p.clamp_(-c, c)`
+    # (WGAN), `p.copy_(pretrained)`, `nn.init.*_(p)`, `model.apply(init)`; the next step starts from the
+    # new values. Where this rank's chunks of the model are the optimizer's parameters (an fp32 model at
+    # stages 1-2, not offloaded), that holds here too. With separate master weights (a bf16/fp16 model,
+    # offload, the bf16 parameter hop: Note [Master weights] in master_step.py) the next step started from
+    # the masters and wrote them over the edit: silently undone (seen, 2026-11-27: weights clamped to 0.01
+    # were back at 4.1 one step later). torch counts in-place changes per tensor (`p._version`: ops on p,
+    # on p.detach(), nn.init); ShardedOptimizer's own writes go through the flat buffer's views and do not
+    # count. So before each forward (ShardedDDP) and each step, if the parameters' counts moved, this rank's
+    # master chunks take the edited elements (Note [Writing back keeps the master's bits]); a sum of the
+    # counts, when nothing moved, is the whole cost (0.6 ms at 8000 tensors). At stage 3 a parameter is an
+    # empty tensor between uses, so such an edit changed nothing: refused, naming full_params(); a stage-3
+    # forward under torch.compile moves the counts itself (seen on torch 2.13), so they are noted again at
+    # each forward's end (ddp.py), and a forward sees only what changed since the last forward or step.
+    # Writes through `p.data` are not counted by torch, and stay invisible (docs/guide.md says so).
+    def _note_model_version(self) -> None:
+        """The parameters' in-place change counts now hold no edit the optimizer has not taken."""
+        self._model_versions = list(map(_VERSION, self._params)) if self._edits_watched else None
+
+    def _take_model_edits(self, names: list[str] | None = None) -> None:
+        """Masters take the weights user code changed in place since the last look (Note above)."""
+        if not self._edits_watched:
+            return
+        versions = list(map(_VERSION, self._params))  # C loops, as the check above
+        if versions == self._model_versions:
+            return
+        if self.param_shard is not None:
+            i = next(i for i, (v, w) in enumerate(zip(versions, self._model_versions)) if v != w)
+            self._note_model_version()
+            name = f"parameter '{names[i]}'" if names else f"parameter {i} (shape {self.layout.params[i].shape})"
+            raise RuntimeError(
+                f"{name} was changed in place outside a forward (with torch.no_grad(): p.op_(), p.copy_(...), "
+                f"nn.init): at stage 3 a parameter is an empty tensor between uses, so the change did "
+                f"nothing. Make it inside `with opt.full_params():` (every rank), which gathers the weights "
+                f"and keeps what the block writes.")
+        self.wait_params()
+        self.stepper.take_model_writes()
+        self._note_model_version()
 
     def _publish_params(self, copy_master: bool = True, defer: bool = False) -> None:
         """Every rank's updated chunks into the model (a collective; publish.py)."""
@@ -432,10 +478,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # gathered and an empty tensor between uses (Note [Parameters between
     # gathers] in sharded_param.py); anything else was put there by user code.
     def check_params_in_place(self, names: list[str] | None = None) -> None:
-        """Raises if a managed parameter no longer lives in the flat buffer (see the Note above)."""
+        """Raises if a managed parameter no longer lives in the flat buffer (see the Note above); takes
+        weights edited in place into the masters (Note [Weights edited in place])."""
         # Every forward: C loops over the parameters when nothing moved (the usual case).
         if self.param_shard is None and list(map(torch.Tensor.data_ptr, self._params)) == self._param_ptrs \
                 and all(map(self.dtype.__eq__, map(_DTYPE, self._params))):
+            self._take_model_edits(names)
             return
         for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
             moved = not self.param_shard.in_place(i) if self.param_shard is not None else p.data_ptr() != ptr
@@ -447,6 +495,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"model.to(dtype), model.half() or model.float() after wrapping cut it loose from the "
                     f"optimizer's flat buffer. Cast or move the model first, then build ShardedOptimizer and "
                     f"ShardedDDP; to change values, copy in place (with torch.no_grad(): p.copy_(new)).")
+        self._take_model_edits(names)
 
     def wait_params(self) -> None:
         """Returns once every parameter holds the last step's value on this rank.
@@ -485,6 +534,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 yield
         if writeback:
             self.stepper.take_model_writes()
+        self._note_model_version()  # the block's in-place writes are taken (or, writeback=False, dropped)
 
     def _grads_and_rounds(self) -> torch.Tensor:
         """Gradients reduced, and at stage 3 every backward round walked (Note [Stage-3 schedule])."""
