@@ -128,7 +128,7 @@ def draw_config(r: random.Random) -> dict:
 def draw_train(seed: int) -> dict:
     r = random.Random(seed)
     ws = r.choice([1, 2, 2, 2, 3, 3, 4])
-    return dict(seed=seed, ws=ws, model=draw_model(r, r.randint(1, 4)), config=draw_config(r),
+    spec = dict(seed=seed, ws=ws, model=draw_model(r, r.randint(1, 4)), config=draw_config(r),
                 mesh=r.choice(["flat", "node_aware", "hybrid"]) if ws == 4 else "flat",
                 optim=r.choice(["adamw", "sgd", "sgd_nesterov", "adam", "cpuadam"]),
                 loop=dict(clip=r.choice(["none", "own", "torch", "torch_value"]),
@@ -136,6 +136,36 @@ def draw_train(seed: int) -> dict:
                           accum=r.choice(["none", "none", "no_sync", "plain"]),
                           zero=r.choice(["optimizer", "keep", "model"]), groups=r.choice(["one", "decay", "lr"]),
                           sched=r.random() < 0.5, eval=r.random() < 0.3, steps=r.randint(3, 8)))
+    spec["loop"]["between"] = _draw_between(seed, ["none", "none", "peek", "edit", "replace"])
+    return spec
+
+
+def _draw_between(seed: int, choices: list[str]) -> str:
+    """What user code does between backward and the next forward (see _between): from a generator of its own,
+    so that the rest of a seed's draw is what it was before this was drawn."""
+    return random.Random(seed + 2 * 10 ** 6).choice(choices)
+
+
+def _between(when: str, how: str, step: int, opt, model: nn.Module, sharded: bool) -> None:
+    """User code between steps, the same on both sides; `sharded`: this is shardopt's side.
+    peek: shardopt's weights read in full_params() (they must not change: Note [Writing back keeps the
+    master's bits]); edit: weights clamped in place after a step (Note [Weights edited in place]); replace: a
+    gradient replaced by a tensor and another cleared before the step (Note [A replaced gradient brings its own
+    inf]). At stage 3 weights and replacement gradients are whole only inside full_params()."""
+    whole = opt.full_params() if sharded and opt.param_shard is not None else contextlib.nullcontext()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if when == "after_step" and how == "peek" and sharded:
+        with opt.full_params(), torch.no_grad():
+            sum(float(p.sum()) for p in model.parameters())
+    elif when == "after_step" and how == "edit" and step % 2 == 0:
+        with whole, torch.no_grad():
+            for p in params:
+                p.clamp_(-0.15, 0.15)
+    elif when == "before_step" and how == "replace":
+        with whole:
+            params[0].grad = torch.full_like(params[0], 0.01 * (step + 1))
+        if len(params) > 1 and step % 2:
+            params[-1].grad = None
 
 
 def _optim(name: str):
@@ -230,6 +260,7 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
                     loss = loss_fn(out.float().reshape(-1, VOCAB), y.reshape(-1)) / micro
                     (scaler.scale(loss) if scaler else loss).backward()
                 seen.append(("loss", loss.item()))
+            _between("before_step", loop["between"], step, o, m, o is opt)
             clip, order = loop["clip"], loop["norm_type"]
             if scaler and clip != "none":
                 scaler.unscale_(o)
@@ -249,6 +280,8 @@ def _train_rank(rank: int, ws: int, spec: dict) -> list[str]:
                 m.zero_grad()
             else:
                 o.zero_grad(set_to_none=loop["zero"] == "optimizer")
+            if step < loop["steps"] - 1:  # a step follows each edit
+                _between("after_step", loop["between"], step, o, m, o is opt)
         for s in scheds:
             s.step()
         half = len(seen) // 2
@@ -424,7 +457,7 @@ def draw_precision(seed: int) -> dict:
                 loop=dict(clip=r.choice(["none", "own", "torch", "option"]),
                           accum=r.choice(["none", "no_sync", "plain"]),
                           zero=r.choice(["optimizer", "keep", "model"]), groups=r.choice(["one", "decay", "lr"]),
-                          steps=r.randint(3, 8)))
+                          steps=r.randint(3, 8), between=_draw_between(seed, ["none", "peek"])))
 
 
 def _loss_scale_arg(name):
@@ -557,6 +590,7 @@ def _precision_rank(rank: int, ws: int, spec: dict) -> list[str]:
             model.zero_grad()
         else:
             opt.zero_grad(set_to_none=loop["zero"] == "optimizer")
+        _between("after_step", loop["between"], step, opt, model, True)  # a peek: the reference does nothing
     with opt.full_params(writeback=False):
         weights = {n: q.detach().clone() for n, q in model.named_parameters()}
     opt.consolidate_state_dict(to=0)

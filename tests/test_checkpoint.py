@@ -399,6 +399,27 @@ def test_checkpoint_moves_between_offload_and_precision_settings(reference, tmp_
         assert diffs == [], (what, diffs[:5])
 
 
+
+def _edit_then_save(rank, world_size, root):
+    import shardopt
+
+    model, opt, wrapper, sched = _build("adamw", seed=1, offload="cpu")
+    _train(wrapper, opt, sched, range(2), rank, world_size)
+    with torch.no_grad():
+        model.l1.weight.fill_(0.25)  # e.g. pretrained weights copied in: the masters learn of it at the save
+    path = shardopt.save_checkpoint(os.path.join(root, "edited"), wrapper, opt)
+    fresh, opt2, wrapper2, _ = _build("adamw", seed=2, offload="cpu")
+    shardopt.load_checkpoint(path, wrapper2, opt2)
+    return bool((fresh.l1.weight == 0.25).all()), torch.equal(fresh.l2.weight, model.l2.weight)
+
+
+def test_a_weight_edited_in_place_before_a_save_is_saved(tmp_path):
+    # Note [Weights edited in place]: with offload the checkpoint holds the fp32 masters, which had not taken
+    # an edit made since the last step.
+    for edited, rest in run_ranks(_edit_then_save, 2, str(tmp_path)):
+        assert edited and rest
+
+
 # ------------------------------------------------------------------- stage 3
 def _stage3_resume_and_save(rank, world_size, root, full_dicts):
     """Stage 3 at world size 3 loads the stage-2 checkpoint (and the whole state dicts), then saves its own."""
