@@ -63,7 +63,7 @@ class GradSync:
     """What a ShardedOptimizer knows about gradients between two steps."""
 
     def __init__(self, params: list, stage: int, grad_views: list, shard_grad: torch.Tensor, grad_shard: GradShard,
-                 world_group, replicas: int, nonfinite: str, phase: dict):
+                 world_group, replicas: int, nonfinite: str, phase: dict, loss_scaled: bool = False):
         self.params = params
         self.shard_grad = shard_grad  # this rank's chunks of the averaged gradient, concatenated
         self.stage = stage
@@ -73,6 +73,9 @@ class GradSync:
         self.world_group = world_group
         self.replicas = replicas
         self.nonfinite = nonfinite
+        # Without loss scaling an inf that clip_grad_value_ clamped away is gone (Note [A clamped gradient loses
+        # its inf]); with it, the inf says the scale overflowed, and the step is skipped whatever came after.
+        self.clamp_clears_inf = not loss_scaled
         self.phase = phase
         self.engine = None         # created by ShardedDDP (it knows the model's parameter order)
         self.attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
@@ -88,8 +91,9 @@ class GradSync:
         # Note [The step's flags ride the end of backward]: what the last end-of-backward all-reduce said
         # (used anywhere, some rank reached a parameter, some rank saw inf/nan, and per parameter whether its
         # gradient holds inf/nan), and this rank's p.grad replacements since then (parameter -> (has a
-        # gradient now, it holds inf/nan)). None: finish() all-reduces them.
-        self.flags_at_end: tuple[torch.Tensor, bool, bool, torch.Tensor] | None = None
+        # gradient now, it holds inf/nan)); the last item: per parameter, whether it holds nan. None: finish()
+        # all-reduces them.
+        self.flags_at_end: tuple[torch.Tensor, bool, bool, torch.Tensor, torch.Tensor] | None = None
         self.replaced_since: dict[int, tuple[bool, bool]] = {}
         # The index of the parameters with a gradient in the order clip totals sum their norms (Note [Norms
         # summed in the model's order]; the shard holds that order), kept until that set changes.
@@ -244,12 +248,14 @@ class GradSync:
             reached_any, found = (stats[3 * n:] > 0).tolist()
             # A parameter's summed squares are inf/nan exactly when some rank's pieces of it are (float64
             # squares of the master dtype's values do not overflow): which gradient holds the inf, for free.
-            self.flags_at_end = (stats[2 * n:3 * n] > 0, reached_any, found, ~torch.isfinite(squares))
+            self.flags_at_end = (stats[2 * n:3 * n] > 0, reached_any, found, ~torch.isfinite(squares),
+                                 torch.isnan(squares))
         elif several:
             # Note [Norms live with the gradients] in sharded_grad.py: the flags are read here, the norms are not.
             comm.all_reduce(squares, self.world_group, "end-of-backward (the gradients' norms)")
             comm.all_reduce(had, self.world_group, "end-of-backward (which parameters have gradients)")
         self.shard.set_norms(2.0, (squares / self.replicas).sqrt())
+        self.shard.forget_clamps()  # the gradients' inf/nan are known afresh
         has = (had > 0).tolist()
         self.handles_out = True
         if all(has):  # the usual case: every parameter has a gradient
@@ -329,7 +335,10 @@ class GradSync:
                 self.end_backward(reached=False)
                 self.backwards = 0
             if self.flags_at_end is not None:  # Note [The step's flags ride the end of backward]
-                used, reached, found, bad = self.flags_at_end
+                used, reached, found, bad, nan = self.flags_at_end
+                if found and self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient ...]
+                    bad = torch.where(self.shard.clamped.all(dim=1), nan, bad)
+                    found = bool(bad.any())
                 if self.replaced_since:
                     idx = list(self.replaced_since)
                     now = torch.tensor(list(self.replaced_since.values()))  # (has a gradient, holds inf/nan)
@@ -337,6 +346,10 @@ class GradSync:
                     used[idx], bad[idx] = now[:, 0], now[:, 1]
                     found = bool(bad.any())  # Note [A replaced gradient brings its own inf]
             else:  # gradients on a device: one small all-reduce of the flags
+                if self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
+                    found_here = engine.found_nonfinite()
+                    found_here.copy_((~torch.isfinite(self.shard_grad)).any().to(found_here.device, found_here.dtype)
+                                     .reshape(found_here.shape))
                 local = engine.used().bool() | self.shard.kept
                 flags = torch.cat([local.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
                                    engine.found_nonfinite().cpu().to(torch.int32)])
@@ -349,6 +362,15 @@ class GradSync:
             self.global_used = used
             self.last_used |= self.global_used
             self.found_nonfinite = bool(found)
+            # Note [A clamped gradient loses its inf]
+            # Under DDP an inf gradient that clip_grad_value_ clamps becomes the bound, and the step uses it; a
+            # nan stays nan. Here the step's inf/nan answer came from the end of backward, so such a step was
+            # refused (nonfinite='raise', the default for fp32/bf16: FloatingPointError) or skipped ('skip')
+            # where DDP trains on. So, without loss scaling, a parameter clamped from both sides by finite
+            # bounds since its last backward counts as nonfinite only if it holds a nan: the end-of-backward
+            # sums of squares say which do (inf squared is inf, never nan), with no collective. One-sided clamps
+            # keep the answer as it was. With loss scaling an inf means the scale overflowed and the step is
+            # skipped, as GradScaler decides at unscale_, before any clip.
             # Note [GradScaler owns the inf]
             # nonfinite="raise" (fp32 and bf16 models) stops a diverged run. Under torch.amp.GradScaler an
             # inf/nan is how a too-large scale shows: once scaler.unscale_(opt) went over these gradients (its
@@ -364,6 +386,7 @@ class GradSync:
 
     def end_step(self) -> None:
         self.shard.unscaled_by_amp = False
+        self.shard.forget_clamps()
         self.backwards = 0
         self.global_used = None
         self.found_nonfinite = False
@@ -373,6 +396,7 @@ class GradSync:
     def zero(self, set_to_none: bool) -> None:
         """Forgets accumulated gradients: the engine's, the shard's and every managed p.grad."""
         self.shard.unscaled_by_amp = False
+        self.shard.forget_clamps()
         if not set_to_none and self.engine is not None:
             self.reconcile()
             self.shard.kept |= self.had_grad()

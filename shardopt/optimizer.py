@@ -215,7 +215,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                self.world_size, lambda: self.grads.had_grad(),
                                [slot.shape for slot in self.layout.params], device=self.shard_grad.device)
         self.grads = GradSync(self._params, self.config.stage, self._grad_views, self.shard_grad, grad_shard,
-                              self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase)
+                              self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase,
+                              loss_scaled=self.loss_scaler is not None)
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
         self.onebit = _onebit.OneBitRoom(self, onebit_config) if onebit_config is not None else None
         self.skipped_steps = 0

@@ -343,6 +343,10 @@ class GradShard:
         # GradScaler.unscale_ went over these gradients since they were last zeroed: an inf/nan is then the
         # scaler's to handle (it skips the step), not a divergence (Note [GradScaler owns the inf]).
         self.unscaled_by_amp = False
+        # Per parameter: clamped since the last backward by a finite lower / upper bound (clip_grad_value_):
+        # an inf there is gone (Note [A clamped gradient loses its inf] in grad_sync.py). `clamped_any`: some was.
+        self.clamped = None  # (n, 2) bools, made with the device below
+        self.clamped_any = False
         self.world_size = world_size
         self._params = params
         # Per parameter: [(this rank's piece of the averaged gradient, its first element in the param)].
@@ -351,6 +355,7 @@ class GradShard:
             self._pieces[pc.param].append((g, pc.start - param_offsets[pc.param]))
         self._all = list(piece_grads)  # in piece order, as _piece_param
         self.device = torch.device(device)  # Note [Norms live with the gradients]
+        self.clamped = torch.zeros(len(params), 2, dtype=torch.bool, device=self.device)
         self._piece_param = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.device)
         nonempty = [k for k, g in enumerate(self._all) if g.numel()]
         self._nonempty = [self._all[k] for k in nonempty]
@@ -540,6 +545,18 @@ class GradShard:
             if targets and hi is not None:
                 torch._foreach_clamp_max_(targets, hi)
         self.changed()
+        idx = self._select(indices)
+        for side, bound in enumerate((lo, hi)):
+            if torch.is_tensor(bound):  # a tensor op: no host read
+                self.clamped[idx, side] |= torch.isfinite(bound.to(self.device).reshape(()))
+            elif bound is not None and math.isfinite(bound):
+                self.clamped[idx, side] = True
+        self.clamped_any = True
+
+    def forget_clamps(self) -> None:
+        if self.clamped_any:
+            self.clamped.zero_()
+            self.clamped_any = False
 
     def zero(self, indices) -> None:
         targets = self._targets(indices)

@@ -180,6 +180,23 @@ def clip_grad_value_(rank, stage):
     return _standard(Pair(rank, stage), clip=clip)
 
 
+def clip_grad_value_over_an_inf(rank, stage):
+    # fp32: rank 0's gradient of l2.weight is inf at step 1. clip_grad_value_ clamps it to the bound and the
+    # step uses it, as under DDP; it used to raise FloatingPointError (Note [A clamped gradient loses its inf]).
+    pair = Pair(rank, stage)
+
+    def body(wrapper, opt, module, step, log):
+        poison = step == 1 and rank == 0
+        hook = module.l2.weight.register_hook(lambda g: torch.full_like(g, math.inf)) if poison else None
+        pair.loss(wrapper, step).backward()
+        if hook is not None:
+            hook.remove()
+        torch.nn.utils.clip_grad_value_(module.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    return _train(pair, body)
+
+
 def clip_lists_in_another_order(rank, stage):
     # Lists that are not every gradient in the shard's order (the whole-shard path of _split in
     # sharded_grad.py): one module's gradients clamped, then every gradient clipped in reverse order.
@@ -463,6 +480,7 @@ def reading_sharded_grad_values(rank, stage):
 MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_between_forward_and_backward,
          gradients_replaced_before_step,
          submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
+         clip_grad_value_over_an_inf,
          clip_lists_in_another_order, clip_with_decay_groups,
          grad_norm_logging, grad_norm_logged_on_rank_0_only, no_sync_then_clip_grad_norm_, full_tensor_read,
          zero_grad_set_to_none_false, model_zero_grad_set_to_none_false, backward_twice_before_step,

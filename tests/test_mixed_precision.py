@@ -377,6 +377,7 @@ def _replaced_between_backward_and_step(rank, world_size):
     for stage in (1, 2, 3):
         for dtype, case in ((torch.float16, "poison, then clear"), (torch.float16, "clear"),
                             (torch.float16, "assign inf"), (torch.float16, "poison the loss"),
+                            (torch.float16, "poison the loss, clip by value"),
                             (torch.float32, "poison, then clear"), (torch.float32, "assign inf")):
             torch.manual_seed(0)
             model = AwkwardNet().to(dtype)
@@ -387,7 +388,7 @@ def _replaced_between_backward_and_step(rank, world_size):
             for step in range(4):
                 hook = victim.register_hook(lambda g: g * math.inf) if step == 1 and "poison," in case else None
                 loss = _loss(wrapper, step, rank)
-                if step == 1 and case == "poison the loss":
+                if step == 1 and case.startswith("poison the loss"):
                     loss = loss * math.inf
                 (opt.scale_loss(loss) if dtype == torch.float16 else loss).backward()
                 if hook is not None:
@@ -397,6 +398,8 @@ def _replaced_between_backward_and_step(rank, world_size):
                 if step == 1 and case == "assign inf":
                     with opt.full_params():
                         victim.grad = torch.full_like(victim, math.inf)
+                if case.endswith("clip by value"):  # with loss scaling the overflow still skips the step
+                    torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
                 try:
                     opt.step()
                 except FloatingPointError as e:
@@ -421,6 +424,8 @@ def test_a_gradient_replaced_before_step_decides_the_skip():
             assigned, poisoned = out[stage, torch.float16, "assign inf"], out[stage, torch.float16, "poison the loss"]
             assert assigned[0] == poisoned[0] == [False, True, False, False], (stage, assigned[0], poisoned[0])
             assert all(torch.equal(p, q) for p, q in zip(assigned[2], poisoned[2])), stage
+            clipped = out[stage, torch.float16, "poison the loss, clip by value"]
+            assert clipped[0] == [False, True, False, False], (stage, clipped[0])  # Note [A clamped gradient ...]
             skipped, raised, _ = out[stage, torch.float32, "poison, then clear"]
             assert raised is None and skipped == [False] * 4, (stage, raised)
             skipped, raised, weights = out[stage, torch.float32, "assign inf"]
