@@ -371,6 +371,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """One optimizer step on every rank, or a skip on every rank if any rank saw inf/nan (see nonfinite)."""
         self.wait_params()
         self.check_params_in_place()
+        self._take_model_edits()  # Note [Weights edited in place]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -432,12 +433,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # the masters and wrote them over the edit: silently undone (seen, 2026-11-27: weights clamped to 0.01
     # were back at 4.1 one step later). torch counts in-place changes per tensor (`p._version`: ops on p,
     # on p.detach(), nn.init); ShardedOptimizer's own writes go through the flat buffer's views and do not
-    # count. So before each forward (ShardedDDP) and each step, if the parameters' counts moved, this rank's
-    # master chunks take the edited elements (Note [Writing back keeps the master's bits]); a sum of the
-    # counts, when nothing moved, is the whole cost (0.6 ms at 8000 tensors). At stage 3 a parameter is an
+    # count. So before each step (and each save), if the parameters' counts moved, this rank's master chunks
+    # take the edited elements (Note [Writing back keeps the master's bits]); a list of the counts, when
+    # nothing moved, is the whole cost (well under 1 ms at 8000 tensors). Not before each forward: a forward
+    # uses the model's weights as they are anyway, and code that swaps other weights in for an evaluation
+    # and copies the old ones back before training on (an EMA's) leaves nothing changed, so the masters keep
+    # their fp32 bits (taken at the evaluation's forward, they came back rounded). At stage 3 a parameter is an
     # empty tensor between uses, so such an edit changed nothing: refused, naming full_params(); a stage-3
     # forward under torch.compile moves the counts itself (seen on torch 2.13), so they are noted again at
-    # each forward's end (ddp.py), and a forward sees only what changed since the last forward or step.
+    # each forward's end (ddp.py), and a check (at each forward and step) sees only what changed since.
     # Writes through `p.data` are not counted by torch, and stay invisible (docs/guide.md says so).
     def _note_model_version(self) -> None:
         """The parameters' in-place change counts now hold no edit the optimizer has not taken."""
@@ -484,7 +488,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Every forward: C loops over the parameters when nothing moved (the usual case).
         if self.param_shard is None and list(map(torch.Tensor.data_ptr, self._params)) == self._param_ptrs \
                 and all(map(self.dtype.__eq__, map(_DTYPE, self._params))):
-            self._take_model_edits(names)
             return
         for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
             moved = not self.param_shard.in_place(i) if self.param_shard is not None else p.data_ptr() != ptr
@@ -496,7 +499,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"model.to(dtype), model.half() or model.float() after wrapping cut it loose from the "
                     f"optimizer's flat buffer. Cast or move the model first, then build ShardedOptimizer and "
                     f"ShardedDDP; to change values, copy in place (with torch.no_grad(): p.copy_(new)).")
-        self._take_model_edits(names)
+        self._take_model_edits(names)  # stage 3: an edit outside full_params() did nothing (refused)
 
     def wait_params(self) -> None:
         """Returns once every parameter holds the last step's value on this rank.

@@ -435,11 +435,12 @@ def test_a_gradient_replaced_before_step_decides_the_skip():
 
 def _peeking_at_weights(rank, world_size):
     """Per (stage, offload): masters after 6 steps of a bf16 model, without and with a full_params() block after
-    every step (reading only; the last one writes one element), and what a stage-3 load_state_dict leaves."""
+    every step (reading only; the last one writes one element), with weights swapped out for an evaluation and
+    back after every step, and what a stage-3 load_state_dict leaves."""
     out = {}
     for stage, offload in ((1, "none"), (2, "none"), (2, "cpu"), (3, "none")):
         runs = {}
-        for peek in (False, True):
+        for peek in (False, True, "swap"):
             torch.manual_seed(0)
             model = AwkwardNet().to(torch.bfloat16)
             opt, wrapper = _sharded(model, optim=torch.optim.AdamW, lr=1e-4, stage=stage, offload=offload)
@@ -447,15 +448,27 @@ def _peeking_at_weights(rank, world_size):
                 _loss(wrapper, step, rank).backward()
                 opt.step()
                 opt.zero_grad()
-                if peek:
+                if peek is True:
                     with opt.full_params():
                         sum(p.float().sum() for p in model.parameters())  # an EMA or a log line reads them
-            if peek:  # a write: that element takes the written value
+                elif peek == "swap" and stage < 3:  # other weights in for an evaluation, then back (Note [Weights
+                    with torch.no_grad():           # edited in place] in shardopt/optimizer.py)
+                        kept = [p.detach().clone() for p in model.parameters()]
+                        for p in model.parameters():
+                            p.mul_(0.5)
+                        wrapper.eval()
+                        _loss(wrapper, step, rank)
+                        wrapper.train()
+                        for p, k in zip(model.parameters(), kept):
+                            p.copy_(k)
+            if peek is True:  # a write: that element takes the written value
                 with opt.full_params():
                     first = next(model.parameters())
                     first.data.view(-1)[0] = 0.5
             runs[peek] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
-            if peek and stage == 3:  # a load replaces the masters whole: they become the loaded bf16 values
+            if peek == "swap":
+                runs["swap"] = all(torch.equal(a, b) for a, b in zip(runs[False], runs["swap"]))
+            if peek is True and stage == 3:  # a load replaces the masters whole: they become the loaded bf16 values
                 model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
                 runs["loaded"] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
         out[stage, offload] = runs
@@ -475,6 +488,7 @@ def test_reading_weights_in_full_params_keeps_the_fp32_masters():
             if key[0] == 3:
                 assert all(torch.equal(m, m.to(torch.bfloat16).float()) for m in out[key]["loaded"])
         assert len(written) == 1 and written[0][1] == [0.5], (key, written)
+        assert all(out[key]["swap"] for out in outs), key  # weights swapped out and back: masters untouched
 
 
 # ------------------------------------------------------------ inf/nan policy
