@@ -285,9 +285,11 @@ class GradSync:
                 self.installed[i] = None
                 self.replaced_since[i] = (False, False)
             else:
-                # Gradients on the host: whether it holds inf/nan is read here, for finish() (Note [A
-                # replaced gradient brings its own inf]); on a device the flag is recomputed below.
-                bad = self.flags_at_end is not None and bool((~torch.isfinite(p.grad)).any())
+                # Gradients on the host, or flags already taken this step: whether it holds inf/nan is read
+                # here, for finish() (Note [A replaced gradient brings its own inf], Note [A gradient replaced
+                # after the flags were taken]); else, on a device, the flag is recomputed below.
+                bad = (self.flags_at_end is not None or self.global_used is not None) and \
+                    bool((~torch.isfinite(p.grad)).any())
                 self.shard.assign(i, p.grad)
                 self.engine.note_used(i)
                 p.grad = handle
@@ -326,63 +328,101 @@ class GradSync:
     # ----------------------------------------------------------------- step
     def finish(self) -> torch.Tensor:
         """Makes sure gradients are reduced and returns the global "got a gradient" flags."""
-        if self.global_used is None:
-            engine = self.require_engine()
-            self.reconcile()
-            if self.backwards == 0:
-                # This rank ran no backward that reached a parameter; its peers may
-                # have, and wait for its share of every bucket: reduce zeros.
-                self.end_backward(reached=False)
-                self.backwards = 0
-            if self.flags_at_end is not None:  # Note [The step's flags ride the end of backward]
-                used, reached, found, bad, nan = self.flags_at_end
-                if found and self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient ...]
-                    bad = torch.where(self.shard.clamped.all(dim=1), nan, bad)
-                    found = bool(bad.any())
-                if self.replaced_since:
-                    idx = list(self.replaced_since)
-                    now = torch.tensor(list(self.replaced_since.values()))  # (has a gradient, holds inf/nan)
-                    used, bad = used.clone(), bad.clone()
-                    used[idx], bad[idx] = now[:, 0], now[:, 1]
-                    found = bool(bad.any())  # Note [A replaced gradient brings its own inf]
-            else:  # gradients on a device: one small all-reduce of the flags
-                if self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
-                    found_here = engine.found_nonfinite()
-                    found_here.copy_((~torch.isfinite(self.shard_grad)).any().to(found_here.device, found_here.dtype)
-                                     .reshape(found_here.shape))
-                local = engine.used().bool() | self.shard.kept
-                flags = torch.cat([local.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
-                                   engine.found_nonfinite().cpu().to(torch.int32)])
-                if dist.get_world_size(self.world_group) > 1:
-                    comm.all_reduce(flags, self.world_group, "gradient flags", op=dist.ReduceOp.MAX)
-                used, (reached, found) = flags[:-2].bool(), flags[-2:].tolist()
-            if not reached:
-                raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
-                                   "step on every rank: call loss.backward() first")
-            self.global_used = used
-            self.last_used |= self.global_used
-            self.found_nonfinite = bool(found)
-            # Note [A clamped gradient loses its inf]
-            # Under DDP an inf gradient that clip_grad_value_ clamps becomes the bound, and the step uses it; a
-            # nan stays nan. Here the step's inf/nan answer came from the end of backward, so such a step was
-            # refused (nonfinite='raise', the default for fp32/bf16: FloatingPointError) or skipped ('skip')
-            # where DDP trains on. So, without loss scaling, a parameter clamped from both sides by finite
-            # bounds since its last backward counts as nonfinite only if it holds a nan: the end-of-backward
-            # sums of squares say which do (inf squared is inf, never nan), with no collective. One-sided clamps
-            # keep the answer as it was. With loss scaling an inf means the scale overflowed and the step is
-            # skipped, as GradScaler decides at unscale_, before any clip.
-            # Note [GradScaler owns the inf]
-            # nonfinite="raise" (fp32 and bf16 models) stops a diverged run. Under torch.amp.GradScaler an
-            # inf/nan is how a too-large scale shows: once scaler.unscale_(opt) went over these gradients (its
-            # found_inf then makes scaler.step skip opt.step), a clip in between, opt.clip_grad_norm as much as
-            # torch's, returns the inf/nan norm as it does under DDP instead of raising.
-            if self.found_nonfinite and self.nonfinite == "raise" and not self.shard.unscaled_by_amp:
-                raise FloatingPointError(
-                    "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
-                    "probably diverged: lower the learning rate, clip gradients (max_grad_norm=...), or check "
-                    "the data. To skip such steps instead, pass nonfinite='skip' to ShardedOptimizer "
-                    "(fp16 models skip by default, with loss scaling).")
+        if self.global_used is not None:  # taken earlier this step (opt.clip_grad_norm, a norm read)
+            if self.handles_out:
+                self._take_late_replacements()
+            if self.global_used is not None:
+                return self.global_used
+        engine = self.require_engine()
+        self.reconcile()
+        if self.backwards == 0:
+            # This rank ran no backward that reached a parameter; its peers may
+            # have, and wait for its share of every bucket: reduce zeros.
+            self.end_backward(reached=False)
+            self.backwards = 0
+        if self.flags_at_end is not None:  # Note [The step's flags ride the end of backward]
+            used, reached, found = self._flags_from_end()
+        else:  # gradients on a device: one small all-reduce of the flags
+            if self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
+                found_here = engine.found_nonfinite()
+                found_here.copy_((~torch.isfinite(self.shard_grad)).any().to(found_here.device, found_here.dtype)
+                                 .reshape(found_here.shape))
+            local = engine.used().bool() | self.shard.kept
+            flags = torch.cat([local.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
+                               engine.found_nonfinite().cpu().to(torch.int32)])
+            if dist.get_world_size(self.world_group) > 1:
+                comm.all_reduce(flags, self.world_group, "gradient flags", op=dist.ReduceOp.MAX)
+            used, (reached, found) = flags[:-2].bool(), flags[-2:].tolist()
+        if not reached:
+            raise RuntimeError("step() or clip_grad_norm() called before any backward() since the last "
+                               "step on every rank: call loss.backward() first")
+        self._settle(used, found)
         return self.global_used
+
+    def _flags_from_end(self) -> tuple[torch.Tensor, bool, bool]:
+        """(used, reached, found) from the end-of-backward all-reduce, with what changed since on top."""
+        used, reached, found, bad, nan = self.flags_at_end
+        if found and self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
+            bad = torch.where(self.shard.clamped.all(dim=1), nan, bad)
+            found = bool(bad.any())
+        if self.replaced_since:
+            idx = list(self.replaced_since)
+            now = torch.tensor(list(self.replaced_since.values()))  # (has a gradient, holds inf/nan)
+            used, bad = used.clone(), bad.clone()
+            used[idx], bad[idx] = now[:, 0], now[:, 1]
+            found = bool(bad.any())  # Note [A replaced gradient brings its own inf]
+        return used, reached, found
+
+    # Note [A gradient replaced after the flags were taken]
+    # finish() runs once per step; opt.clip_grad_norm (the HF Trainer's clip) calls it before step(). Code
+    # that replaces p.grad between that clip and step() (clears a parameter's gradient, assigns a tensor) was
+    # not looked at again, so the step used the gradients from before the replacement (seen: l2's gradient
+    # cleared after the clip, stepped anyway; DDP does not step it). So a later finish() reconciles again and
+    # settles the flags anew: from the end-of-backward answers with gradients on the host (exact, no
+    # collective), and on a device on top of the flags already agreed (no second collective: a parameter
+    # cleared then counts as without a gradient, a tensor with inf/nan sets the inf flag, a cleared inf keeps
+    # it). Clearing every gradient after the clip leaves no gradient to step, as at the start of a step.
+    def _take_late_replacements(self) -> None:
+        before = dict(self.replaced_since)
+        self.reconcile()
+        if self.global_used is None:  # every gradient cleared (reconcile called zero()): as a fresh step
+            return
+        late = {i: v for i, v in self.replaced_since.items() if before.get(i) != v}
+        if not late:
+            return
+        if self.flags_at_end is not None:
+            used, _, found = self._flags_from_end()
+        else:
+            used = self.global_used.clone()
+            used[list(late)] = torch.tensor([has for has, _ in late.values()])
+            found = self.found_nonfinite or any(bad for _, bad in late.values())
+        self._settle(used, found)
+
+    def _settle(self, used: torch.Tensor, found: bool) -> None:
+        """The step's global flags; raises on inf/nan where nonfinite says so."""
+        self.global_used = used
+        self.last_used |= used
+        self.found_nonfinite = bool(found)
+        # Note [A clamped gradient loses its inf]
+        # Under DDP an inf gradient that clip_grad_value_ clamps becomes the bound, and the step uses it; a
+        # nan stays nan. Here the step's inf/nan answer came from the end of backward, so such a step was
+        # refused (nonfinite='raise', the default for fp32/bf16: FloatingPointError) or skipped ('skip')
+        # where DDP trains on. So, without loss scaling, a parameter clamped from both sides by finite
+        # bounds since its last backward counts as nonfinite only if it holds a nan: the end-of-backward
+        # sums of squares say which do (inf squared is inf, never nan), with no collective. One-sided clamps
+        # keep the answer as it was. With loss scaling an inf means the scale overflowed and the step is
+        # skipped, as GradScaler decides at unscale_, before any clip.
+        # Note [GradScaler owns the inf]
+        # nonfinite="raise" (fp32 and bf16 models) stops a diverged run. Under torch.amp.GradScaler an
+        # inf/nan is how a too-large scale shows: once scaler.unscale_(opt) went over these gradients (its
+        # found_inf then makes scaler.step skip opt.step), a clip in between, opt.clip_grad_norm as much as
+        # torch's, returns the inf/nan norm as it does under DDP instead of raising.
+        if self.found_nonfinite and self.nonfinite == "raise" and not self.shard.unscaled_by_amp:
+            raise FloatingPointError(
+                "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
+                "probably diverged: lower the learning rate, clip gradients (max_grad_norm=...), or check "
+                "the data. To skip such steps instead, pass nonfinite='skip' to ShardedOptimizer "
+                "(fp16 models skip by default, with loss scaling).")
 
     def end_step(self) -> None:
         self.shard.unscaled_by_amp = False

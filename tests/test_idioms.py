@@ -157,6 +157,29 @@ def gradients_replaced_before_step(rank, stage):
     return _train(pair, body)
 
 
+def gradients_replaced_after_own_clip(rank, stage):
+    # The same replacements after opt.clip_grad_norm (the HF Trainer's clip), which takes the step's flags
+    # early: they were ignored, l2 stepped on a cleared gradient (Note [A gradient replaced after the flags
+    # were taken] in shardopt/grad_sync.py).
+    pair = Pair(rank, stage, ADAMW)
+
+    def body(wrapper, opt, module, step, log):
+        pair.loss(wrapper, step).backward()
+        if opt is pair.opt:
+            log.append(float(opt.clip_grad_norm(0.05)))
+        else:
+            log.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.05)))
+        if step % 2 == 0:
+            module.l2.zero_grad()
+        else:
+            whole = opt.full_params(writeback=False) if opt is pair.opt else contextlib.nullcontext()
+            with whole:
+                module.l1.weight.grad = torch.full_like(module.l1.weight, 0.01 * step)
+        opt.step()
+        opt.zero_grad()
+    return _train(pair, body)
+
+
 def clip_grad_norm_(rank, stage):
     return _standard(Pair(rank, stage),
                      clip=lambda w, o, m: float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.05)))
@@ -478,7 +501,7 @@ def reading_sharded_grad_values(rank, stage):
 
 
 MATCH = [model_zero_grad, model_zero_grad_adamw, unwrapped_zero_grad, zero_grad_between_forward_and_backward,
-         gradients_replaced_before_step,
+         gradients_replaced_before_step, gradients_replaced_after_own_clip,
          submodule_zero_grad, clip_grad_norm_, clip_grad_norm_adamw, clip_grad_norm_inf, clip_grad_value_,
          clip_grad_value_over_an_inf,
          clip_lists_in_another_order, clip_with_decay_groups,
