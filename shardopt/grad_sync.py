@@ -89,10 +89,9 @@ class GradSync:
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
         # Note [The step's flags ride the end of backward]: what the last end-of-backward all-reduce said
-        # (used anywhere, some rank reached a parameter, some rank saw inf/nan, and per parameter whether its
-        # gradient holds inf/nan), and this rank's p.grad replacements since then (parameter -> (has a
-        # gradient now, it holds inf/nan)); the last item: per parameter, whether it holds nan. None: finish()
-        # all-reduces them.
+        # (per parameter: used anywhere; some rank reached a parameter; some rank saw inf/nan; per parameter:
+        # its gradient holds inf/nan, holds nan), and this rank's p.grad replacements since then (parameter ->
+        # (has a gradient now, it holds inf/nan)). None: finish() all-reduces them.
         self.flags_at_end: tuple[torch.Tensor, bool, bool, torch.Tensor, torch.Tensor] | None = None
         self.replaced_since: dict[int, tuple[bool, bool]] = {}
         # The index of the parameters with a gradient in the order clip totals sum their norms (Note [Norms
