@@ -442,17 +442,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # empty tensor between uses, so such an edit changed nothing: refused, naming full_params(); a stage-3
     # forward under torch.compile moves the counts itself (seen on torch 2.13), so they are noted again at
     # each forward's end (ddp.py), and a check (at each forward and step) sees only what changed since.
-    # Writes through `p.data` are not counted by torch, and stay invisible (docs/guide.md says so).
+    # Writes through `p.data` are not counted by torch: a step does not see them (docs/guide.md says so), but
+    # a save does, at stages 1-2: there the masters take every element whose model value is not their
+    # rounding, counted or not (one pass over the shard, next to writing it out). Seen: Lightning's
+    # WeightAveraging copies the average into the module through p.data at the end of fit; with offload the
+    # checkpoint saved after held the weights from before it.
     def _note_model_version(self) -> None:
         """The parameters' in-place change counts now hold no edit the optimizer has not taken."""
         self._model_versions = list(map(_VERSION, self._params)) if self._edits_watched else None
 
-    def _take_model_edits(self, names: list[str] | None = None) -> None:
-        """Masters take the weights user code changed in place since the last look (Note above)."""
+    def _take_model_edits(self, names: list[str] | None = None, saving: bool = False) -> None:
+        """Masters take the weights user code changed in place since the last look (Note above). saving: for a
+        checkpoint, compare the values whatever the counts say (writes through p.data, Lightning's
+        WeightAveraging putting the average in at the end of fit)."""
         if not self._edits_watched:
             return
         versions = list(map(_VERSION, self._params))  # C loops, as the check above
-        if versions == self._model_versions:
+        if versions == self._model_versions and not (saving and self.param_shard is None):
             return
         if self.param_shard is not None:
             i = next(i for i, (v, w) in enumerate(zip(versions, self._model_versions)) if v != w)

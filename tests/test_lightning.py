@@ -501,3 +501,30 @@ def test_mixed_precision_bf16_fp16():
 
     for rank, fails in enumerate(run_ranks(_mixed, 2, timeout=240)):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
+
+
+def _weight_averaging(rank, world_size, root):
+    from lightning.pytorch.callbacks import WeightAveraging
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    averaging = WeightAveraging()
+    model = AwkwardModule("adamw", "step", same_data_split=True)
+    trainer = _trainer(world_size, ShardedStrategy(offload="cpu"), callbacks=[averaging])
+    trainer.fit(model, _loader(2 * BATCH * 6))
+    average = {k[len("module."):]: v.detach().clone()
+               for k, v in averaging._average_model.state_dict().items() if k.startswith("module.")}
+    path = os.path.join(root, "averaged.ckpt")
+    trainer.save_checkpoint(path)
+    loaded = AwkwardModule(seed=7)
+    _trainer(world_size, ShardedStrategy(offload="cpu")).validate(loaded, _loader(12), ckpt_path=path)
+    return [name for name, p in loaded.named_parameters() if p.requires_grad and not torch.equal(p, average[name])]
+
+
+def test_weight_averaging_saves_the_average_with_offload(tmp_path):
+    # Lightning's WeightAveraging puts the average into the module through p.data at the end of fit; with
+    # offload the checkpoint saved after held the fp32 masters from before it (Note [Weights edited in place]).
+    from dist_harness import run_ranks
+
+    for rank, differ in enumerate(run_ranks(_weight_averaging, 2, str(tmp_path), timeout=240)):
+        assert not differ, f"rank {rank}: {differ} are not the average"

@@ -203,7 +203,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     opt = _check_pair(model, optimizer)
     _refuse_hybrid(opt)
     opt.wait_params()
-    opt._take_model_edits()  # the masters handed out hold weights edited in place (Note [Weights edited in place])
+    opt._take_model_edits(saving=True)  # the masters handed out hold edited weights (Note [Weights edited in place])
     module = _unwrap(model)
     info = describe_model(module, opt)
     plan = _Plan(opt, info.names)

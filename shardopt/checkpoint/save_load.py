@@ -285,7 +285,7 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     """
     opt = _check_pair(model, optimizer)
     opt.wait_params()  # parameters may still be gathered (Note [Gathering in the next forward])
-    opt._take_model_edits()  # the masters saved hold weights edited in place (Note [Weights edited in place])
+    opt._take_model_edits(saving=True)  # the masters saved hold edited weights (Note [Weights edited in place])
     path = os.fspath(path)
     sharding = opt.sharding
     if not sharding.shape.hybrid:
