@@ -321,6 +321,10 @@ class GradSync:
         # Here the engine's flag is recomputed from the shard after any replacement; with gradients on the
         # host, finish() takes the answer from the end-of-backward norms and the replacements instead
         # (Note [The step's flags ride the end of backward]).
+        self._found_from_shard()
+
+    def _found_from_shard(self) -> None:
+        """The engine's inf/nan flag becomes whether this rank's shard holds one now (a tensor op, no host read)."""
         found = self.engine.found_nonfinite()
         found.copy_((~torch.isfinite(self.shard_grad)).any().to(found.device, found.dtype).reshape(found.shape))
 
@@ -343,9 +347,7 @@ class GradSync:
             used, reached, found = self._flags_from_end()
         else:  # gradients on a device: one small all-reduce of the flags
             if self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
-                found_here = engine.found_nonfinite()
-                found_here.copy_((~torch.isfinite(self.shard_grad)).any().to(found_here.device, found_here.dtype)
-                                 .reshape(found_here.shape))
+                self._found_from_shard()
             local = engine.used().bool() | self.shard.kept
             flags = torch.cat([local.to(torch.int32), torch.tensor([self.backwards], dtype=torch.int32),
                                engine.found_nonfinite().cpu().to(torch.int32)])
@@ -360,6 +362,15 @@ class GradSync:
 
     def _flags_from_end(self) -> tuple[torch.Tensor, bool, bool]:
         """(used, reached, found) from the end-of-backward all-reduce, with what changed since on top."""
+        # Note [A clamped gradient loses its inf]
+        # Under DDP an inf gradient that clip_grad_value_ clamps becomes the bound, and the step uses it; a
+        # nan stays nan. Here the step's inf/nan answer came from the end of backward, so such a step was
+        # refused (nonfinite='raise', the default for fp32/bf16: FloatingPointError) or skipped ('skip')
+        # where DDP trains on. So, without loss scaling, a parameter clamped from both sides by finite
+        # bounds since its last backward counts as nonfinite only if it holds a nan: the end-of-backward
+        # sums of squares say which do (inf squared is inf, never nan), with no collective. One-sided clamps
+        # keep the answer as it was. With loss scaling an inf means the scale overflowed and the step is
+        # skipped, as GradScaler decides at unscale_, before any clip.
         used, reached, found, bad, nan = self.flags_at_end
         if found and self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
             bad = torch.where(self.shard.clamped.all(dim=1), nan, bad)
@@ -402,15 +413,6 @@ class GradSync:
         self.global_used = used
         self.last_used |= used
         self.found_nonfinite = bool(found)
-        # Note [A clamped gradient loses its inf]
-        # Under DDP an inf gradient that clip_grad_value_ clamps becomes the bound, and the step uses it; a
-        # nan stays nan. Here the step's inf/nan answer came from the end of backward, so such a step was
-        # refused (nonfinite='raise', the default for fp32/bf16: FloatingPointError) or skipped ('skip')
-        # where DDP trains on. So, without loss scaling, a parameter clamped from both sides by finite
-        # bounds since its last backward counts as nonfinite only if it holds a nan: the end-of-backward
-        # sums of squares say which do (inf squared is inf, never nan), with no collective. One-sided clamps
-        # keep the answer as it was. With loss scaling an inf means the scale overflowed and the step is
-        # skipped, as GradScaler decides at unscale_, before any clip.
         # Note [GradScaler owns the inf]
         # nonfinite="raise" (fp32 and bf16 models) stops a diverged run. Under torch.amp.GradScaler an
         # inf/nan is how a too-large scale shows: once scaler.unscale_(opt) went over these gradients (its
@@ -424,8 +426,7 @@ class GradSync:
                 "(fp16 models skip by default, with loss scaling).")
 
     def end_step(self) -> None:
-        self.shard.unscaled_by_amp = False
-        self.shard.forget_clamps()
+        self.shard.forget_step_marks()
         self.backwards = 0
         self.global_used = None
         self.found_nonfinite = False
@@ -434,8 +435,7 @@ class GradSync:
 
     def zero(self, set_to_none: bool) -> None:
         """Forgets accumulated gradients: the engine's, the shard's and every managed p.grad."""
-        self.shard.unscaled_by_amp = False
-        self.shard.forget_clamps()
+        self.shard.forget_step_marks()
         if not set_to_none and self.engine is not None:
             self.reconcile()
             self.shard.kept |= self.had_grad()

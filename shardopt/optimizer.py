@@ -370,8 +370,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         """One optimizer step on every rank, or a skip on every rank if any rank saw inf/nan (see nonfinite)."""
         self.wait_params()
-        self.check_params_in_place()
-        self._take_model_edits()  # Note [Weights edited in place]
+        self.check_params_in_place(take_edits=True)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -488,12 +487,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # wrong is computed. At stage 3 a parameter is its bucket's view while
     # gathered and an empty tensor between uses (Note [Parameters between
     # gathers] in sharded_param.py); anything else was put there by user code.
-    def check_params_in_place(self, names: list[str] | None = None) -> None:
-        """Raises if a managed parameter no longer lives in the flat buffer (see the Note above); takes
-        weights edited in place into the masters (Note [Weights edited in place])."""
+    def check_params_in_place(self, names: list[str] | None = None, take_edits: bool = False) -> None:
+        """Raises if a managed parameter no longer lives in the flat buffer (see the Note above). Weights edited
+        in place (Note [Weights edited in place]): refused at stage 3; take_edits (at a step): into the masters."""
         # Every forward: C loops over the parameters when nothing moved (the usual case).
         if self.param_shard is None and list(map(torch.Tensor.data_ptr, self._params)) == self._param_ptrs \
                 and all(map(self.dtype.__eq__, map(_DTYPE, self._params))):
+            if take_edits:
+                self._take_model_edits()
             return
         for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
             moved = not self.param_shard.in_place(i) if self.param_shard is not None else p.data_ptr() != ptr

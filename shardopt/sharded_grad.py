@@ -343,10 +343,6 @@ class GradShard:
         # GradScaler.unscale_ went over these gradients since they were last zeroed: an inf/nan is then the
         # scaler's to handle (it skips the step), not a divergence (Note [GradScaler owns the inf]).
         self.unscaled_by_amp = False
-        # Per parameter: clamped since the last backward by a finite lower / upper bound (clip_grad_value_):
-        # an inf there is gone (Note [A clamped gradient loses its inf] in grad_sync.py). `clamped_any`: some was.
-        self.clamped = None  # (n, 2) bools, made with the device below
-        self.clamped_any = False
         self.world_size = world_size
         self._params = params
         # Per parameter: [(this rank's piece of the averaged gradient, its first element in the param)].
@@ -355,7 +351,10 @@ class GradShard:
             self._pieces[pc.param].append((g, pc.start - param_offsets[pc.param]))
         self._all = list(piece_grads)  # in piece order, as _piece_param
         self.device = torch.device(device)  # Note [Norms live with the gradients]
+        # Per parameter: clamped since the last backward by a finite lower / upper bound (clip_grad_value_):
+        # an inf there is gone (Note [A clamped gradient loses its inf] in grad_sync.py). `clamped_any`: some was.
         self.clamped = torch.zeros(len(params), 2, dtype=torch.bool, device=self.device)
+        self.clamped_any = False
         self._piece_param = torch.tensor([pc.param for pc in pieces], dtype=torch.long).to(self.device)
         nonempty = [k for k, g in enumerate(self._all) if g.numel()]
         self._nonempty = [self._all[k] for k in nonempty]
@@ -557,6 +556,11 @@ class GradShard:
         if self.clamped_any:
             self.clamped.zero_()
             self.clamped_any = False
+
+    def forget_step_marks(self) -> None:
+        """At a step's end or zero_grad: no unscale_ by GradScaler, no clamp since."""
+        self.unscaled_by_amp = False
+        self.forget_clamps()
 
     def zero(self, indices) -> None:
         targets = self._targets(indices)

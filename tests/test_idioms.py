@@ -137,20 +137,25 @@ def submodule_zero_grad(rank, stage):
     return _train(pair, body)
 
 
+def _replace_grads(pair, opt, step, cleared: nn.Module, assigned: nn.Parameter) -> None:
+    """On every rank: `cleared`'s gradients cleared on even steps, `assigned`'s replaced by a tensor on odd ones."""
+    if step % 2 == 0:
+        cleared.zero_grad()
+    else:
+        whole = opt.full_params(writeback=False) if opt is pair.opt else contextlib.nullcontext()
+        with whole:  # stage 3: a parameter is whole only in there
+            assigned.grad = torch.full_like(assigned, 0.01 * step)
+
+
 def gradients_replaced_before_step(rank, stage):
-    # Between backward and step(), on every rank: the branch's gradients cleared on even steps (on steps 0
-    # and 2 only one rank's backward reached it: it must not be stepped, no decay either), l2.weight's
-    # replaced by a tensor on odd steps. Note [The step's flags ride the end of backward].
+    # Between backward and step(): the branch's gradients cleared on even steps (on steps 0 and 2 only one
+    # rank's backward reached it: it must not be stepped, no decay either), l2.weight's replaced by a tensor
+    # on odd steps. Note [The step's flags ride the end of backward].
     pair = Pair(rank, stage, ADAMW)
 
     def body(wrapper, opt, module, step, log):
         pair.loss(wrapper, step).backward()
-        if step % 2 == 0:
-            module.branch.zero_grad()
-        else:
-            whole = opt.full_params(writeback=False) if opt is pair.opt else contextlib.nullcontext()
-            with whole:  # stage 3: a parameter is whole only in there
-                module.l2.weight.grad = torch.full_like(module.l2.weight, 0.01 * step)
+        _replace_grads(pair, opt, step, module.branch, module.l2.weight)
         log.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.05)))
         opt.step()
         opt.zero_grad()
@@ -158,9 +163,9 @@ def gradients_replaced_before_step(rank, stage):
 
 
 def gradients_replaced_after_own_clip(rank, stage):
-    # The same replacements after opt.clip_grad_norm (the HF Trainer's clip), which takes the step's flags
-    # early: they were ignored, l2 stepped on a cleared gradient (Note [A gradient replaced after the flags
-    # were taken] in shardopt/grad_sync.py).
+    # Replacements (l2's cleared, l1.weight's given) after opt.clip_grad_norm (the HF Trainer's clip), which
+    # takes the step's flags early: they were ignored, l2 stepped on a cleared gradient (Note [A gradient
+    # replaced after the flags were taken] in shardopt/grad_sync.py).
     pair = Pair(rank, stage, ADAMW)
 
     def body(wrapper, opt, module, step, log):
@@ -169,12 +174,7 @@ def gradients_replaced_after_own_clip(rank, stage):
             log.append(float(opt.clip_grad_norm(0.05)))
         else:
             log.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.05)))
-        if step % 2 == 0:
-            module.l2.zero_grad()
-        else:
-            whole = opt.full_params(writeback=False) if opt is pair.opt else contextlib.nullcontext()
-            with whole:
-                module.l1.weight.grad = torch.full_like(module.l1.weight, 0.01 * step)
+        _replace_grads(pair, opt, step, module.l2, module.l1.weight)
         opt.step()
         opt.zero_grad()
     return _train(pair, body)
