@@ -1,9 +1,13 @@
 """On one GPU (world size 1, NCCL): checkpoints (stages 2 and 3), the Lightning strategy and ShardedTrainer,
 each through the test suite's own parity functions with the device switched from the CPU to the GPU.
 
-    python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer]      # on a machine with a GPU
-                                                              # (.ci/gpu-check runs it after gpu_check)
-    DEV=cpu python .ci/gpu_integrations.py checkpoint                         # the same on the CPU (tests)
+    python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer] [idioms] [precision] [host_syncs]
+                                                      # on a machine with a GPU (.ci/gpu-check runs it)
+    DEV=cpu python .ci/gpu_integrations.py checkpoint # the same on the CPU (tests)
+
+idioms and precision run test functions of tests/test_idioms.py (every idiom but torch.compile's, stages
+1-3) and tests/test_mixed_precision.py (what user code does between backward and step) in this process at
+world size 1, their model and batches on the GPU (Note [Suite tests at world size 1 on one GPU]).
 
 Prints "NAME: PASS", "NAME: FAIL" and the failures, or "NAME: ERROR" and the traceback, per part; it
 complements .ci/gpu-check (kernels, parity of ShardedOptimizer itself, syncs, time, memory), which it does
@@ -114,6 +118,111 @@ def hf_trainer():
     return [f for f in failures if f not in counts]
 
 
+# Note [Suite tests at world size 1 on one GPU]
+# The suite's multi-rank tests launch ranks through run_ranks(fn, world_size, *args) and build AwkwardNet and
+# its batches on the CPU. Here run_ranks runs fn(0, 1, *args) in this process (whose NCCL group of one is
+# already up), and the test module's AwkwardNet and batch put the model and the batches on the GPU; every
+# tensor the tests make after that follows the model's device (full_like, zeros_like). The tests' own
+# assertions then judge. Idioms whose world-size-2 sense differs (a branch one rank takes) still hold at 1:
+# DDP + torch.optim at world size 1 is the plain loop.
+def _on_the_device(module):
+    import models
+
+    dev = torch.device("cuda" if CUDA else "cpu")
+    module.run_ranks = lambda fn, world_size, *args, **kw: [fn(0, 1, *args)]
+    module.AwkwardNet = lambda *a, **kw: models.AwkwardNet(*a, **kw).to(dev)
+    module.batch = lambda *a, **kw: tuple(t.to(dev) for t in models.batch(*a, **kw))
+    return module
+
+
+def _run_tests(calls):
+    failures = []
+    for name, fn, args in calls:
+        t0 = time.time()
+        try:
+            fn(*args)
+            print(f"   {name}{list(args) if args else ''}: pass ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - an assertion or an error, reported per test
+            failures.append(f"{name}{list(args) if args else ''}: {type(e).__name__}: {str(e)[-3000:]}")
+            print(f"   {name}{list(args) if args else ''}: FAIL", flush=True)
+    return failures
+
+
+def idioms():
+    import test_idioms as I
+
+    _on_the_device(I)
+    # torch.compile: minutes of Inductor per stage. ema_after_step_overlap_gather checks that reads waited for
+    # gathers in flight: at world size 1 nothing is gathered.
+    compiled = {"compile_model", "compile_overlap_gather", "ema_after_step_overlap_gather"}
+    calls = [("test_idiom_matches_ddp", I.test_idiom_matches_ddp, (f.__name__, s)) for s in (1, 2, 3)
+             for f in I.MATCH if f.__name__ not in compiled and not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
+    calls += [("test_idiom_raises_documented_error", I.test_idiom_raises_documented_error, (f.__name__, s))
+              for s in (1, 2, 3) for f in I.RAISE if s == 3 or f.__name__ not in I.ONLY_AT_STAGE_3]
+    I.MATCH[:] = [f for f in I.MATCH if f.__name__ not in compiled]
+    # At world size 1 the DDP side's clip total is torch's float32 norm of each whole gradient; ours sums the
+    # norms of a parameter's pieces (parameters straddle these tiny buckets) in float64. With the decay groups'
+    # layout that total differs in its last bits, and AdamW makes 1.6e-6 of it in 4 steps on the CPU (the
+    # suite's 2 ranks stay inside 1e-6). Judged at 1e-5 here, and said so.
+    rounding = {"clip_with_decay_groups"}
+    tol = I.TOL
+
+    def judged(idiom, stage):
+        I.TOL = 1e-5 if idiom in rounding else tol
+        try:
+            I.test_idiom_matches_ddp(idiom, stage)
+        finally:
+            I.TOL = tol
+    calls = [(name + (" (bar 1e-5)" if args[0] in rounding else ""), judged if fn is I.test_idiom_matches_ddp else fn,
+              args) for name, fn, args in calls]
+    return _run_tests(calls)
+
+
+def precision():
+    import test_mixed_precision as M
+
+    _on_the_device(M)
+    return _run_tests([(name, getattr(M, name), ()) for name in (
+        "test_a_gradient_replaced_before_step_decides_the_skip",
+        "test_reading_weights_in_full_params_keeps_the_fp32_masters")])
+
+
+def host_syncs():
+    """tests/test_host_reads.py's step (GradScaler, clip_grad_value_, clip_grad_norm_, per-parameter norms,
+    zero_grad) on the GPU, ShardedDDP at stages 1-2 and DDP: host syncs per step as CUDA reports them, at 10
+    and 80 parameter tensors. shardopt's must not grow with the tensors."""
+    import shardopt
+    import test_host_reads as H
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from shardopt.tools.gpu_check import Device, SyncCounter
+
+    dev = torch.device("cuda" if CUDA else "cpu")
+    counter = Device().count_host_syncs if CUDA else SyncCounter  # on the CPU nothing syncs: the path only
+    failures, seen = [], {}
+    for name in ("ddp", "stage 1", "stage 2"):
+        for tensors in (10, 80):
+            model = H._model(tensors).to(dev)
+            if name == "ddp":
+                opt = torch.optim.AdamW(model.parameters(), fused=True, lr=1e-2)
+                model = DDP(model)
+            else:
+                opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, fused=True, lr=1e-2,
+                                                stage=int(name[-1]), reduce_bucket_size=37)
+                model = shardopt.ShardedDDP(model, opt)
+            scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 8)
+            counts = []
+            for step in range(4):
+                count = counter()
+                H._step(model, opt, scaler, step, 0, count)
+                counts.append(count.count)
+            seen[name, tensors] = counts[1:]  # step 0 builds state
+        print(f"   {name}: host syncs per step (steps 1-3) {seen[name, 10]} at 10 tensors, {seen[name, 80]} at 80",
+              flush=True)
+        if name != "ddp" and seen[name, 10] != seen[name, 80]:
+            failures.append(f"{name}: host syncs grow with the tensors: {seen[name, 10]} -> {seen[name, 80]}")
+    return failures
+
+
 def main(argv) -> int:
     if CUDA and not torch.cuda.is_available():
         print(f"gpu-integrations: no CUDA device here (torch {torch.__version__}); nothing to check, exit 0")
@@ -123,7 +232,8 @@ def main(argv) -> int:
     dist.init_process_group("nccl" if CUDA else "gloo", store=dist.FileStore(os.path.join(TMP, "store"), 1),
                             rank=0, world_size=1)
     try:
-        results = [section(name, globals()[name]) for name in (argv or ["checkpoint", "lightning", "hf_trainer"])]
+        results = [section(name, globals()[name]) for name in (argv or ["checkpoint", "lightning", "hf_trainer",
+                                                                       "idioms", "precision", "host_syncs"])]
     finally:
         dist.destroy_process_group()
         shutil.rmtree(TMP, ignore_errors=True)

@@ -237,8 +237,9 @@ class GradSync:
         self.replaced_since.clear()
         if squares.device == had.device:  # gradients on the host: one all-reduce for all
             used = (engine.used().bool() | self.shard.kept).double()
+            # With offload the shard is on the host and the engine's inf/nan flag on the gradients' device.
             tail = torch.cat([torch.tensor([float(reached)], dtype=torch.float64),
-                              engine.found_nonfinite().reshape(1).double()])
+                              engine.found_nonfinite().reshape(1).to(had.device, torch.float64)])
             stats = torch.cat([had, squares, used, tail])
             if several:
                 comm.all_reduce(stats, self.world_group,

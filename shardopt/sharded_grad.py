@@ -417,7 +417,15 @@ class GradShard:
             return self._model_order_index
         if len(indices) == len(self._params) and indices == list(range(len(self._params))):
             return slice(None)
-        return torch.tensor(indices, dtype=torch.long)
+        # Note [Norms live with the gradients]: the per-parameter tensors may be on a GPU, where indexing with a
+        # host tensor copies it there from pageable memory, and the host waits (one sync per p.grad.norm() in
+        # a logging loop, seen on an H200). One parameter: a slice, no index tensor; a list: a pinned copy.
+        if len(indices) == 1:
+            return slice(indices[0], indices[0] + 1)
+        index = torch.tensor(indices, dtype=torch.long)
+        if self.device.type != "cpu":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return index
 
     def _scale_norms(self, indices, factor) -> None:
         """Cached norms of the listed parameters after their gradients were multiplied by `factor`."""
@@ -428,7 +436,7 @@ class GradShard:
             a = factor.detach().to(torch.float64).abs().to(self.device).reshape(())  # no host read
         else:
             a = abs(float(factor))
-        whole = isinstance(sel, slice) or self._whole(indices)
+        whole = (isinstance(sel, slice) and sel == slice(None)) or self._whole(indices)
         for ord, norms in self._norms.items():
             if ord != 0 and whole:  # every parameter: in place, no write back
                 norms.mul_(a)

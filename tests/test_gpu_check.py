@@ -296,14 +296,19 @@ def test_end_to_end_on_two_gloo_ranks(tmp_path):
 
 
 def test_gpu_integrations_script_on_the_cpu():
-    """.ci/gpu_integrations.py (the suite's integration parity moved to a GPU) runs its checkpoint part with
-    DEV=cpu, so it does not rot between the rare runs on a GPU: resume equals the uninterrupted run."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_integrations.py"), "checkpoint"],
+    """.ci/gpu_integrations.py (the suite's integration parity moved to a GPU) runs its checkpoint, idioms,
+    precision and host_syncs parts with DEV=cpu, so they do not rot between the rare runs on a GPU: resume
+    equals the uninterrupted run, and the suite tests it runs at world size 1 in its own process pass."""
+    parts = ("checkpoint", "idioms", "precision", "host_syncs")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_integrations.py"), *parts],
                           env={**os.environ, "DEV": "cpu"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for stage in (2, 3):
         assert f"stage {stage}: resumed run vs uninterrupted, max abs weight difference 0.0e+00" in proc.stdout
-    assert "checkpoint: PASS" in proc.stdout
+    for part in parts:
+        assert f"{part}: PASS" in proc.stdout, proc.stdout
+    # Every idiom of tests/test_idioms.py but torch.compile's and one that needs 2 ranks, at stages 1-3.
+    assert proc.stdout.count("test_idiom_matches_ddp") >= 75 and ": FAIL" not in proc.stdout, proc.stdout
 
 
 def test_ci_gpu_check_without_a_gpu_runs_both_parts_and_exits_0(tmp_path):
