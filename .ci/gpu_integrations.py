@@ -1,13 +1,15 @@
 """On one GPU (world size 1, NCCL): checkpoints (stages 2 and 3), the Lightning strategy and ShardedTrainer,
 each through the test suite's own parity functions with the device switched from the CPU to the GPU.
 
-    python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer] [idioms] [precision] [host_syncs]
+    python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer] [idioms] [compiled] [precision]
+                                   [host_syncs]
                                                       # on a machine with a GPU (.ci/gpu-check runs it)
     DEV=cpu python .ci/gpu_integrations.py checkpoint # the same on the CPU (tests)
 
-idioms and precision run test functions of tests/test_idioms.py (every idiom but torch.compile's, stages
-1-3) and tests/test_mixed_precision.py (what user code does between backward and step) in this process at
-world size 1, their model and batches on the GPU (Note [Suite tests at world size 1 on one GPU]).
+idioms, compiled and precision run test functions of tests/test_idioms.py (every idiom, stages 1-3;
+torch.compile's in `compiled`) and tests/test_mixed_precision.py (what user code does between backward
+and step) in this process at world size 1, model and batches on the GPU (Note [Suite tests at world size
+1 on one GPU]); host_syncs counts CUDA's host syncs per step with the torch idioms.
 
 Prints "NAME: PASS", "NAME: FAIL" and the failures, or "NAME: ERROR" and the traceback, per part; it
 complements .ci/gpu-check (kernels, parity of ShardedOptimizer itself, syncs, time, memory), which it does
@@ -102,7 +104,17 @@ def lightning():
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
     L._trainer = trainer
-    return L._parity(0, 1)
+    failures = L._parity(0, 1)
+    # WeightAveraging: resumed bit for bit (fp32 with offload, bf16), refused at stage 3.
+    out = L._weight_averaging_resume(0, 1, os.path.join(TMP, "averaging"))
+    if "cannot average a ShardedStrategy(stage=3) model" not in out.pop("stage 3"):
+        failures.append("WeightAveraging at stage 3 was not refused")
+    for precision, result in out.items():
+        ok = not isinstance(result, str) and not result[0] and result[1]  # (averages that differ, masters equal)
+        print(f"   WeightAveraging resume, {precision}: {'bit for bit' if ok else result}")
+        if not ok:
+            failures.append(f"WeightAveraging resume, {precision}: {result}")
+    return failures
 
 
 def hf_trainer():
@@ -148,18 +160,30 @@ def _run_tests(calls):
     return failures
 
 
-def idioms():
+_COMPILED = ("compile_model", "compile_overlap_gather")
+
+
+def _idioms(keep):
+    """tests/test_idioms.py on the device, its MATCH list cut to the idioms `keep` names (its results cache
+    cleared: idioms and compiled may run in one process)."""
     import test_idioms as I
 
     _on_the_device(I)
-    # torch.compile: minutes of Inductor per stage. ema_after_step_overlap_gather checks that reads waited for
+    if not hasattr(I, "_ALL_MATCH"):
+        I._ALL_MATCH = list(I.MATCH)
+    I.MATCH[:] = [f for f in I._ALL_MATCH if keep(f.__name__)]
+    I._results.cache_clear()
+    return I
+
+
+def idioms():
+    # torch.compile's are the part `compiled`. ema_after_step_overlap_gather checks that reads waited for
     # gathers in flight: at world size 1 nothing is gathered.
-    compiled = {"compile_model", "compile_overlap_gather", "ema_after_step_overlap_gather"}
+    I = _idioms(lambda name: name not in _COMPILED and name != "ema_after_step_overlap_gather")
     calls = [("test_idiom_matches_ddp", I.test_idiom_matches_ddp, (f.__name__, s)) for s in (1, 2, 3)
-             for f in I.MATCH if f.__name__ not in compiled and not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
+             for f in I.MATCH if not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
     calls += [("test_idiom_raises_documented_error", I.test_idiom_raises_documented_error, (f.__name__, s))
               for s in (1, 2, 3) for f in I.RAISE if s == 3 or f.__name__ not in I.ONLY_AT_STAGE_3]
-    I.MATCH[:] = [f for f in I.MATCH if f.__name__ not in compiled]
     # At world size 1 the DDP side's clip total is torch's float32 norm of each whole gradient; ours sums the
     # norms of a parameter's pieces (parameters straddle these tiny buckets) in float64. With the decay groups'
     # layout that total differs in its last bits, and AdamW makes 1.6e-6 of it in 4 steps on the CPU (the
@@ -178,6 +202,17 @@ def idioms():
     return _run_tests(calls)
 
 
+def compiled():
+    """The torch.compile idioms (Inductor: about 90 s for the first on an H200, seconds after), and that a
+    compiled wrapper is not compiled again every step (Note [Registrations under torch.compile])."""
+    I = _idioms(lambda name: name in _COMPILED)
+    calls = [("test_idiom_matches_ddp", I.test_idiom_matches_ddp, (f.__name__, s)) for s in (1, 2, 3)
+             for f in I.MATCH if not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
+    calls += [("test_a_compiled_wrapper_is_not_compiled_again_every_step",
+               I.test_a_compiled_wrapper_is_not_compiled_again_every_step, (s,)) for s in (2, 3)]
+    return _run_tests(calls)
+
+
 def precision():
     import test_mixed_precision as M
 
@@ -189,7 +224,7 @@ def precision():
 
 def host_syncs():
     """tests/test_host_reads.py's step (GradScaler, clip_grad_value_, clip_grad_norm_, per-parameter norms,
-    zero_grad) on the GPU, ShardedDDP at stages 1-2 and DDP: host syncs per step as CUDA reports them, at 10
+    zero_grad) on the GPU, ShardedDDP at stages 1-3 and DDP: host syncs per step as CUDA reports them, at 10
     and 80 parameter tensors. shardopt's must not grow with the tensors."""
     import shardopt
     import test_host_reads as H
@@ -199,7 +234,7 @@ def host_syncs():
     dev = torch.device("cuda" if CUDA else "cpu")
     counter = Device().count_host_syncs if CUDA else SyncCounter  # on the CPU nothing syncs: the path only
     failures, seen = [], {}
-    for name in ("ddp", "stage 1", "stage 2"):
+    for name in ("ddp", "stage 1", "stage 2", "stage 3"):
         for tensors in (10, 80):
             model = H._model(tensors).to(dev)
             if name == "ddp":
@@ -233,7 +268,8 @@ def main(argv) -> int:
                             rank=0, world_size=1)
     try:
         results = [section(name, globals()[name]) for name in (argv or ["checkpoint", "lightning", "hf_trainer",
-                                                                       "idioms", "precision", "host_syncs"])]
+                                                                       "idioms", "compiled", "precision",
+                                                                       "host_syncs"])]
     finally:
         dist.destroy_process_group()
         shutil.rmtree(TMP, ignore_errors=True)

@@ -115,8 +115,10 @@ class ShardedDDP(nn.Module):
         # would overwrite them with the old ones. Post hooks run for every module
         # of a load, so this sees loads into the model or into this wrapper.
         if not stage3:  # stage 3: its own hooks (Note [Stage-3 hooks])
+            same = []
+            handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same)))
             handles.append(module.register_load_state_dict_post_hook(
-                lambda mod, keys: optimizer._load_master_from_model()))
+                lambda mod, keys: _masters_after_load(optimizer, same)))
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
@@ -232,8 +234,18 @@ class ShardedDDP(nn.Module):
             self._remember_buffers()
         return self._buffer_list
 
+    # Note [Registrations under torch.compile]
+    # The lists are taken again when a parameter, module or buffer was registered anywhere in the process
+    # (_REGISTRATIONS): a count that any new module moves, nn.CrossEntropyLoss() made in a training step
+    # included. Traced by torch.compile, the forward's buffer broadcast guarded on that count and was compiled
+    # again at every such step (9 graphs in 10 steps at stage 2) until Dynamo's recompile limit left it
+    # uncompiled. So traced code does not look at the count (Dynamo guards on the module's own parameter
+    # and buffer dicts, and a replaced buffer is still seen); the eager paths (step, zero_grad,
+    # named_parameters) still do, and refuse a parameter registered after wrapping.
     def _refresh_params(self) -> None:
         """Takes the list again if a parameter or module was registered anywhere since it was taken."""
+        if torch.compiler.is_compiling():
+            return  # Note [Registrations under torch.compile]
         if _REGISTRATIONS[0] != getattr(self, "_registrations_seen", None):
             self._remember_params()
 
@@ -426,6 +438,37 @@ def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
     module.named_parameters = types.MethodType(_waiting_named_parameters, module)
 
 
+# Note [A load of the values held]
+# --------------------------------
+# With separate master weights (a bf16/fp16 model, offload: Note [Master weights] in master_step.py), a
+# state dict loaded into the model is the new truth: the masters take the loaded values whole (at stage
+# 3 as well), or the next step would publish the old ones over them. A load that changes no value is
+# different: code that puts the model's own weights back (Lightning's WeightAveraging on resume, a
+# checkpoint reloaded into the process that wrote it) would round a bf16 model's fp32 masters to bf16,
+# where under DDP such a load changes nothing. So before a load, the values it brings are compared with
+# the managed parameters' (in the model's dtype, as the load will write them; parameters it leaves out
+# count as unchanged); if none differs, the masters keep their bits. One compare pass per load.
+def _same_values_hook(optimizer, same: list):
+    def hook(mod, state_dict, prefix, *args):
+        with torch.no_grad():
+            same[:] = [all(_holds(p, state_dict.get(prefix + name)) for name, p in mod.named_parameters()
+                           if id(p) in optimizer._index)]
+    return hook
+
+
+def _holds(p: torch.Tensor, value) -> bool:
+    if not torch.is_tensor(value):
+        return value is None  # not in the state dict: the load leaves it
+    return value.shape == p.shape and torch.equal(value.to(device=p.device, dtype=p.dtype), p.detach())
+
+
+def _masters_after_load(optimizer, same: list) -> None:
+    if same and same.pop():
+        optimizer._note_model_version()  # the load wrote what was there: nothing to take
+    else:
+        optimizer._load_master_from_model()
+
+
 # Note [Stage-3 hooks]
 # At stage 3 the wrapped module's hooks carry out Note [Stage-3 schedule]:
 # its root forward opens a forward round and autograd's saved-tensor hooks
@@ -488,13 +531,16 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
                 state_dict[k] = v.clone()
         ctx.__exit__(None, None, None)
 
+    same = []
+
     def load_and_free(mod, incompatible):
         whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
-        optimizer._load_master_from_model()  # and the masters, whole (Note [Writing back keeps the master's bits])
+        _masters_after_load(optimizer, same)  # and the masters, whole (Note [A load of the values held])
 
     handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
     handles.append(module.register_state_dict_post_hook(copy_and_free))
     handles.append(module.register_load_state_dict_pre_hook(gather(writeback=True)))
+    handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same)))  # after gather
     handles.append(module.register_load_state_dict_post_hook(load_and_free))
     return handles
 

@@ -95,7 +95,7 @@ class MasterStep:
     # writing back takes only the elements the block changed: those whose model value is no longer the
     # master's rounding. An element written to the value it already had keeps its master, which rounds to
     # it. Loading a state dict is different: there the model's values are the new truth, whole
-    # (load_from_model).
+    # (load_from_model), unless the load changed no value (Note [A load of the values held] in ddp.py).
     @torch.no_grad()
     def take_model_writes(self) -> None:
         """Master chunks take the model's values where user code changed them (Note above)."""

@@ -688,3 +688,29 @@ def test_torch_total_norm_in_one_piece():
         for key, (one_each, same, same_mixed, calls) in result.items():
             assert one_each and same and same_mixed, key
             assert calls == per_gradient + ["norm_vector"] + per_gradient, (key, calls)
+
+
+def _graphs_per_step(rank, world_size, stage):
+    """torch.compile(ShardedDDP) with a loss module made in every step: Dynamo's graph count after each step."""
+    import torch._dynamo.utils as dynamo_utils
+
+    pair = Pair(rank, stage)
+    torch._dynamo.reset()
+    compiled = torch.compile(pair.sharded, backend="eager")  # Dynamo's guards and graphs; no code generation
+    counts = []
+    for step in range(6):
+        x, y = batch(step, rank)
+        out = compiled(x, False)
+        nn.CrossEntropyLoss()(out.reshape(-1, 37), y.reshape(-1)).backward()  # a new module: a registration
+        pair.opt.step()
+        pair.opt.zero_grad()
+        counts.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    return counts
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_compiled_wrapper_is_not_compiled_again_every_step(stage):
+    # Note [Registrations under torch.compile] in shardopt/ddp.py: the forward guarded on a process-wide count
+    # of registrations, which a loss module made per step moves: a new graph every step, until Dynamo's limit.
+    for rank, counts in enumerate(run_ranks(_graphs_per_step, 2, stage, timeout=300)):
+        assert counts[-1] == counts[1], f"rank {rank}: Dynamo graphs after each step: {counts}"

@@ -528,3 +528,56 @@ def test_weight_averaging_saves_the_average_with_offload(tmp_path):
 
     for rank, differ in enumerate(run_ranks(_weight_averaging, 2, str(tmp_path), timeout=240)):
         assert not differ, f"rank {rank}: {differ} are not the average"
+
+
+def _weight_averaging_resume(rank, world_size, root):
+    """Per (precision, offload): average and weights after 2 epochs straight, and after 1 + resume + 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    out = {}
+    for precision, offload in (("32-true", "cpu"), ("bf16-mixed", "none")):
+        def fit(ckpt_path=None):
+            averaging = WeightAveraging()
+            saves = ModelCheckpoint(dirpath=os.path.join(root, precision), filename="e{epoch}", every_n_epochs=1,
+                                    save_top_k=-1, auto_insert_metric_name=False)
+            model = AwkwardModule("adamw", "step", same_data_split=True, seed=0 if ckpt_path is None else 7)
+            trainer = _trainer(world_size, ShardedStrategy(offload=offload), max_epochs=2, precision=precision,
+                               callbacks=[averaging, saves], enable_checkpointing=True)
+            trainer.fit(model, _loader(2 * BATCH * 6), ckpt_path=ckpt_path)
+            masters = [m.clone() for m in trainer.optimizers[0]._piece_params]
+            return {k: v.detach().clone() for k, v in averaging._average_model.state_dict().items()}, masters
+
+        straight = fit()
+        try:
+            resumed = fit(os.path.join(root, precision, "e0.ckpt"))
+        except Exception as e:  # noqa: BLE001 - the failure reported
+            out[precision] = f"resume raised {type(e).__name__}: {e}"
+            continue
+        out[precision] = ([k for k in straight[0] if not torch.equal(straight[0][k], resumed[0][k])],
+                          all(torch.equal(a, b) for a, b in zip(straight[1], resumed[1])))
+    # Stage 3: refused at setup (it raised a size mismatch at the first average).
+    trainer = _trainer(world_size, ShardedStrategy(stage=3), callbacks=[WeightAveraging()])
+    try:
+        trainer.fit(AwkwardModule("adamw", "step"), _loader(2 * BATCH * 6))
+        out["stage 3"] = "trained"
+    except ValueError as e:
+        out["stage 3"] = str(e)
+    return out
+
+
+def test_weight_averaging_resumes_where_it_stopped(tmp_path):
+    # Note [Lightning's WeightAveraging] in shardopt/integrations/lightning.py: a fit resumed from a checkpoint
+    # that ModelCheckpoint wrote with the callback on raised KeyError 'state_dict' in the callback's
+    # on_load_checkpoint. Now the average and the weights (fp32 masters of a bf16 model included) continue
+    # bit for bit. At stage 3 the callback is refused at setup.
+    from dist_harness import run_ranks
+
+    for rank, out in enumerate(run_ranks(_weight_averaging_resume, 2, str(tmp_path), timeout=300)):
+        assert "cannot average a ShardedStrategy(stage=3) model" in out.pop("stage 3"), f"rank {rank}"
+        for precision, result in out.items():
+            assert not isinstance(result, str), f"rank {rank}, {precision}: {result}"
+            differ, masters_equal = result
+            assert not differ and masters_equal, f"rank {rank}, {precision}: {differ} differ, masters equal: " \
+                                                 f"{masters_equal}"

@@ -436,7 +436,7 @@ def test_a_gradient_replaced_before_step_decides_the_skip():
 def _peeking_at_weights(rank, world_size):
     """Per (stage, offload): masters after 6 steps of a bf16 model, without and with a full_params() block after
     every step (reading only; the last one writes one element), with weights swapped out for an evaluation and
-    back after every step, and what a stage-3 load_state_dict leaves."""
+    back after every step, and what loading the same and other values leaves."""
     out = {}
     for stage, offload in ((1, "none"), (2, "none"), (2, "cpu"), (3, "none")):
         runs = {}
@@ -468,8 +468,11 @@ def _peeking_at_weights(rank, world_size):
             runs[peek] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
             if peek == "swap":
                 runs["swap"] = all(torch.equal(a, b) for a, b in zip(runs[False], runs["swap"]))
-            if peek is True and stage == 3:  # a load replaces the masters whole: they become the loaded bf16 values
-                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+            if peek is True:  # Note [A load of the values held] in shardopt/ddp.py: the model's own values back
+                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # change nothing;
+                runs["reloaded"] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
+                model.load_state_dict({k: v * 2 if v.is_floating_point() else v  # other values replace the
+                                       for k, v in model.state_dict().items()})  # masters whole (bf16 values)
                 runs["loaded"] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
         out[stage, offload] = runs
     return out
@@ -485,8 +488,8 @@ def test_reading_weights_in_full_params_keeps_the_fp32_masters():
             plain, peeked = out[key][False], out[key][True]
             assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in plain), "masters hold fp32 bits"
             written += [(rank, b[a != b].tolist()) for a, b in zip(plain, peeked) if not torch.equal(a, b)]
-            if key[0] == 3:
-                assert all(torch.equal(m, m.to(torch.bfloat16).float()) for m in out[key]["loaded"])
+            assert all(torch.equal(a, b) for a, b in zip(peeked, out[key]["reloaded"])), key
+            assert all(torch.equal(m, m.to(torch.bfloat16).float()) for m in out[key]["loaded"]), key
         assert len(written) == 1 and written[0][1] == [0.5], (key, written)
         assert all(out[key]["swap"] for out in outs), key  # weights swapped out and back: masters untouched
 

@@ -262,6 +262,34 @@ def _masters_from_state_dict(opt: ShardedOptimizer, module: nn.Module, state_dic
         master.copy_(saved.reshape(-1)[pc.start - slot.offset:pc.end - slot.offset])
 
 
+# Note [Lightning's WeightAveraging]
+# -----------------------------------
+# Lightning's WeightAveraging callback (EMA, SWA) keeps a whole copy of the module and, at each save, puts
+# the average in checkpoint["state_dict"] and the current weights in checkpoint["current_model_state"]; on
+# resume it reads both (the average into its copy, the current weights into the module). A sharded
+# checkpoint holds the current weights already, as the optimizer's masters (fp32 for a bf16 model), so the
+# average is kept whole in `extra` (rank 0 writes it, as Lightning would) and the current weights are not
+# stored twice: a marker says they are the checkpoint's weights, and loading hands the callback the
+# module's values after the load. Read outside fit (validate, test, predict) the checkpoint's state_dict
+# is the average, as with Lightning's own strategies.
+_AVERAGED = "current_model_state"
+_CURRENT_IS_THE_WEIGHTS = "shardopt: the checkpoint's weights"
+
+
+def _refuse_weight_averaging(trainer: "pl.Trainer") -> None:
+    """At stage 3: the callback reads whole weights after every step, and a parameter is empty between uses."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # a Lightning without the callback
+        return
+    found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, WeightAveraging)]
+    if found:
+        raise ValueError(f"Lightning's {found[0]} callback cannot average a ShardedStrategy(stage=3) model: it "
+                         "keeps a whole copy of the model and reads every weight after each step, while at stage 3 "
+                         "a parameter is empty between uses. Use stage=1 or 2 with it (each rank then holds the "
+                         "weights anyway), or keep an average yourself inside opt.full_params()")
+
+
 # Modules ShardedDDP has hooked: its gradient hooks stay while that wrapper
 # lives, and the finished Trainer may still hold it, so a second wrap would
 # reduce every gradient twice (see _setup_model).
@@ -355,6 +383,8 @@ class ShardedStrategy(DDPStrategy):
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
+            if self._sharded_optimizer().param_shard is not None:
+                _refuse_weight_averaging(trainer)
             self.model = self._setup_model(self.model)
         else:
             _sync_module_states(self.model)  # no wrapper, so broadcast rank 0's weights as DDP does
@@ -465,6 +495,8 @@ class ShardedStrategy(DDPStrategy):
         filepath = self.broadcast(os.fspath(filepath))  # ranks may format names differently
         older = _saved_under(filepath) if self.is_global_zero else []
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if _AVERAGED in checkpoint:  # Note [Lightning's WeightAveraging]
+            extra.update({"state_dict": checkpoint["state_dict"], _AVERAGED: _CURRENT_IS_THE_WEIGHTS})
         saved = shardopt.save_checkpoint(filepath, self.lightning_module, self._sharded_optimizer(), extra=extra)
         if self.is_global_zero:
             for entry in older:
@@ -485,10 +517,17 @@ class ShardedStrategy(DDPStrategy):
             from shardopt.checkpoint.convert import checkpoint_to_torch
 
             full = checkpoint_to_torch(path, weights_only=weights_only)
-            return {**(full["extra"] or {}), "state_dict": full["model"]}
+            extra = full["extra"] or {}
+            if extra.get(_AVERAGED) == _CURRENT_IS_THE_WEIGHTS:  # the average is the state_dict, as saved
+                return {**extra, _AVERAGED: full["model"]}
+            return {**extra, "state_dict": full["model"]}
         extra = shardopt.load_checkpoint(path, self.lightning_module, self._sharded_optimizer(),
                                          weights_only=weights_only)
         self._restored_sharded = True
+        if extra is not None and extra.get(_AVERAGED) == _CURRENT_IS_THE_WEIGHTS:
+            # The callback loads these back into the module: the values it holds now, so that a bf16 model's
+            # fp32 masters stay as loaded (Note [A load of the values held] in shardopt/ddp.py).
+            extra[_AVERAGED] = self.lightning_module.state_dict()
         return extra
 
     @property
