@@ -32,9 +32,25 @@ CUDA = os.environ.get("DEV", "cuda") == "cuda"
 TMP = tempfile.mkdtemp()
 
 
+def _numerics():
+    """Process-wide switches a part may turn (accelerate turns TF32 on for a compiled fp32 Trainer on CUDA)."""
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision())
+
+
+def _restore_numerics(saved, name):
+    if _numerics() != saved:
+        print(f"   ({name} changed TF32 / matmul precision {saved} -> {_numerics()}: restored)")
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+
+
 def section(name, fn):
     print(f"== {name}", flush=True)
     t0 = time.time()
+    # Each part starts from the same numerics. On an H200 the compiled idioms, alone in a process, matched DDP;
+    # run after hf_trainer (whose compiled fp32 case makes accelerate turn TF32 on) they were 6.3e-5 off.
+    saved = _numerics()
     try:
         failures = fn()
         print(f"{name}: {'PASS' if not failures else 'FAIL'} ({time.time() - t0:.0f} s)", flush=True)
@@ -46,6 +62,7 @@ def section(name, fn):
         traceback.print_exc(file=sys.stdout)
         return False
     finally:
+        _restore_numerics(saved, name)
         sys.stdout.flush()
 
 
@@ -105,8 +122,12 @@ def lightning():
 
     L._trainer = trainer
     failures = L._parity(0, 1)
-    # WeightAveraging: resumed bit for bit (fp32 with offload, bf16), refused at stage 3.
-    out = L._weight_averaging_resume(0, 1, os.path.join(TMP, "averaging"))
+    # WeightAveraging: resumed bit for bit (fp32 with offload, bf16), refused at stage 3. Without the buffers:
+    # torch's AveragedModel averages a CUDA model's tensors with foreach ops, which refuse an integer buffer
+    # (BatchNorm's num_batches_tracked: "Integer division with addcdiv is no longer supported"; torch 2.11 on
+    # an H200, 2026-11-27, under any strategy: torch.optim.swa_utils.get_swa_multi_avg_fn()'s integer branch
+    # raises the same on the CPU when called directly).
+    out = L._weight_averaging_resume(0, 1, os.path.join(TMP, "averaging"), use_buffers=False)
     if "cannot average a ShardedStrategy(stage=3) model" not in out.pop("stage 3"):
         failures.append("WeightAveraging at stage 3 was not refused")
     for precision, result in out.items():

@@ -530,16 +530,17 @@ def test_weight_averaging_saves_the_average_with_offload(tmp_path):
         assert not differ, f"rank {rank}: {differ} are not the average"
 
 
-def _weight_averaging_resume(rank, world_size, root):
-    """Per (precision, offload): average and weights after 2 epochs straight, and after 1 + resume + 1."""
+def _weight_averaging_resume(rank, world_size, root, **averaging):
+    """Per (precision, offload): average and weights after 2 epochs straight, and after 1 + resume + 1.
+    averaging: WeightAveraging's arguments (.ci/gpu_integrations.py passes use_buffers=False)."""
     from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
     from shardopt.integrations.lightning import ShardedStrategy
 
     _external_ranks(rank)
-    out = {}
+    out, averaging_kw = {}, averaging
     for precision, offload in (("32-true", "cpu"), ("bf16-mixed", "none")):
         def fit(ckpt_path=None):
-            averaging = WeightAveraging()
+            averaging = WeightAveraging(**averaging_kw)
             saves = ModelCheckpoint(dirpath=os.path.join(root, precision), filename="e{epoch}", every_n_epochs=1,
                                     save_top_k=-1, auto_insert_metric_name=False)
             model = AwkwardModule("adamw", "step", same_data_split=True, seed=0 if ckpt_path is None else 7)
