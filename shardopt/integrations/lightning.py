@@ -277,17 +277,18 @@ _CURRENT_IS_THE_WEIGHTS = "shardopt: the checkpoint's weights"
 
 
 def _refuse_weight_averaging(trainer: "pl.Trainer") -> None:
-    """At stage 3: the callback reads whole weights after every step, and a parameter is empty between uses."""
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # a Lightning without the callback
-        return
-    found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, WeightAveraging)]
+    """At stage 3: the averaging callbacks read whole weights outside a forward, and a parameter is empty between
+    uses (Lightning's StochasticWeightAveraging refuses FSDP and DeepSpeed for the same reason)."""
+    from lightning.pytorch import callbacks
+
+    names = ("WeightAveraging", "StochasticWeightAveraging")
+    kinds = tuple(getattr(callbacks, n) for n in names if hasattr(callbacks, n))
+    found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kinds)]
     if found:
         raise ValueError(f"Lightning's {found[0]} callback cannot average a ShardedStrategy(stage=3) model: it "
-                         "keeps a whole copy of the model and reads every weight after each step, while at stage 3 "
-                         "a parameter is empty between uses. Use stage=1 or 2 with it (each rank then holds the "
-                         "weights anyway), or keep an average yourself inside opt.full_params()")
+                         "keeps a whole copy of the model and reads every weight outside a forward, while at "
+                         "stage 3 a parameter is empty between uses. Use stage=1 or 2 with it (each rank then holds "
+                         "the weights anyway), or keep an average yourself inside opt.full_params()")
 
 
 # Modules ShardedDDP has hooked: its gradient hooks stay while that wrapper
@@ -432,6 +433,16 @@ class ShardedStrategy(DDPStrategy):
 
     def _sharded_optimizer(self) -> ShardedOptimizer:
         return _unwrap(self.optimizers[0])
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs) -> Any:
+        trainer = self.lightning_module.trainer
+        if trainer is not None and getattr(trainer.fit_loop, "_skip_backward", False):
+            # Lightning's StochasticWeightAveraging ends with one epoch of forwards that recompute BatchNorm's
+            # statistics for the average, backward skipped, and one optimizer step at its end: under DDP that
+            # step finds no gradient and changes nothing. ShardedOptimizer refuses a step with no backward on
+            # any rank (it is a bug anywhere else), so here the step is not taken; the forwards still run.
+            return closure()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @contextlib.contextmanager
     def block_backward_sync(self):
