@@ -584,17 +584,22 @@ def test_weight_averaging_resumes_where_it_stopped(tmp_path):
                                                  f"{masters_equal}"
 
 
-def _swa(rank, world_size, strategy_name):
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+def _swa(rank, world_size, strategy_name, root=None, resume=False):
+    """root: checkpoints after every epoch go there; resume: a new fit continues from the one after epoch 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
     from shardopt.integrations.lightning import ShardedStrategy
 
     _external_ranks(rank)
     swa = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)
-    model = AwkwardModule("adamw", "step", same_data_split=True)
+    model = AwkwardModule("adamw", "step", same_data_split=True, seed=7 if resume else 0)
     strategy = {"ddp": "ddp_find_unused_parameters_true", "stage 3": ShardedStrategy(stage=3)}.get(
         strategy_name, ShardedStrategy(stage=2))
+    saves = [] if root is None else [ModelCheckpoint(dirpath=root, filename="e{epoch}", every_n_epochs=1,
+                                                     save_top_k=-1, auto_insert_metric_name=False)]
+    trainer = _trainer(world_size, strategy, max_epochs=3 if root else 2, callbacks=[swa] + saves,
+                       enable_checkpointing=bool(saves))
     try:
-        _trainer(world_size, strategy, max_epochs=2, callbacks=[swa]).fit(model, _loader(2 * BATCH * 6))
+        trainer.fit(model, _loader(2 * BATCH * 6), ckpt_path=os.path.join(root, "e1.ckpt") if resume else None)
     except Exception as e:  # noqa: BLE001 - the outcome
         return f"{type(e).__name__}: {e}"
     return ([p.detach().clone() for p in swa._average_model.parameters()],
@@ -618,3 +623,16 @@ def test_stochastic_weight_averaging():
         assert all(torch.allclose(a.float(), b.float(), atol=1e-6) for a, b in zip(ref_buffers, buffers)), rank
     for rank, out in enumerate(run_ranks(_swa, 2, "stage 3", timeout=300)):
         assert "cannot average a ShardedStrategy(stage=3) model" in out, f"rank {rank}: {out}"
+
+
+def test_stochastic_weight_averaging_resumes_mid_average(tmp_path):
+    # 3 epochs straight against 2 + a fit resumed from the checkpoint after epoch 1 (averaging under way):
+    # the average, the weights and BatchNorm's statistics at the end, bit for bit.
+    from dist_harness import run_ranks
+
+    straight = run_ranks(_swa, 2, "shardopt", str(tmp_path), timeout=300)
+    resumed = run_ranks(_swa, 2, "shardopt", str(tmp_path), True, timeout=300)
+    assert not any(isinstance(out, str) for out in straight + resumed), straight + resumed
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        for what, x, y in zip(("average", "weights", "buffers"), a, b):
+            assert all(torch.equal(p, q) for p, q in zip(x, y)), f"rank {rank}: the {what} differ after resuming"
