@@ -197,19 +197,8 @@ def _idioms(keep):
     return I
 
 
-def idioms():
-    # torch.compile's are the part `compiled`. ema_after_step_overlap_gather checks that reads waited for
-    # gathers in flight: at world size 1 nothing is gathered.
-    I = _idioms(lambda name: name not in _COMPILED and name != "ema_after_step_overlap_gather")
-    calls = [("test_idiom_matches_ddp", I.test_idiom_matches_ddp, (f.__name__, s)) for s in (1, 2, 3)
-             for f in I.MATCH if not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
-    calls += [("test_idiom_raises_documented_error", I.test_idiom_raises_documented_error, (f.__name__, s))
-              for s in (1, 2, 3) for f in I.RAISE if s == 3 or f.__name__ not in I.ONLY_AT_STAGE_3]
-    # At world size 1 the DDP side's clip total is torch's float32 norm of each whole gradient; ours sums the
-    # norms of a parameter's pieces (parameters straddle these tiny buckets) in float64. With the decay groups'
-    # layout that total differs in its last bits, and AdamW makes 1.6e-6 of it in 4 steps on the CPU (the
-    # suite's 2 ranks stay inside 1e-6). Judged at 1e-5 here, and said so.
-    rounding = {"clip_with_decay_groups"}
+def _matches(I, rounding=()):
+    """test_idiom_matches_ddp for every idiom left in I.MATCH at stages 1-3; those in `rounding` at a 1e-5 bar."""
     tol = I.TOL
 
     def judged(idiom, stage):
@@ -218,8 +207,21 @@ def idioms():
             I.test_idiom_matches_ddp(idiom, stage)
         finally:
             I.TOL = tol
-    calls = [(name + (" (bar 1e-5)" if args[0] in rounding else ""), judged if fn is I.test_idiom_matches_ddp else fn,
-              args) for name, fn, args in calls]
+    return [("test_idiom_matches_ddp" + (" (bar 1e-5)" if f.__name__ in rounding else ""), judged, (f.__name__, s))
+            for s in (1, 2, 3) for f in I.MATCH if not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
+
+
+def idioms():
+    # torch.compile's are the part `compiled`. ema_after_step_overlap_gather checks that reads waited for
+    # gathers in flight: at world size 1 nothing is gathered.
+    I = _idioms(lambda name: name not in _COMPILED and name != "ema_after_step_overlap_gather")
+    # At world size 1 the DDP side's clip total is torch's float32 norm of each whole gradient; ours sums the
+    # norms of a parameter's pieces (parameters straddle these tiny buckets) in float64. With the decay groups'
+    # layout that total differs in its last bits, and AdamW makes 1.6e-6 of it in 4 steps on the CPU (the
+    # suite's 2 ranks stay inside 1e-6). Judged at 1e-5 here, and said so.
+    calls = _matches(I, rounding={"clip_with_decay_groups"})
+    calls += [("test_idiom_raises_documented_error", I.test_idiom_raises_documented_error, (f.__name__, s))
+              for s in (1, 2, 3) for f in I.RAISE if s == 3 or f.__name__ not in I.ONLY_AT_STAGE_3]
     return _run_tests(calls)
 
 
@@ -227,8 +229,7 @@ def compiled():
     """The torch.compile idioms (Inductor: about 90 s for the first on an H200, seconds after), and that a
     compiled wrapper is not compiled again every step (Note [Registrations under torch.compile])."""
     I = _idioms(lambda name: name in _COMPILED)
-    calls = [("test_idiom_matches_ddp", I.test_idiom_matches_ddp, (f.__name__, s)) for s in (1, 2, 3)
-             for f in I.MATCH if not (s == 3 and f.__name__ in I.NOT_AT_STAGE_3)]
+    calls = _matches(I)
     calls += [("test_a_compiled_wrapper_is_not_compiled_again_every_step",
                I.test_a_compiled_wrapper_is_not_compiled_again_every_step, (s,)) for s in (2, 3)]
     return _run_tests(calls)

@@ -438,9 +438,12 @@ class ShardedStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer is not None and getattr(trainer.fit_loop, "_skip_backward", False):
             # Lightning's StochasticWeightAveraging ends with one epoch of forwards that recompute BatchNorm's
-            # statistics for the average, backward skipped, and one optimizer step at its end: under DDP that
-            # step finds no gradient and changes nothing. ShardedOptimizer refuses a step with no backward on
-            # any rank (it is a bug anywhere else), so here the step is not taken; the forwards still run.
+            # statistics for the average, backward skipped, and one optimizer step at its end that the callback
+            # means as none ("no need to perform either backward or optimizer.step"). Under DDP that step
+            # applies the gradients the previous epoch left (Lightning zeroes them at the start of an
+            # accumulation window, which this epoch skips) and moves the weights off the average. ShardedOptimizer
+            # refuses a step with no backward on any rank (a bug anywhere else): here the step is not taken, the
+            # forwards still run, and the module ends at the average (tests/test_lightning.py).
             return closure()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
