@@ -115,10 +115,10 @@ class ShardedDDP(nn.Module):
         # would overwrite them with the old ones. Post hooks run for every module
         # of a load, so this sees loads into the model or into this wrapper.
         if not stage3:  # stage 3: its own hooks (Note [Stage-3 hooks])
-            same = []
-            handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same)))
+            same, finer = [], {}
+            handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same, finer)))
             handles.append(module.register_load_state_dict_post_hook(
-                lambda mod, keys: _masters_after_load(optimizer, same)))
+                lambda mod, keys: _masters_after_load(optimizer, same, finer)))
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
@@ -448,11 +448,20 @@ def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
 # where under DDP such a load changes nothing. So before a load, the values it brings are compared with
 # the managed parameters' (in the model's dtype, as the load will write them; parameters it leaves out
 # count as unchanged); if none differs, the masters keep their bits. One compare pass per load.
-def _same_values_hook(optimizer, same: list):
+# A loaded value finer than the model's dtype (an fp32 checkpoint, pretrained weights, into a bf16 model)
+# holds more than the model can: the masters take it at their own precision, not the model's rounding of
+# it (which the load writes into the model), whether or not that rounding changed the model. So a bf16
+# model wrapped first and loaded after starts from the file's fp32 values, as a plain checkpoint loaded by the
+# Lightning strategy does (_masters_from_state_dict in integrations/lightning.py) and as FSDP2's sharded
+# fp32 parameters would; the model holds their rounding, as after any step.
+def _same_values_hook(optimizer, same: list, finer: dict):
     def hook(mod, state_dict, prefix, *args):
         with torch.no_grad():
-            same[:] = [all(_holds(p, state_dict.get(prefix + name)) for name, p in mod.named_parameters()
-                           if id(p) in optimizer._index)]
+            values = [(p, state_dict.get(prefix + name)) for name, p in mod.named_parameters()
+                      if id(p) in optimizer._index]
+            same[:] = [all(_holds(p, value) for p, value in values)]
+            finer.clear()
+            finer.update((optimizer._index[id(p)], value) for p, value in values if _finer(value, p))
     return hook
 
 
@@ -462,11 +471,20 @@ def _holds(p: torch.Tensor, value) -> bool:
     return value.shape == p.shape and torch.equal(value.to(device=p.device, dtype=p.dtype), p.detach())
 
 
-def _masters_after_load(optimizer, same: list) -> None:
+def _finer(value, p: torch.Tensor) -> bool:
+    """Whether a loaded value carries more precision than the parameter's dtype (an fp32 value, a bf16 model)."""
+    return torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape \
+        and torch.finfo(value.dtype).eps < torch.finfo(p.dtype).eps
+
+
+def _masters_after_load(optimizer, same: list, finer: dict) -> None:
     if same and same.pop():
         optimizer._note_model_version()  # the load wrote what was there: nothing to take
     else:
         optimizer._load_master_from_model()
+    if finer:
+        optimizer._load_master_from_values(finer)  # more than the model holds: at master precision
+        finer.clear()
 
 
 # Note [Stage-3 hooks]
@@ -531,16 +549,16 @@ def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
                 state_dict[k] = v.clone()
         ctx.__exit__(None, None, None)
 
-    same = []
+    same, finer = [], {}
 
     def load_and_free(mod, incompatible):
         whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
-        _masters_after_load(optimizer, same)  # and the masters, whole (Note [A load of the values held])
+        _masters_after_load(optimizer, same, finer)  # and the masters, whole (Note [A load of the values held])
 
     handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
     handles.append(module.register_state_dict_post_hook(copy_and_free))
     handles.append(module.register_load_state_dict_pre_hook(gather(writeback=True)))
-    handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same)))  # after gather
+    handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same, finer)))  # after gather
     handles.append(module.register_load_state_dict_post_hook(load_and_free))
     return handles
 

@@ -45,6 +45,7 @@ class MasterStep:
             master_chunk = self.master[at:at + model_chunk.numel()] if self.master is not None else model_chunk
             self.chunks.append((model_chunk, master_chunk))
         self.pieces = layout.pieces(rank)
+        self._param_offsets = [layout.params[pc.param].offset for pc in self.pieces]  # where each piece's param starts
         self.piece_params, self.piece_grads, model_pieces = [], [], []
         inner_groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in param_groups]
         for pc in self.pieces:
@@ -84,6 +85,15 @@ class MasterStep:
         if self.master is not None:
             for model_chunk, master_chunk in self.chunks:
                 master_chunk.copy_(model_chunk)
+
+    @torch.no_grad()
+    def load_values(self, values: dict) -> None:
+        """Master pieces take whole parameters' values at master precision: {parameter index: its full tensor}
+        (a load that brings more precision than the model's dtype: Note [A load of the values held] in ddp.py)."""
+        for pc, at, t in zip(self.pieces, self._param_offsets, self.piece_params):
+            value = values.get(pc.param)
+            if value is not None:
+                t.copy_(value.reshape(-1)[pc.start - at:pc.end - at])
 
     # Note [Writing back keeps the master's bits]
     # ----------------------------------------------

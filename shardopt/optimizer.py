@@ -422,6 +422,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.stepper.load_from_model()
         self._note_model_version()
 
+    def _load_master_from_values(self, values: dict) -> None:
+        """Master pieces take loaded values at their own precision ({parameter index: full tensor}; ddp.py)."""
+        self.wait_params()
+        self.stepper.load_values(values)
+        self._note_model_version()
+
     # Note [Weights edited in place]
     # ------------------------------
     # Under DDP, code between steps may change weights in place: `with torch.no_grad(): p.clamp_(-c, c)`

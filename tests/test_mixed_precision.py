@@ -474,7 +474,26 @@ def _peeking_at_weights(rank, world_size):
                 model.load_state_dict({k: v * 2 if v.is_floating_point() else v  # other values replace the
                                        for k, v in model.state_dict().items()})  # masters whole (bf16 values)
                 runs["loaded"] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
+                # fp32 values (a pretrained checkpoint) into the bf16 model: the masters take them at fp32, both
+                # where they round to what the model holds (a nudge below half a bf16 ulp) and where they do not
+                held = model.state_dict()
+                for name, fp32 in (("nudged", {k: v.float() * (1 + 2.0 ** -12) for k, v in held.items()}),
+                                   ("fp32", {k: v.float() * 3 + 1e-3 for k, v in held.items()})):
+                    model.load_state_dict(fp32)
+                    runs[name] = (_pieces_of(opt, model, fp32), [m.clone() for m in opt._piece_params],
+                                  {k: v.float() for k, v in model.state_dict().items()},
+                                  {k: v.to(torch.bfloat16).float() for k, v in fp32.items()})
         out[stage, offload] = runs
+    return out
+
+
+def _pieces_of(opt, model, full: dict) -> list:
+    """This rank's pieces of whole parameters given by name, in the optimizer's piece order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for pc in opt._pieces:
+        at = opt.layout.params[pc.param].offset
+        out.append(full[names[id(opt._params[pc.param])]].reshape(-1)[pc.start - at:pc.end - at])
     return out
 
 
@@ -491,6 +510,11 @@ def test_reading_weights_in_full_params_keeps_the_fp32_masters():
             assert all(torch.equal(a, b) for a, b in zip(peeked, out[key]["reloaded"])), key
             assert all(torch.equal(m, m.to(torch.bfloat16).float()) for m in out[key]["loaded"]), key
         assert len(written) == 1 and written[0][1] == [0.5], (key, written)
+        for rank, out in enumerate(outs):  # Note [A load of the values held]: values finer than the model's
+            for name in ("nudged", "fp32"):
+                want, masters, model_values, rounded = out[key][name]
+                assert all(torch.equal(w, m) for w, m in zip(want, masters)), (key, name, rank)
+                assert all(torch.equal(model_values[k], rounded[k]) for k in rounded), (key, name, rank)
         assert all(out[key]["swap"] for out in outs), key  # weights swapped out and back: masters untouched
 
 

@@ -254,12 +254,9 @@ def _masters_from_state_dict(opt: ShardedOptimizer, module: nn.Module, state_dic
     rounded copy. In fp32 the masters are the model's storage: a no-op copy.
     """
     names = {id(p): n for n, p in module.named_parameters()}
-    for pc, master in zip(opt._pieces, opt._piece_params):
-        saved = state_dict.get(names[id(opt._params[pc.param])])
-        if saved is None:
-            continue  # strict=False and not in the file: the parameter kept its values
-        slot = opt.layout.params[pc.param]
-        master.copy_(saved.reshape(-1)[pc.start - slot.offset:pc.end - slot.offset])
+    saved = {i: state_dict.get(names[id(p)]) for i, p in enumerate(opt._params)}
+    # strict=False and not in the file: the parameter kept its values
+    opt._load_master_from_values({i: v for i, v in saved.items() if v is not None})
 
 
 # Note [Lightning's WeightAveraging]
