@@ -66,6 +66,7 @@ VARIANTS = {
     "shardopt ZeRO-2, 1M buckets": "shardopt-2-b1000",
     "shardopt ZeRO-2, 2M buckets": "shardopt-2-b2000",
     "shardopt ZeRO-2 node-aware + bf16 inter-node phase, 500k buckets": "shardopt-2-bf16-b500",
+    "shardopt ZeRO-2 node-aware + bf16 inter-node phase + overlap_gather": "shardopt-2-bf16-gather",
     "shardopt ZeRO-2 node-aware + bf16 inter-node phase + overlap_gather, 500k buckets": "shardopt-2-bf16-gather-b500",
     # Hybrid sharding (shard_group="node"): sharded inside a node, replicated across nodes.
     "shardopt hybrid (fp32 hop) + overlap_gather": "shardopt-hybrid-fp32-gather",
