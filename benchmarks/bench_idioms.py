@@ -7,7 +7,8 @@
 The model is an MLP of many small layers (N/2 Linear(16, 16) + tanh, N parameter
 tensors): the per-tensor cost of a loop's idioms is all there is to see. Every
 variant trains its own copy (same seed, same data) in the same 2 processes,
-taking turns round-robin as benchmarks/bench_step.py does (Note [Turns] there):
+taking turns round-robin as benchmarks/bench_step.py does (Note [Turns] there), each
+round starting with the next variant (Note [Rotating turns]):
   * DDP + AdamW(fused=True), the torch idioms;
   * shardopt ZeRO-2 + AdamW(fused=True), the same torch idioms (what the HF
     Trainer, accelerate and most loops run);
@@ -138,6 +139,15 @@ class _Floor:
         return (time.perf_counter() - t0) / turn
 
 
+# Note [Rotating turns]
+# A variant's turn follows another variant's, whose freed memory its allocations meet (glibc hands
+# freed blocks back to the OS; touching fresh pages is expensive on this VM: Note [Turns] in
+# bench_step.py). With the order fixed (DDP, torch idioms, own calls) the torch-idiom variant always
+# followed DDP and the own-call variant always followed a model of its own size, a bias of its own
+# between the two shardopt variants (the torch-idiom backward measured 1.0 ms slower than the own-call
+# one at 500 tensors, 2026-11-27, though the two backward passes do the same work). So the order
+# rotates: round r starts with variant r mod 3, and over every 3 rounds each variant follows each other
+# once.
 def _rank(rank, world_size, tensors, width, idioms, rounds, turn, warmup):
     import torch.distributed as dist
 
@@ -150,7 +160,8 @@ def _rank(rank, world_size, tensors, width, idioms, rounds, turn, warmup):
         t = floor.time(turn)
         if rnd >= warmup:
             times[FLOOR_NAME].append([0.0, 0.0, t])
-        for v in variants:
+        # Note [Rotating turns]: each round starts with another variant.
+        for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
             dist.barrier()
             acc = [0.0, 0.0, 0.0]
             for k in range(turn):
