@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--over-d", action="store_true")
     ap.add_argument("--scale", default="rms", choices=["mean", "rms", "chunk"])
     ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--compress-own", action="store_true",
+                    help="each rank's own row goes through the 1-bit codec too (with its residual), as in "
+                         "DeepSpeed's compressed all-reduce; default: kept exact, as shardopt does")
     ap.add_argument("--steps", type=int, default=375)
     ap.add_argument("--freeze", type=int, default=75)
     ap.add_argument("--world", type=int, default=4)
@@ -89,16 +92,19 @@ def main() -> None:
         return torch.cat([x, x.new_zeros(pad)]).view(w, n)
 
     def send_rows(local):
-        """Every rank r sends row j of local[r] 1-bit to owner j (sending-side residual, its own row exact);
+        """Every rank r sends row j of local[r] 1-bit to owner j (sending-side residual, its own row exact
+        unless --compress-own);
         returns what the owners received, summed over the senders ([w, n])."""
         got = torch.zeros(w, n)
         for r, x in enumerate(local):
             sent = x + worker[r]
-            sent[r] = x[r]
+            if not a.compress_own:
+                sent[r] = x[r]
             dec = one_bit(sent, a.scale, a.block)
             worker[r] = sent - dec
-            worker[r][r] = 0
-            dec[r] = x[r]
+            if not a.compress_own:
+                worker[r][r] = 0
+                dec[r] = x[r]
             got += dec
         return got
 
