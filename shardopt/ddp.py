@@ -451,9 +451,9 @@ def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
 # A loaded value finer than the model's dtype (an fp32 checkpoint, pretrained weights, into a bf16 model)
 # holds more than the model can: the masters take it at their own precision, not the model's rounding of
 # it (which the load writes into the model), whether or not that rounding changed the model. So a bf16
-# model wrapped first and loaded after starts from the file's fp32 values, as a plain checkpoint loaded by the
-# Lightning strategy does (_masters_from_state_dict in integrations/lightning.py) and as FSDP2's sharded
-# fp32 parameters would; the model holds their rounding, as after any step.
+# model wrapped first and loaded after starts from the file's fp32 values (a plain checkpoint loaded by the
+# Lightning strategy too), as FSDP2's sharded fp32 parameters would; the model holds their rounding, as
+# after any step.
 def _same_values_hook(optimizer, same: list, finer: dict):
     def hook(mod, state_dict, prefix, *args):
         with torch.no_grad():

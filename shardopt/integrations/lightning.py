@@ -244,21 +244,6 @@ def _saved_under(path: str) -> list[str]:
     return [e for e in os.listdir(path) if not e.startswith(".") and os.path.isdir(os.path.join(path, e))]
 
 
-@torch.no_grad()
-def _masters_from_state_dict(opt: ShardedOptimizer, module: nn.Module, state_dict: dict) -> None:
-    """Sets the optimizer's master pieces from a full state dict (a plain checkpoint, e.g. from "ddp").
-
-    Loading a state dict writes the model's parameters; with a bf16/fp16 model
-    the fp32 masters are separate, and the next step would publish the stale
-    ones over it. The saved (possibly fp32) values are taken, not the model's
-    rounded copy. In fp32 the masters are the model's storage: a no-op copy.
-    """
-    names = {id(p): n for n, p in module.named_parameters()}
-    saved = {i: state_dict.get(names[id(p)]) for i, p in enumerate(opt._params)}
-    # strict=False and not in the file: the parameter kept its values
-    opt._load_master_from_values({i: v for i, v in saved.items() if v is not None})
-
-
 # Note [Lightning's WeightAveraging]
 # -----------------------------------
 # Lightning's WeightAveraging callback (EMA, SWA) keeps a whole copy of the module and, at each save, puts
@@ -552,9 +537,9 @@ class ShardedStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if self._restored_sharded:
             return  # load_checkpoint put the weights in place
+        # A plain checkpoint (e.g. from "ddp"): the module's load hooks give the masters the saved values, fp32
+        # ones at fp32 (Note [A load of the values held] in shardopt/ddp.py).
         super().load_model_state_dict(checkpoint, strict=strict)
-        if self._fitting():
-            _masters_from_state_dict(self._sharded_optimizer(), self.lightning_module, checkpoint["state_dict"])
 
     # ---------------------------------------------------------- registry
     @classmethod
