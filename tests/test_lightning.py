@@ -532,23 +532,27 @@ def test_weight_averaging_saves_the_average_with_offload(tmp_path):
 
 def _weight_averaging_resume(rank, world_size, root, **averaging):
     """Per (precision, offload): average and weights after 2 epochs straight, and after 1 + resume + 1.
-    averaging: WeightAveraging's arguments (.ci/gpu_integrations.py passes use_buffers=False)."""
+    averaging: WeightAveraging's arguments (.ci/gpu_integrations.py passes use_buffers=False). The bf16 model
+    is averaged by an EMA with foreach ops (get_ema_multi_avg_fn), the path torch's default average takes on
+    CUDA: its fp32 average and the bf16 module met there (Note [Averages of a cast model])."""
     from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
     from shardopt.integrations.lightning import ShardedStrategy
 
     _external_ranks(rank)
-    out, averaging_kw = {}, averaging
+    out = {}
     for precision, offload in (("32-true", "cpu"), ("bf16-mixed", "none")):
         def fit(ckpt_path=None):
-            averaging = WeightAveraging(**averaging_kw)
+            ema = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)} if precision == "bf16-mixed" else {}
+            averager = WeightAveraging(**ema, **averaging)
             saves = ModelCheckpoint(dirpath=os.path.join(root, precision), filename="e{epoch}", every_n_epochs=1,
                                     save_top_k=-1, auto_insert_metric_name=False)
             model = AwkwardModule("adamw", "step", same_data_split=True, seed=0 if ckpt_path is None else 7)
             trainer = _trainer(world_size, ShardedStrategy(offload=offload), max_epochs=2, precision=precision,
-                               callbacks=[averaging, saves], enable_checkpointing=True)
+                               callbacks=[averager, saves], enable_checkpointing=True)
             trainer.fit(model, _loader(2 * BATCH * 6), ckpt_path=ckpt_path)
             masters = [m.clone() for m in trainer.optimizers[0]._piece_params]
-            return {k: v.detach().clone() for k, v in averaging._average_model.state_dict().items()}, masters
+            return {k: v.detach().clone() for k, v in averager._average_model.state_dict().items()}, masters
 
         straight = fit()
         try:
@@ -572,7 +576,8 @@ def test_weight_averaging_resumes_where_it_stopped(tmp_path):
     # Note [Lightning's WeightAveraging] in shardopt/integrations/lightning.py: a fit resumed from a checkpoint
     # that ModelCheckpoint wrote with the callback on raised KeyError 'state_dict' in the callback's
     # on_load_checkpoint. Now the average and the weights (fp32 masters of a bf16 model included) continue
-    # bit for bit. At stage 3 the callback is refused at setup.
+    # bit for bit. At stage 3 the callback is refused at setup. The bf16 model's EMA (foreach ops) raised at its
+    # second update (fp32 average, bf16 module: Note [Averages of a cast model]).
     from dist_harness import run_ranks
 
     for rank, out in enumerate(run_ranks(_weight_averaging_resume, 2, str(tmp_path), timeout=300)):

@@ -476,13 +476,14 @@ def _peeking_at_weights(rank, world_size):
                 runs["loaded"] = [m.clone() for m in _state(opt)[:len(opt._piece_params)]]
                 # fp32 values (a pretrained checkpoint) into the bf16 model: the masters take them at fp32, both
                 # where they round to what the model holds (a nudge below half a bf16 ulp) and where they do not
-                held = model.state_dict()
+                held = model.state_dict()  # the second from host tensors, as torch.load(map_location="cpu") gives
                 for name, fp32 in (("nudged", {k: v.float() * (1 + 2.0 ** -12) for k, v in held.items()}),
-                                   ("fp32", {k: v.float() * 3 + 1e-3 for k, v in held.items()})):
+                                   ("fp32", {k: (v.float() * 3 + 1e-3).cpu() for k, v in held.items()})):
                     model.load_state_dict(fp32)
-                    runs[name] = (_pieces_of(opt, model, fp32), [m.clone() for m in opt._piece_params],
-                                  {k: v.float() for k, v in model.state_dict().items()},
-                                  {k: v.to(torch.bfloat16).float() for k, v in fp32.items()})
+                    runs[name] = ([w.cpu() for w in _pieces_of(opt, model, fp32)],  # masters on the host with
+                                  [m.to("cpu", copy=True) for m in opt._piece_params],  # offload, on a GPU
+                                  {k: v.float().cpu() for k, v in model.state_dict().items()},
+                                  {k: v.to(torch.bfloat16).float().cpu() for k, v in fp32.items()})
         out[stage, offload] = runs
     return out
 

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import os
 import shutil
 import warnings
@@ -273,6 +274,45 @@ def _refuse_weight_averaging(trainer: "pl.Trainer") -> None:
                          "the weights anyway), or keep an average yourself inside opt.full_params()")
 
 
+# Note [Averages of a cast model]
+# --------------------------------
+# Lightning's WeightAveraging copies the module in its setup hook, before the strategy's setup casts the module
+# for "bf16-mixed" / "16-mixed" (ShardedPrecision: a bf16/fp16 model, fp32 masters). Its average stays fp32
+# while the module it averages is bf16, and torch's AveragedModel.update_parameters takes pairs of mixed dtypes
+# only where it averages tensor by tensor: its foreach path, the default average on CUDA and any multi_avg_fn
+# (get_ema_multi_avg_fn) on any device, raises ("Tensors of the same index must be on the same device and the
+# same dtype" on an H100; "expected dtype float for `end`" from _foreach_lerp_ on the CPU). So an average whose
+# dtypes differ from the module's is given the module's tensors in its own dtypes, one temporary copy per
+# update: the weights the model holds, upcast (DDP averages its fp32 weights; a sharded bf16 model has fp32
+# values only as each rank's shard of the masters).
+class _InDtypesOf:
+    """A module's parameters and buffers in another module's dtypes, as AveragedModel.update_parameters reads them."""
+
+    def __init__(self, module: nn.Module, like: nn.Module):
+        self.module, self.like = module, like
+
+    def parameters(self):
+        return (p.detach().to(a.dtype) for p, a in zip(self.module.parameters(), self.like.parameters()))
+
+    def buffers(self):
+        return (b.detach().to(a.dtype) for b, a in zip(self.module.buffers(), self.like.buffers()))
+
+
+def _average_in_own_dtypes(trainer: "pl.Trainer", module: nn.Module) -> None:
+    """Note [Averages of a cast model]: after the module is cast, before the first update."""
+    from torch.optim.swa_utils import AveragedModel
+
+    dtypes = [t.dtype for t in itertools.chain(module.parameters(), module.buffers())]
+    for callback in trainer.callbacks:
+        average = getattr(callback, "_average_model", None)
+        if not isinstance(average, AveragedModel) or "update_parameters" in vars(average):
+            continue
+        own = [t.dtype for t in itertools.chain(average.module.parameters(), average.module.buffers())]
+        if own != dtypes:
+            update = type(average).update_parameters
+            average.update_parameters = lambda model, _a=average: update(_a, _InDtypesOf(model, _a.module))
+
+
 # Modules ShardedDDP has hooked: its gradient hooks stay while that wrapper
 # lives, and the finished Trainer may still hold it, so a second wrap would
 # reduce every gradient twice (see _setup_model).
@@ -368,6 +408,7 @@ class ShardedStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             if self._sharded_optimizer().param_shard is not None:
                 _refuse_weight_averaging(trainer)
+            _average_in_own_dtypes(trainer, self.lightning_module)
             self.model = self._setup_model(self.model)
         else:
             _sync_module_states(self.model)  # no wrapper, so broadcast rank 0's weights as DDP does
