@@ -1,15 +1,16 @@
 """On one GPU (world size 1, NCCL): checkpoints (stages 2 and 3), the Lightning strategy and ShardedTrainer,
 each through the test suite's own parity functions with the device switched from the CPU to the GPU.
 
-    python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer] [idioms] [compiled] [precision]
-                                   [host_syncs]
+    python .ci/gpu_integrations.py [checkpoint] [lightning] [hf_trainer] [idioms] [compiled] [dcp]
+                                   [precision] [host_syncs]
                                                       # on a machine with a GPU (.ci/gpu-check runs it)
     DEV=cpu python .ci/gpu_integrations.py checkpoint # the same on the CPU (tests)
 
 idioms, compiled and precision run test functions of tests/test_idioms.py (every idiom, stages 1-3;
 torch.compile's in `compiled`) and tests/test_mixed_precision.py (what user code does between backward
 and step) in this process at world size 1, model and batches on the GPU (Note [Suite tests at world size
-1 on one GPU]); host_syncs counts CUDA's host syncs per step with the torch idioms.
+1 on one GPU]); dcp runs tests/test_interop_dcp.py's FSDP2 <-> shardopt checkpoint runs (DCP, stages 2 and 3)
+the same way; host_syncs counts CUDA's host syncs per step with the torch idioms.
 
 Prints "NAME: PASS", "NAME: FAIL" and the failures, or "NAME: ERROR" and the traceback, per part; it
 complements .ci/gpu-check (kernels, parity of ShardedOptimizer itself, syncs, time, memory), which it does
@@ -235,6 +236,33 @@ def compiled():
     return _run_tests(calls)
 
 
+def dcp():
+    """tests/test_interop_dcp.py's runs at world size 1 on the device: FSDP2 (fully_shard) saves through
+    torch.distributed.checkpoint, shardopt loads it at stages 2 and 3 and goes on; shardopt (stages 2 and 3)
+    saves, FSDP2 loads it and goes on. The test's bars: what was loaded equals what was saved bit for bit,
+    and K more steps end within 1e-5 of the run it came from."""
+    import test_interop_dcp as D
+
+    D.DEVICE = torch.device("cuda" if CUDA else "cpu")
+    root = os.path.join(TMP, "dcp")
+    two, three = D._two_ranks(0, 1, root), D._three_ranks(0, 1, root)
+    back = D._fsdp2_from_stage3(0, 1, root)
+    failures = []
+    for name, (saved, loaded, went_on, own) in {
+            "FSDP2 -> shardopt stage 2": (two["fsdp2 saved"], three["shardopt loaded"], three["shardopt continued"],
+                                          two["fsdp2 continued"]),
+            "FSDP2 -> shardopt stage 3": (two["fsdp2 saved"], three["shardopt-3 loaded"],
+                                          three["shardopt-3 continued"], two["fsdp2 continued"]),
+            "shardopt stage 2 -> FSDP2": (two["shardopt saved"], three["fsdp2 loaded"], three["fsdp2 continued"],
+                                          two["shardopt continued"]),
+            "shardopt stage 3 -> FSDP2": (three["shardopt-3 saved"], back["fsdp2 loaded"], back["fsdp2 continued"],
+                                          three["shardopt-3 own"])}.items():
+        differ = D._differences(saved, loaded, 0) + D._differences(own, went_on, 1e-5)
+        print(f"   {name}: {'loaded bit for bit, went on within 1e-5' if not differ else differ[:5]}", flush=True)
+        failures += [f"{name}: {d}" for d in differ]
+    return failures
+
+
 def precision():
     import test_mixed_precision as M
 
@@ -290,8 +318,8 @@ def main(argv) -> int:
                             rank=0, world_size=1)
     try:
         results = [section(name, globals()[name]) for name in (argv or ["checkpoint", "lightning", "hf_trainer",
-                                                                       "idioms", "compiled", "precision",
-                                                                       "host_syncs"])]
+                                                                       "idioms", "compiled", "dcp",
+                                                                       "precision", "host_syncs"])]
     finally:
         dist.destroy_process_group()
         shutil.rmtree(TMP, ignore_errors=True)

@@ -26,13 +26,14 @@ from dist_harness import run_ranks
 K = 3
 GLOBAL_BATCH = 6
 LR, WD = 1e-2, 0.1
+DEVICE = torch.device("cpu")  # .ci/gpu_integrations.py's dcp part runs these functions on a GPU
 
 
 def _model(seed):
     torch.manual_seed(seed)
     m = TinyNet()
     m.shift.normal_()
-    return m
+    return m.to(DEVICE)
 
 
 def _groups(model):
@@ -46,7 +47,8 @@ def _train(model, opt, steps, rank, world_size):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
         n = GLOBAL_BATCH // world_size
-        nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        x, y = x[rank * n:(rank + 1) * n].to(DEVICE), y[rank * n:(rank + 1) * n].to(DEVICE)
+        nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -57,7 +59,7 @@ def _fsdp2(seed, world_size):
     from torch.distributed.fsdp import fully_shard
 
     model = _model(seed)
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE.type, (world_size,))
     fully_shard(model.l1, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(_groups(model), lr=LR)
@@ -192,7 +194,7 @@ def _differences(want, got, rtol):
         for n in want[part]:
             a, b = want[part][n], got[part][n]
             for k, (x, y) in ({"": (a, b)} if torch.is_tensor(a) else {k: (a[k], b[k]) for k in a}).items():
-                x, y = x.double(), y.double()
+                x, y = x.double().cpu(), y.double().cpu()
                 err = ((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item() if x.numel() else 0.0
                 if (rtol == 0 and not torch.equal(x, y)) or err > rtol:
                     out.append(f"{part} {n} {k}: relative error {err:.2e}")
