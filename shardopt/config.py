@@ -94,7 +94,8 @@ class ShardConfig:
     offload: str = "none"
     """Where this rank's fp32 master chunks, gradient chunks and optimizer state
     live: "none" (with the model) or "cpu" (host memory; the step runs there,
-    on shardopt.CPUAdam by default)."""
+    on shardopt.CPUAdam by default). None is taken as "none" (FSDP's
+    cpu_offload=None, a DeepSpeed "offload_optimizer" left null)."""
     pin_memory: bool = True
     """With offload="cpu" and a CUDA model: pin the host chunks (faster,
     asynchronous copies). Ignored on CPU-only machines."""
@@ -163,6 +164,8 @@ class ShardConfig:
     False: never."""
 
     def __post_init__(self):
+        if self.offload is None:
+            object.__setattr__(self, "offload", "none")
         if self.stage not in STAGES:
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
         if not isinstance(self.reshard_after_forward, bool):

@@ -347,6 +347,7 @@ def _bad_args(rank, world_size):
     expect("meta-stage2", ValueError, lambda: shardopt.ShardedOptimizer(
         nn.Linear(3, 3, device="meta").parameters(), stage=2))
     expect("offload", ValueError, lambda: shardopt.ShardedOptimizer(P(), offload="nvme"))
+    assert shardopt.ShardedOptimizer(P(), offload=None).config.offload == "none"  # FSDP's cpu_offload=None
     expect("lbfgs", ValueError, lambda: shardopt.ShardedOptimizer(P(), optim=torch.optim.LBFGS))
     expect("not-a-class", TypeError, lambda: shardopt.ShardedOptimizer(P(), optim="adam"))
     expect("bad-kwarg", TypeError, lambda: shardopt.ShardedOptimizer(P(), lr=1e-3, betas2=0.1))
