@@ -166,7 +166,7 @@ class _FreeGrad(torch.Tensor):
         raise RuntimeError(f"_FreeGrad: {func} not expected in clip_grad_norm_")
 
 
-class _FreeFloor:
+class _FreeFloor(_Floor):
     """Note [The reachable floor]: torch's clip_grad_norm_ over the model's parameter shapes, each p.grad a
     _FreeGrad. What that torch function costs at this tensor count when shardopt's handlers take no time:
     its list building, the p.grad reads, two groupings by device and dtype, the foreach-support scans and two
@@ -183,12 +183,6 @@ class _FreeFloor:
         for p in self.params:
             p.grad = _FreeGrad(p)
         _FreeGrad.norms = torch.zeros(tensors)
-
-    def time(self, turn: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(turn):
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        return (time.perf_counter() - t0) / turn
 
 
 # Note [Rotating turns]
