@@ -70,6 +70,7 @@ class GradSync:
         self.grad_views = grad_views  # stage 1: each parameter's .grad, a view of the flat gradient buffer
         self.shard = grad_shard
         grad_shard.flat = shard_grad  # its pieces are views of it (Note [Foreach over a shard])
+        grad_shard.installed = lambda: self.installed  # Note [What a list leaves out] in sharded_grad.py
         self.world_group = world_group
         self.replicas = replicas
         self.nonfinite = nonfinite

@@ -335,6 +335,8 @@ class GradShard:
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else [tuple(p.shape) for p in params]
         self.process_group = process_group
         self._had_grad = had_grad
+        # installed(): per parameter, what GradSync last put in its .grad (Note [What a list leaves out]).
+        self.installed = lambda: [p.grad for p in params]
         # Parameters whose gradient was zeroed, not set to None (zero_grad(set_to_none=False)):
         # torch.optim steps them even when no backward reaches them, since a zero tensor in
         # p.grad is still a gradient. Zeroing only notes the index; `kept` settles the notes.
@@ -462,9 +464,18 @@ class GradShard:
             # The scan over every parameter only for lists of at least half of them: O(1) per listed
             # gradient (a per-parameter loop such as nn.Module.zero_grad must not cost O(n) each).
             if len(listed) == n or (2 * len(listed) >= n and all(
-                    i in listed for i, (p, h) in enumerate(zip(self._params, self.handles)) if p.grad is h)):
+                    i in listed for i, (put, h) in enumerate(zip(self.installed(), self.handles)) if put is h)):
                 return [self.flat] if self.flat.numel() else []
         return [g for i in indices for g, _ in self._pieces[i]]
+
+    # Note [What a list leaves out]
+    # The whole shard stands for a list when what the list leaves out holds zeros: padding, and parameters
+    # with no gradient this step. A gradient that user code cleared (p.grad = None) or replaced by a tensor
+    # after backward still has its reduced values in the shard until GradSync.reconcile() takes the change in
+    # (at the step, the next backward or zero_grad). So the test is against what GradSync installed, not
+    # p.grad now: a parameter whose installed ShardedGrad is missing from the list sends the call to the
+    # listed pieces. (Seen: fp16 under torch.amp.GradScaler, a p.grad holding an overflow cleared or replaced
+    # before unscale_: the scaler still found the inf in the shard and skipped a step DDP takes.)
 
     # ---------------------------------------------------------------- reads
     def norm_vector(self, indices, ord: float, dtype, device) -> torch.Tensor:

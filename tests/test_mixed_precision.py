@@ -433,6 +433,50 @@ def test_a_gradient_replaced_before_step_decides_the_skip():
             assert all(torch.isfinite(p).all() for p in weights), stage
 
 
+def _changed_before_grad_scaler(rank, world_size):
+    """Per stage and case: torch.amp.GradScaler's scales and the weights after 4 steps, where at step 1 parameter
+    0's gradient is changed between backward and unscale_ (cleared, or replaced by a finite tensor), with and
+    without an inf in what backward left there."""
+    out = {}
+    for stage in (1, 2, 3):
+        for case in ("clear", "poison, then clear", "replace", "poison, then replace"):
+            torch.manual_seed(0)
+            model = AwkwardNet()
+            opt, wrapper = _sharded(model, optim=torch.optim.SGD, lr=5e-2, momentum=0.9, stage=stage)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            victim, scales = next(model.parameters()), []
+            for step in range(4):
+                hook = victim.register_hook(lambda g: g * math.inf) if step == 1 and "poison" in case else None
+                scaler.scale(_loss(wrapper, step, rank)).backward()
+                if hook is not None:
+                    hook.remove()
+                if step == 1 and case.endswith("clear"):
+                    victim.grad = None
+                if step == 1 and case.endswith("replace"):
+                    with opt.full_params():
+                        victim.grad = torch.full_like(victim, 0.01 * 2.0 ** 8)
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+                opt.zero_grad()
+            with opt.full_params():
+                out[stage, case] = (scales, [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_a_gradient_changed_before_grad_scaler_unscale_takes_its_inf_along():
+    # Note [What a list leaves out] in sharded_grad.py: GradScaler.unscale_ checked the whole gradient shard when
+    # the list held every gradient still installed, and a gradient cleared or replaced since backward kept its
+    # reduced values (an inf) there until the step: the scaler found that inf and skipped a step DDP takes.
+    for rank, out in enumerate(run_ranks(_changed_before_grad_scaler, 2)):
+        for stage in (1, 2, 3):
+            for case in ("clear", "replace"):
+                plain, poisoned = out[stage, case], out[stage, "poison, then " + case]
+                assert plain[0] == poisoned[0] == [2.0 ** 8] * 4, (rank, stage, case, plain[0], poisoned[0])
+                assert all(torch.equal(p, q) for p, q in zip(plain[1], poisoned[1])), (rank, stage, case)
+
+
 def _peeking_at_weights(rank, world_size):
     """Per (stage, offload): masters after 6 steps of a bf16 model, without and with a full_params() block after
     every step (reading only; the last one writes one element), with weights swapped out for an evaluation and
