@@ -106,16 +106,34 @@ def _train(rank, world_size, hop_dtype, train_bytes, held_bytes, steps, batch, s
                 in_sync=in_sync)
 
 
-def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, scheduler=None):
+def held_out_loss(ddp, held, batch, rank):
+    """This rank's mean loss over the fixed held-out windows (seed -1)."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        ev = torch.zeros(1)
+        for b in range(EVAL_BATCHES):
+            x, y = windows(held, batch, CONFIG.seq, _generator(-1, b, rank))
+            ev += F.cross_entropy(ddp.module(x).reshape(-1, CONFIG.vocab), y.reshape(-1)) / EVAL_BATCHES
+    return ev
+
+
+def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, scheduler=None, eval_every=0,
+                       held_out_at=None):
     """`steps` clipped steps on the training windows (`scheduler.step()` after each, if given), then the
     held-out loss: fixed windows (seed -1), split over the ranks. Returns (per-step losses, held-out loss),
-    each summed over the ranks, and the training seconds."""
+    each summed over the ranks, and the training seconds. With eval_every = K, the held-out loss is also
+    taken after every K-th step (outside the timed training): held_out_at[step] = it, summed over the
+    ranks (held_out_at: a dict the caller passes)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     losses = torch.zeros(steps)
+    at = [k for k in range(eval_every, steps, eval_every)] if eval_every else []
+    evals = torch.zeros(len(at))
     dist.barrier()
     t0 = time.perf_counter()
+    seconds = 0.0
     for step in range(steps):
         x, y = windows(train, batch, CONFIG.seq, _generator(seed, step, rank))
         loss = F.cross_entropy(ddp(x).reshape(-1, CONFIG.vocab), y.reshape(-1))
@@ -126,14 +144,17 @@ def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, schedule
             scheduler.step()
         opt.zero_grad()
         losses[step] = loss.detach()
-    seconds = time.perf_counter() - t0
-    with torch.no_grad():
-        ev = torch.zeros(1)
-        for b in range(EVAL_BATCHES):
-            x, y = windows(held, batch, CONFIG.seq, _generator(-1, b, rank))
-            ev += F.cross_entropy(ddp.module(x).reshape(-1, CONFIG.vocab), y.reshape(-1)) / EVAL_BATCHES
+        if step + 1 in at:
+            seconds += time.perf_counter() - t0
+            evals[at.index(step + 1)] = held_out_loss(ddp, held, batch, rank)
+            t0 = time.perf_counter()
+    seconds += time.perf_counter() - t0
+    ev = held_out_loss(ddp, held, batch, rank)
     dist.all_reduce(losses)
     dist.all_reduce(ev)
+    if at:
+        dist.all_reduce(evals)
+        held_out_at.update(zip(at, evals.tolist()))
     return losses, ev, seconds
 
 

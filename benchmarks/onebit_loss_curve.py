@@ -74,7 +74,7 @@ def _exact_exchange(state) -> torch.Tensor:
 
 
 def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze, schedule, lr,
-           block=None):
+           block=None, eval_every=0):
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardopt
@@ -100,11 +100,33 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
                                         stage=2, **kw)
     # "linear": the lr falls linearly to 0 over the run (the Trainer's default schedule), for both optimizers.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps) if schedule == "linear" else None
+    evals = {}
     losses, ev, seconds = train_and_evaluate(rank, shardopt.ShardedDDP(model, opt), opt, train, held, steps,
-                                             batch, seed, scheduler=sched)
+                                             batch, seed, scheduler=sched, eval_every=eval_every,
+                                             held_out_at=evals)
     started = opt.onebit.started_at if kind != "adamw" else None
     return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
-                started=started)
+                started=started, evals={k: v / world_size for k, v in evals.items()})
+
+
+def _along_the_run(results: dict, every: int, steps: int) -> list[str]:
+    """--eval-every: each run against AdamW on its mesh after every K steps: the training loss (trailing mean
+    of TAIL steps) and the held-out loss."""
+    others = [n for n in results if not n.startswith("AdamW")]
+    at = [k for k in range(every, steps, every)] + [steps]
+    lines = ["", f"Along the run: each against AdamW on its mesh, training loss (mean of the {TAIL} steps up to "
+             "the step) / held-out loss.", "",
+             "| step | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+    for k in at:
+        cells = []
+        for n in others:
+            r, ref = results[n], results[_reference(n)]
+            tr = sum(r["losses"][max(0, k - TAIL):k]) / sum(ref["losses"][max(0, k - TAIL):k]) - 1
+            ev = r["evals"][k] if k < steps else r["eval"]
+            ev_ref = ref["evals"][k] if k < steps else ref["eval"]
+            cells.append(f"{tr:+.2%} / {ev / ev_ref - 1:+.2%}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def chart(path: str, results: dict, steps: int, freeze: int) -> None:
@@ -148,6 +170,8 @@ def main():
                     help="also the frozen variance with an exact exchange (no compression), per mesh")
     ap.add_argument("--block", type=int, default=None,
                     help="a diagnosis: the 1-bit format's block size (shardopt's is 1024), hybrid meshes only")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also take the held-out loss every K steps, and tabulate both gaps along the run")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
@@ -164,7 +188,7 @@ def main():
     for name, (kind, shape) in runs.items():
         t0 = time.time()
         per_rank = run_ranks(_train, 4, kind, shape, train, held, args.steps, args.batch, args.seed, args.freeze,
-                             args.schedule, args.lr, args.block, timeout=3600, collective_timeout=600)
+                             args.schedule, args.lr, args.block, args.eval_every, timeout=3 * 3600, collective_timeout=600)
         r = per_rank[0]
         r["seconds"] = max(p["seconds"] for p in per_rank)
         r["wall"] = time.time() - t0
@@ -179,7 +203,7 @@ def main():
     lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
              f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}"
-             f"{' --control' if args.control else ''}{f' --block {args.block}' if args.block else ''}` "
+             f"{' --control' if args.control else ''}{f' --block {args.block}' if args.block else ''}{f' --eval-every {args.eval_every}' if args.eval_every else ''}` "
              f"at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",
@@ -203,6 +227,8 @@ def main():
         lines.append(f"| {n} | {r['started'] or '-'} | {final[n]:.4f} | {rel:+.2%} | {r['eval']:.4f} | "
                      f"{erel:+.2%} | {'pass' if ok else '**FAIL**'} | {'pass' if no_worse else '**FAIL**'} | "
                      f"{r['seconds']:.0f} |")
+    if args.eval_every:
+        lines += _along_the_run(results, args.eval_every, args.steps)
     lines += ["", f"Training losses of the first {args.freeze} steps (the warm-up) equal those of AdamW on the same "
               f"mesh bit for bit: {'yes' if same_warmup else '**no**'}.", "", f"![loss curves]({os.path.basename(png)})", ""]
     with open(md, "w") as f:
