@@ -23,6 +23,7 @@ import datetime
 import glob
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -54,17 +55,48 @@ EVAL_BATCHES = 4
 # alone, so all runs see the same windows in the same order, and each rank of a
 # run sees different ones (data parallelism). Whole files are held out, not the
 # corpus' tail: sorted by path, the tail would be tests only.
-def read_corpus(root: str = REPO) -> tuple[bytes, bytes, list[str]]:
-    """(training bytes, held-out bytes, files read) of the repository's source, files in path order."""
-    paths = sorted({p for g in CORPUS_GLOBS for p in glob.glob(os.path.join(root, g), recursive=True)
-                    if os.path.isfile(p)})
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A CORPUS_GLOBS pattern as glob.glob(recursive=True) reads it, for paths relative to the repository:
+    `**/` is any number of folders (none included), `*` any run of characters but `/`."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def _files(root: str, at: str | None):
+    """(path relative to root, bytes) of the corpus's files in path order: the working tree's, or with `at`
+    (a git revision) the files as committed there."""
+    if at is None:
+        paths = sorted({p for g in CORPUS_GLOBS for p in glob.glob(os.path.join(root, g), recursive=True)
+                        if os.path.isfile(p)})
+        for p in paths:
+            with open(p, "rb") as f:
+                yield os.path.relpath(p, root), f.read()
+        return
+    git = ["git", "-C", root]
+    names = subprocess.run(git + ["ls-tree", "-r", "--name-only", "-z", at], check=True, capture_output=True).stdout
+    patterns = [_glob_regex(g) for g in CORPUS_GLOBS]
+    chosen = (n for n in names.decode().split("\0") if n and any(r.match(n) for r in patterns)
+              and not any(part.startswith(".") for part in n.split("/")))  # glob skips hidden names too
+    for name in sorted(chosen):
+        yield name, subprocess.run(git + ["show", f"{at}:{name}"], check=True, capture_output=True).stdout
+
+
+def read_corpus(root: str = REPO, at: str | None = None) -> tuple[bytes, bytes, list[str]]:
+    """(training bytes, held-out bytes, files read) of the repository's source, files in path order: the
+    working tree's, or with `at` (a git revision) the files as committed there, so that runs on other days
+    read the same text (the source grows every day, and the benchmark's losses with it)."""
     train, held, used = [], [], []
-    for p in paths:
-        with open(p, "rb") as f:
-            data = f.read()
+    for name, data in _files(root, at):
         if b"\0" in data:  # a build product that landed under csrc/: not text
             continue
-        used.append(os.path.relpath(p, root))
+        used.append(name)
         (held if len(used) % HOLDOUT_EVERY == 0 else train).append(data)
     return b"\n".join(train), b"\n".join(held), used
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -172,13 +173,17 @@ def main():
                     help="a diagnosis: the 1-bit format's block size (shardopt's is 1024), hybrid meshes only")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also take the held-out loss every K steps, and tabulate both gaps along the run")
+    ap.add_argument("--corpus-at", default=None, metavar="REV",
+                    help="read the corpus as committed at this git revision (default: the working tree, which "
+                    "grows every day): runs on other days then train on the same text")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
     md = os.path.join(args.out_dir, f"{date}-onebit-loss.md")
     png = os.path.join(args.out_dir, f"{date}-onebit-loss.png")
+    raw = os.path.join(args.out_dir, f"{date}-onebit-loss.json")  # every run's per-step and held-out losses
     load = os.getloadavg()[0]
-    train, held, files = read_corpus()
+    train, held, files = read_corpus(at=args.corpus_at)
     params = num_params(GPT(CONFIG))
     results = {}
     runs = _runs(args.meshes, args.control)
@@ -203,12 +208,14 @@ def main():
     lines = [f"# 1-bit Adam vs exact AdamW: loss curves — {date}", "",
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
              f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}"
-             f"{' --control' if args.control else ''}{f' --block {args.block}' if args.block else ''}{f' --eval-every {args.eval_every}' if args.eval_every else ''}` "
+             f"{' --control' if args.control else ''}{f' --block {args.block}' if args.block else ''}{f' --eval-every {args.eval_every}' if args.eval_every else ''}"
+             f"{f' --corpus-at {args.corpus_at}' if args.corpus_at else ''}` "
              f"at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",
              f"Model, data and evaluation as benchmarks/hop_loss_curve.py: byte-level GPT ({CONFIG}), "
-             f"{params:,} parameters, this repository's source ({len(files)} files, {len(train):,} training "
+             f"{params:,} parameters, this repository's source{f' at {args.corpus_at}' if args.corpus_at else ''} "
+             f"({len(files)} files, {len(train):,} training "
              f"bytes, {len(held):,} held out). 4 ranks, ZeRO-2, lr={args.lr} "
              f"({'constant' if args.schedule == 'constant' else 'falling linearly to 0 over the run'}), "
              f"weight_decay={WD}, betas (0.9, 0.999), "
@@ -233,6 +240,8 @@ def main():
               f"mesh bit for bit: {'yes' if same_warmup else '**no**'}.", "", f"![loss curves]({os.path.basename(png)})", ""]
     with open(md, "w") as f:
         f.write("\n".join(lines))
+    with open(raw, "w") as f:
+        json.dump({"args": vars(args), "runs": results}, f)
     print("\n".join(lines))
 
 
