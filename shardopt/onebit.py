@@ -119,7 +119,11 @@ overshoot is an effective change of learning rate, not fidelity to Adam. With th
 ends +0.3% / -0.2% (flat) and -1.1% / -1.4% (2x2 mesh) from AdamW over two seeds
 (benchmarks/results/2026-11-26-onebit-loss.md); on the corpus of later that day -0.3% to -0.7% (flat) and
 -2.2% to -3.0% (2x2), while the frozen variance with the exchange made exact stays within 0.9% of AdamW
-(benchmarks/results/2026-11-26-onebit-control.md): the 2x2 gap is the two replicas' 1-bit exchange. At 16
+at that length (benchmarks/results/2026-11-26-onebit-control.md). Run on to 1500 steps
+(benchmarks/results/2026-11-27-onebit-long.md) OneBitAdam leads AdamW by up to 6-7% (2x2) and 4-5% (flat)
+around step 600 and the two meet again by step 1500; the exact-exchange control leads by 3-4% there too:
+on that model AdamW's variance keeps growing after the freeze (its denominators 3x the frozen ones by step
+750), so 1-bit Adam steps like AdamW at a larger learning rate; the two replicas' exchange adds 1-2%. At 16
 windows per rank instead of 8 the flat mesh ends 2.4% below AdamW: the frozen variance alone -6.3%, the
 exchange +4.1% against the exact one (they nearly cancel at 8).
 A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives +scale or -scale. The
