@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import io
 import os
 import platform
-import re
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 import torch
@@ -55,48 +57,26 @@ EVAL_BATCHES = 4
 # alone, so all runs see the same windows in the same order, and each rank of a
 # run sees different ones (data parallelism). Whole files are held out, not the
 # corpus' tail: sorted by path, the tail would be tests only.
-def _glob_regex(pattern: str) -> re.Pattern:
-    """A CORPUS_GLOBS pattern as glob.glob(recursive=True) reads it, for paths relative to the repository:
-    `**/` is any number of folders (none included), `*` any run of characters but `/`."""
-    out, i = "", 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out, i = out + "(?:.*/)?", i + 3
-        elif pattern[i] == "*":
-            out, i = out + "[^/]*", i + 1
-        else:
-            out, i = out + re.escape(pattern[i]), i + 1
-    return re.compile(out + r"\Z")
-
-
-def _files(root: str, at: str | None):
-    """(path relative to root, bytes) of the corpus's files in path order: the working tree's, or with `at`
-    (a git revision) the files as committed there."""
-    if at is None:
-        paths = sorted({p for g in CORPUS_GLOBS for p in glob.glob(os.path.join(root, g), recursive=True)
-                        if os.path.isfile(p)})
-        for p in paths:
-            with open(p, "rb") as f:
-                yield os.path.relpath(p, root), f.read()
-        return
-    git = ["git", "-C", root]
-    names = subprocess.run(git + ["ls-tree", "-r", "--name-only", "-z", at], check=True, capture_output=True).stdout
-    patterns = [_glob_regex(g) for g in CORPUS_GLOBS]
-    chosen = (n for n in names.decode().split("\0") if n and any(r.match(n) for r in patterns)
-              and not any(part.startswith(".") for part in n.split("/")))  # glob skips hidden names too
-    for name in sorted(chosen):
-        yield name, subprocess.run(git + ["show", f"{at}:{name}"], check=True, capture_output=True).stdout
-
-
 def read_corpus(root: str = REPO, at: str | None = None) -> tuple[bytes, bytes, list[str]]:
     """(training bytes, held-out bytes, files read) of the repository's source, files in path order: the
     working tree's, or with `at` (a git revision) the files as committed there, so that runs on other days
     read the same text (the source grows every day, and the benchmark's losses with it)."""
+    if at is not None:  # the revision's tree, unpacked, read as a working tree
+        archive = subprocess.run(["git", "-C", root, "archive", "--format=tar", at], check=True,
+                                 capture_output=True).stdout
+        with tempfile.TemporaryDirectory() as tree:
+            with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+                tar.extractall(tree, filter="data")
+            return read_corpus(tree)
+    paths = sorted({p for g in CORPUS_GLOBS for p in glob.glob(os.path.join(root, g), recursive=True)
+                    if os.path.isfile(p)})
     train, held, used = [], [], []
-    for name, data in _files(root, at):
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
         if b"\0" in data:  # a build product that landed under csrc/: not text
             continue
-        used.append(name)
+        used.append(os.path.relpath(p, root))
         (held if len(used) % HOLDOUT_EVERY == 0 else train).append(data)
     return b"\n".join(train), b"\n".join(held), used
 
@@ -160,9 +140,10 @@ def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, schedule
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    if eval_every and held_out_at is None:
+        raise ValueError("eval_every: pass held_out_at, the dict that receives the held-out losses")
     losses = torch.zeros(steps)
-    at = [k for k in range(eval_every, steps, eval_every)] if eval_every else []
-    evals = torch.zeros(len(at))
+    evals = torch.zeros(max(0, (steps - 1) // eval_every) if eval_every else 0)  # after steps K, 2K, ... < steps
     dist.barrier()
     t0 = time.perf_counter()
     seconds = 0.0
@@ -176,17 +157,17 @@ def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, schedule
             scheduler.step()
         opt.zero_grad()
         losses[step] = loss.detach()
-        if step + 1 in at:
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             seconds += time.perf_counter() - t0
-            evals[at.index(step + 1)] = held_out_loss(ddp, held, batch, rank)
+            evals[(step + 1) // eval_every - 1] = held_out_loss(ddp, held, batch, rank)
             t0 = time.perf_counter()
     seconds += time.perf_counter() - t0
     ev = held_out_loss(ddp, held, batch, rank)
     dist.all_reduce(losses)
     dist.all_reduce(ev)
-    if at:
+    if evals.numel():
         dist.all_reduce(evals)
-        held_out_at.update(zip(at, evals.tolist()))
+        held_out_at.update((eval_every * (i + 1), v) for i, v in enumerate(evals.tolist()))
     return losses, ev, seconds
 
 

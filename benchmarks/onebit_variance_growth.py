@@ -26,6 +26,7 @@ from hop_loss_curve import CLIP, CONFIG, LR, WD, _generator, read_corpus, window
 from shardopt.tools.gpt import GPT  # noqa: E402
 
 RANKS, BATCH = 4, 8
+BETAS = (0.9, 0.999)  # the benchmark's
 SAMPLE = 200_000  # elements whose factor's quantiles are reported (torch.quantile's input limit is 16M)
 
 
@@ -42,7 +43,7 @@ def main():
     train = torch.frombuffer(bytearray(read_corpus(at=args.corpus_at)[0]), dtype=torch.uint8)
     model = GPT(CONFIG)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=WD, betas=(0.9, 0.999))
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=WD, betas=BETAS)
     sample = torch.randperm(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(1))[:SAMPLE]
     print("| step | loss | gradient norm (before clipping) | factor: 10th percentile | median | 90th percentile "
           "| sqrt(sum v / sum v_frozen) |\n|---|---|---|---|---|---|---|")
@@ -57,9 +58,9 @@ def main():
         norm = torch.nn.utils.clip_grad_norm_(params, CLIP).item()
         opt.step()
         opt.zero_grad()
-        if step != args.freeze and (step < args.freeze or step % args.every):
+        if not (step == args.freeze or (step > args.freeze and step % args.every == 0)):
             continue
-        v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params]) / (1 - 0.999 ** step)
+        v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params]) / (1 - BETAS[1] ** step)
         if frozen is None:
             frozen = v.clone()
         factor = (v[sample] / frozen[sample]).sqrt()
