@@ -299,7 +299,7 @@ def test_gpu_integrations_script_on_the_cpu():
     """.ci/gpu_integrations.py (the suite's integration parity moved to a GPU) runs every part with DEV=cpu,
     in one process as on a GPU, so they do not rot between the rare runs on a GPU: resume equals the
     uninterrupted run, and the suite tests it runs at world size 1 in its own process pass."""
-    parts = ("checkpoint", "lightning", "hf_trainer", "idioms", "compiled", "dcp", "precision", "host_syncs")
+    parts = ("checkpoint", "lightning", "hf_trainer", "idioms", "compiled", "dcp", "precision", "host_syncs", "onebit")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_integrations.py"), *parts],
                           env={**os.environ, "DEV": "cpu"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

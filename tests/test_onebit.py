@@ -189,6 +189,9 @@ def test_config_translation():
 
 
 # ------------------------------------------------------------------ ranks
+ACCELERATOR = "cpu"  # Lightning's; .ci/gpu_integrations.py runs _lightning on one GPU with "gpu"
+
+
 def _mesh(shape):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -226,9 +229,10 @@ def test_exchanges_match_references():
     assert all(run_ranks(_exchanges, 4))
 
 
-def _loss(model, step, rank):
+def _loss(model, step, rank, branch=None):
     x, y = batch(step, rank)
-    return nn.functional.cross_entropy(model(x, uses_branch(step, rank)).reshape(-1, VOCAB), y.reshape(-1))
+    branch = uses_branch(step, rank) if branch is None else branch
+    return nn.functional.cross_entropy(model(x, branch).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def _train_pair(rank, world_size, shape, stage, offload, dtype, steps, freeze):
@@ -345,8 +349,8 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
                     loss = _loss(ddp, step, rank)
                 if not (step == 8 and rank == 1):
                     opt.scale_loss(loss).backward()
-                    if step > 4:  # compressing: a hybrid mesh's backward reduces in the node, a flat one keeps
-                        #           whole local gradients (p.grad) for the exchange at step()
+                    if opt.onebit.compressing:  # a hybrid mesh's backward reduces in the node, a flat one keeps
+                        #                         whole local gradients (p.grad) for the exchange at step()
                         assert opt.engine.has_grad() == hybrid, step
                         assert any(type(p.grad) is torch.Tensor for p in model.parameters()) != hybrid
                 opt.step()
@@ -360,12 +364,13 @@ def _stage3_is_stage2(rank, world_size, shape, offload, dtype):
             # per parameter), a hybrid one its shard's (residuals 1 + 1/R, d: 10 bytes per element of the shard
             # at R = 2) (Note [1-bit Adam under ZeRO]).
             held, total, n = opt.memory_stats()["onebit"], opt.layout.total_numel, opt.layout.shard_numel()
-            assert held > 8 * total if not hybrid else held == 10 * n, (held, total, n)
+            if world_size > 1:  # (one rank has nothing to exchange: no residuals)
+                assert held > 8 * total if not hybrid else held == 10 * n, (held, total, n)
             # ... and `shardopt estimate --optimizer onebit` counts it before anything is built.
             from shardopt.estimate import EstimateConfig, estimate, trainable_shapes
 
             mesh_kw = dict(shards=2, node_aware=shape == "nodes") if shape is not None else {}
-            est = estimate(trainable_shapes(base), EstimateConfig(world_size=4, stage=3, optimizer="onebit",
+            est = estimate(trainable_shapes(base), EstimateConfig(world_size=world_size, stage=3, optimizer="onebit",
                                                                   reduce_bucket_size=10**6, **mesh_kw))
             assert est.onebit == held, (est.onebit, held)
     return [torch.equal(a, b) for a, b in zip(out[2], out[3])]
@@ -425,9 +430,10 @@ def _from_config(rank, world_size, stage):
     groups = [{"params": [model.l1.weight], "betas": (0.8, 0.99)}, {"params": [model.l2.weight]}]
     with pytest.raises(ValueError, match="same betas in every parameter group"):
         shardopt.ShardedOptimizer(groups, optim=shardopt.OneBitAdam, freeze_step=2)
-    with pytest.raises(ValueError, match="drop inter_node_dtype"):
-        shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, mesh=_mesh((2, 2)),
-                                  inter_node_dtype="int8")
+    if world_size == 4:  # (a 2x2 mesh; at world size 1: .ci/gpu_integrations.py's onebit part)
+        with pytest.raises(ValueError, match="drop inter_node_dtype"):
+            shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, mesh=_mesh((2, 2)),
+                                      inter_node_dtype="int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = shardopt.ShardedOptimizer.from_config(model.parameters(), docs_config(stage=stage))
@@ -493,7 +499,7 @@ def _lightning(rank, world_size, precision, stage):
         # On CPU Lightning turns precision="16-mixed" into bf16; the plugin keeps fp16 (docs/integrations.md).
         strategy = ShardedStrategy(config=docs_config(stage=stage),
                                    precision_plugin=ShardedPrecision(precision) if precision == "16-mixed" else None)
-        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
+        trainer = pl.Trainer(accelerator=ACCELERATOR, devices=world_size, strategy=strategy,
                              precision=None if precision == "16-mixed" else precision, max_epochs=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module, DataLoader(data, batch_size=3))
@@ -542,7 +548,8 @@ def _resume(rank, world_size, path, shape, stage):
         straight = weights(model, opt)
         model, opt, ddp = build()
         run(ddp, opt, range(1, 6))
-        assert opt.onebit.compressing and opt.onebit.residual.any()  # (bytes in its tail: not summed)
+        # (bytes in its tail: not summed; one rank exchanges nothing, so holds no residual)
+        assert opt.onebit.compressing and (opt.onebit.residual.any() or world_size == 1)
         shardopt.save_checkpoint(path, ddp, opt)
         model, opt, ddp = build()
         shardopt.load_checkpoint(path, ddp, opt)
@@ -550,6 +557,8 @@ def _resume(rank, world_size, path, shape, stage):
         run(ddp, opt, range(6, 9))
         resumed = weights(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    if world_size == 1:  # (.ci/gpu_integrations.py on one GPU: no residual to leave out, no other mesh)
+        return True
     with warnings.catch_warnings():  # without the residuals the resumed run differs (so the test can tell)
         warnings.simplefilter("ignore")
         model, opt, ddp = build()
@@ -611,9 +620,13 @@ def test_zero_variance_at_the_freeze_is_said():
     assert len(said) == 1 and said[0].startswith("OneBitAdam: 352 of 850 parameters (41.4%)")  # 44 rows x 8, caught
 
 
-def _one_rank(rank, world_size):
+def _one_rank(rank, world_size, stage=2, offload="none"):
     """One rank: nothing to exchange, so the compression stage is Adam with the variance frozen at
-    freeze_step, exactly; checked against that, written out in plain PyTorch."""
+    freeze_step, exactly; checked against that, written out in plain PyTorch (offload="cpu": the fused
+    CPU kernel's frozen-variance step). The branch is taken at every step: a variance frozen from one
+    gradient (the branch's, taken once in 3 steps on one rank) is near zero where that gradient was, and
+    the step there, m / sqrt(v), carries the last bits of a gradient that cancelled to almost nothing
+    (2e-2 apart after an ulp apart, offload="cpu" against the reference)."""
     import shardopt
 
     torch.manual_seed(0)
@@ -621,17 +634,18 @@ def _one_rank(rank, world_size):
     model, ref = copy.deepcopy(base), copy.deepcopy(base)
     lr, wd, b1, b2, eps, freeze = 1e-2, 0.1, 0.9, 0.99, 1e-8, 3
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=lr, weight_decay=wd,
-                                    betas=(b1, b2), eps=eps, freeze_step=freeze, reduce_bucket_size=300)
+                                    betas=(b1, b2), eps=eps, freeze_step=freeze, reduce_bucket_size=300,
+                                    stage=stage, offload=offload)
     ddp = shardopt.ShardedDDP(model, opt)
     adamw = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, betas=(b1, b2), eps=eps)
     diffs = []
     for step in range(1, 9):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _loss(ddp, step, rank).backward()
+            _loss(ddp, step, rank, branch=True).backward()
             opt.step()
             opt.zero_grad()
-        _loss(ref, step, rank).backward()
+        _loss(ref, step, rank, branch=True).backward()
         with torch.no_grad():
             if step <= freeze:
                 adamw.step()
@@ -644,15 +658,18 @@ def _one_rank(rank, world_size):
                     d = st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** freeze) + eps
                     p.mul_(1 - lr * wd).addcdiv_(st["exp_avg"], d, value=-lr / (1 - b1 ** step))
         adamw.zero_grad()
-        diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+        diffs.append(max((p - q).abs().max().item() for p, q in zip(weights(model, opt), ref.parameters())))
     assert opt.onebit.compressing
     return diffs
 
 
-def test_one_rank_is_adam_with_a_frozen_variance():
-    diffs = run_ranks(_one_rank, 1)[0]
+@pytest.mark.parametrize("stage,offload", [(2, "none"), (3, "cpu")])
+def test_one_rank_is_adam_with_a_frozen_variance(stage, offload):
+    diffs = run_ranks(_one_rank, 1, stage, offload)[0]
     print(f"\nmax |OneBitAdam - frozen-variance Adam| per step: {['%.1e' % d for d in diffs]}")
-    assert max(diffs) < 1e-5, diffs  # the parity bar: the same operations up to rounding order
+    # the parity bar: the same operations up to rounding order; with offload the fused kernel's (fuzz_parity's bar:
+    # its ulps go through 1 / sqrt(v) frozen small, on the rows of the tied embedding seldom looked up)
+    assert max(diffs) < (2e-5 if offload == "cpu" else 1e-5), diffs
 
 
 def _on_a_group_without_cpu_backend(rank, world_size):
