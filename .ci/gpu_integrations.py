@@ -333,7 +333,67 @@ def onebit():
         + [("docs' config through from_config", from_config, (s,)) for s in (2, 3)]
         + [("docs' config under Lightning", lightning, args) for args in (("32-true", 2), ("16-mixed", 2),
                                                                          ("32-true", 3))])
+    _onebit_step_time()
     return failures
+
+
+def _onebit_step_time(pairs=20):
+    """Reported, not judged: a compressing OneBitAdam step against our AdamW step (stage 2, the demo GPT 'small',
+    alternated pairs, each step between two synchronize() calls), and host syncs per step. At world size 1 the
+    compression stage still brings the local gradient to the host and the momentum back (its exchange works on
+    CPU tensors: Note [1-bit Adam under ZeRO]); this is what that round trip costs on the device."""
+    import shardopt
+    from torch import nn
+    from shardopt.tools.gpt import GPT, PRESETS, synthetic_batch
+    from shardopt.tools.gpu_check import Device, SyncCounter
+
+    c = PRESETS["small" if CUDA else "tiny"]
+    dev = torch.device("cuda" if CUDA else "cpu")
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+    counter = Device().count_host_syncs if CUDA else SyncCounter
+    runs = {}
+    for name, optim in (("AdamW", torch.optim.AdamW), ("OneBitAdam", shardopt.OneBitAdam)):
+        torch.manual_seed(0)
+        model = GPT(c).to(dev)
+        kw = {"freeze_step": 2} if optim is shardopt.OneBitAdam else {}
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, lr=1e-4, stage=2, **kw)
+        runs[name] = (shardopt.ShardedDDP(model, opt), opt)
+    x, y = (t.to(dev) for t in synthetic_batch(c, 8, c.seq, 0, 0))
+
+    def step(name):
+        ddp, opt = runs[name]
+        out = ddp(x)
+        nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):  # OneBitAdam compresses from its third step
+            for name in runs:
+                step(name)
+        syncs = {}
+        for name in runs:
+            with counter() as count:
+                step(name)
+            syncs[name] = count.count
+        times = {name: [] for name in runs}
+        for i in range(pairs if CUDA else 3):
+            for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+                sync()
+                t0 = time.perf_counter()
+                step(name)
+                sync()
+                times[name].append(time.perf_counter() - t0)
+    assert runs["OneBitAdam"][1].onebit.compressing
+    ratios = sorted(b / a for a, b in zip(times["AdamW"], times["OneBitAdam"]))
+    med = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+    print(f"   step time, GPT '{'small' if CUDA else 'tiny'}' ({sum(p.numel() for p in runs['AdamW'][0].parameters()):,}"
+          f" parameters), stage 2, world size 1: AdamW {med['AdamW']:.2f} ms, OneBitAdam compressing "
+          f"{med['OneBitAdam']:.2f} ms, OneBitAdam / AdamW {ratios[len(ratios) // 2]:.3f} (median of {len(ratios)} "
+          f"alternated pairs; p25-p75 {ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}); host syncs "
+          f"per step: AdamW {syncs['AdamW']}, OneBitAdam {syncs['OneBitAdam']}", flush=True)
 
 
 def host_syncs():
