@@ -131,12 +131,13 @@ def held_out_loss(ddp, held, batch, rank):
 
 
 def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, scheduler=None, eval_every=0,
-                       held_out_at=None):
+                       held_out_at=None, first=0):
     """`steps` clipped steps on the training windows (`scheduler.step()` after each, if given), then the
     held-out loss: fixed windows (seed -1), split over the ranks. Returns (per-step losses, held-out loss),
     each summed over the ranks, and the training seconds. With eval_every = K, the held-out loss is also
     taken after every K-th step (outside the timed training): held_out_at[step] = it, summed over the
-    ranks (held_out_at: a dict the caller passes)."""
+    ranks (held_out_at: a dict the caller passes). first: the data step to start from (a run that goes on
+    from a checkpoint of `first` steps draws the windows that run would have drawn next)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -148,7 +149,7 @@ def train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, schedule
     t0 = time.perf_counter()
     seconds = 0.0
     for step in range(steps):
-        x, y = windows(train, batch, CONFIG.seq, _generator(seed, step, rank))
+        x, y = windows(train, batch, CONFIG.seq, _generator(seed, first + step, rank))
         loss = F.cross_entropy(ddp(x).reshape(-1, CONFIG.vocab), y.reshape(-1))
         loss.backward()
         opt.clip_grad_norm(CLIP)

@@ -74,8 +74,23 @@ def _exact_exchange(state) -> torch.Tensor:
     return state.m.float().cpu().mul(b1).add_(g, alpha=(1.0 - b1) * state._coef)
 
 
+def _pretrain(rank, world_size, train_bytes, held_bytes, steps, batch, seed, lr, path):
+    """--pretrain: exact AdamW (flat 4 ranks, ZeRO-2) for `steps` steps, saved for every run to go on from."""
+    import shardopt
+
+    train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8)
+    held = torch.frombuffer(bytearray(held_bytes), dtype=torch.uint8)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=lr, weight_decay=WD, stage=2)
+    ddp = shardopt.ShardedDDP(model, opt)
+    _, ev, seconds = train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed)
+    shardopt.save_checkpoint(path, ddp, opt)
+    return dict(eval=ev.item() / world_size, seconds=seconds)
+
+
 def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch, seed, freeze, schedule, lr,
-           block=None, eval_every=0):
+           block=None, eval_every=0, pretrained=None, first=0):
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardopt
@@ -87,7 +102,7 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     kw = {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))} if shape else {}
     if kind in ("onebit", "exact"):
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=lr, weight_decay=WD,
-                                        betas=(0.9, 0.999), freeze_step=freeze, stage=2, **kw)
+                                        betas=(0.9, 0.999), freeze_step=first + freeze, stage=2, **kw)
         if block:  # a diagnosis (--block): the 1-bit format's block size on a hybrid mesh
             import dataclasses
 
@@ -102,9 +117,16 @@ def _train(rank, world_size, kind, shape, train_bytes, held_bytes, steps, batch,
     # "linear": the lr falls linearly to 0 over the run (the Trainer's default schedule), for both optimizers.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps) if schedule == "linear" else None
     evals = {}
-    losses, ev, seconds = train_and_evaluate(rank, shardopt.ShardedDDP(model, opt), opt, train, held, steps,
-                                             batch, seed, scheduler=sched, eval_every=eval_every,
-                                             held_out_at=evals)
+    ddp = shardopt.ShardedDDP(model, opt)
+    if pretrained:  # --pretrain: go on from AdamW's first `first` steps; OneBitAdam's freeze_step counts them
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (AdamW's state into OneBitAdam: its own options are kept, said)
+            shardopt.load_checkpoint(pretrained, ddp, opt)
+        assert opt.onebit is None or opt.onebit.steps == first, opt.onebit.steps
+    losses, ev, seconds = train_and_evaluate(rank, ddp, opt, train, held, steps, batch, seed, scheduler=sched,
+                                             eval_every=eval_every, held_out_at=evals, first=first)
     started = opt.onebit.started_at if kind != "adamw" else None
     return dict(losses=(losses / world_size).tolist(), eval=ev.item() / world_size, seconds=seconds,
                 started=started, evals={k: v / world_size for k, v in evals.items()})
@@ -176,6 +198,10 @@ def main():
     ap.add_argument("--corpus-at", default=None, metavar="REV",
                     help="read the corpus as committed at this git revision (default: the working tree, which "
                     "grows every day): runs on other days then train on the same text")
+    ap.add_argument("--pretrain", type=int, default=0, metavar="P",
+                    help="first train AdamW for P steps (flat 4 ranks) and start every run from that checkpoint: "
+                    "OneBitAdam then warms up for --freeze more exact steps (freeze_step = P + --freeze), where "
+                    "Adam's variance has had P steps to settle; steps are counted from P")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
@@ -190,16 +216,31 @@ def main():
     if args.block and any(shape is None for _, shape in runs.values()):
         raise SystemExit("--block is for hybrid meshes only (the flat mesh's residual holds messages of the "
                          "default block): pass --meshes 2x2 or 4x1")
+    pretrained, pre = None, None
+    if args.pretrain:
+        import tempfile
+
+        pretrained = os.path.join(tempfile.mkdtemp(prefix="onebit-pretrain-"), "ckpt")
+        pre = run_ranks(_pretrain, 4, train, held, args.pretrain, args.batch, args.seed, args.lr, pretrained,
+                        timeout=3 * 3600, collective_timeout=600)[0]
+        print(f"pretrained: AdamW {args.pretrain} steps, held-out {pre['eval']:.4f}, {pre['seconds']:.0f} s", flush=True)
     for name, (kind, shape) in runs.items():
         t0 = time.time()
         per_rank = run_ranks(_train, 4, kind, shape, train, held, args.steps, args.batch, args.seed, args.freeze,
-                             args.schedule, args.lr, args.block, args.eval_every, timeout=3 * 3600, collective_timeout=600)
+                             args.schedule, args.lr, args.block, args.eval_every, pretrained, args.pretrain,
+                             timeout=3 * 3600, collective_timeout=600)
         r = per_rank[0]
+        if r["started"] is not None:
+            r["started"] -= args.pretrain  # counted from the checkpoint, as every step here
         r["seconds"] = max(p["seconds"] for p in per_rank)
         r["wall"] = time.time() - t0
         results[name] = r
         print(f"{name}: final {sum(r['losses'][-TAIL:]) / TAIL:.4f}, held-out {r['eval']:.4f}, "
               f"train {r['seconds']:.0f} s, compression from step {r['started']}", flush=True)
+    if pretrained:
+        import shutil
+
+        shutil.rmtree(os.path.dirname(pretrained), ignore_errors=True)
     chart(png, results, args.steps, args.freeze)
     final = {n: sum(r["losses"][-TAIL:]) / TAIL for n, r in results.items()}
     ref_of = {n: _reference(n) for n in results}
@@ -209,7 +250,8 @@ def main():
              f"`python benchmarks/onebit_loss_curve.py --steps {args.steps} --freeze {args.freeze} --batch "
              f"{args.batch} --seed {args.seed} --schedule {args.schedule} --lr {args.lr} --meshes {args.meshes}"
              f"{' --control' if args.control else ''}{f' --block {args.block}' if args.block else ''}{f' --eval-every {args.eval_every}' if args.eval_every else ''}"
-             f"{f' --corpus-at {args.corpus_at}' if args.corpus_at else ''}` "
+             f"{f' --corpus-at {args.corpus_at}' if args.corpus_at else ''}"
+             f"{f' --pretrain {args.pretrain}' if args.pretrain else ''}` "
              f"at commit {_git_head()}. Machine: {platform.machine()}, "
              f"{os.cpu_count()} cores, load average at start {load:.1f}, torch {torch.__version__}, gloo over "
              "127.0.0.1.", "",
@@ -221,7 +263,11 @@ def main():
              f"weight_decay={WD}, betas (0.9, 0.999), "
              f"clip_grad_norm({CLIP}). OneBitAdam: freeze_step={args.freeze}, then {args.steps - args.freeze} "
              f"compressed steps{f' (1-bit blocks of {args.block} elements)' if args.block else ''}. "
-             f"Final = mean training loss of the last {TAIL} steps.", "",
+             f"Final = mean training loss of the last {TAIL} steps."
+             + (f" **Pretrained:** every run starts from one checkpoint of AdamW after {args.pretrain} steps (flat 4 "
+                f"ranks; held-out loss there {pre['eval']:.4f}) and draws the data from step {args.pretrain} on; "
+                f"OneBitAdam's freeze_step = {args.pretrain + args.freeze}; steps below count from the checkpoint."
+                if args.pretrain else ""), "",
              "| run | compression from step | final loss | vs AdamW (same mesh) | held-out loss | vs AdamW | within 1% | "
              "at most 1% above | train s |",
              "|---|---|---|---|---|---|---|---|---|"]

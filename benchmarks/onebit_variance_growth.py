@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--freeze", type=int, default=75, help="the step whose variance is the reference")
     ap.add_argument("--every", type=int, default=75)
     ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--weight-decay", type=float, default=WD, help=f"AdamW's (the benchmark's: {WD})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus-at", default=None, metavar="REV")
     args = ap.parse_args()
@@ -43,7 +44,7 @@ def main():
     train = torch.frombuffer(bytearray(read_corpus(at=args.corpus_at)[0]), dtype=torch.uint8)
     model = GPT(CONFIG)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=WD, betas=BETAS)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=BETAS)
     sample = torch.randperm(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(1))[:SAMPLE]
     print("| step | loss | gradient norm (before clipping) | factor: 10th percentile | median | 90th percentile "
           "| sqrt(sum v / sum v_frozen) |\n|---|---|---|---|---|---|---|")
