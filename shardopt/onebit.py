@@ -104,6 +104,18 @@ harder than AdamW at small per-rank batches: the local gradients' noise dominate
 with inf/nan anywhere is skipped before anything is encoded (residuals untouched), as in warm-up;
 skipped steps do not count toward freeze_step.
 
+Note [The step the variance froze at]
+-------------------------------------
+The frozen denominator is AdamW's at the freeze, sqrt(v) / sqrt(bc2(T)) + eps, bc2(T) = 1 - b2^T, where T is
+the number of Adam steps that built v. In a run that warms up to freeze_step, T = freeze_step. A load can
+bring more: an AdamW (or DeepSpeed Adam) checkpoint of 1500 steps into OneBitAdam(freeze_step=75)
+compresses from the next step with v of 1500 steps, so T = 1500 (with T = 75 the denominators were 3.3x
+too large, the steps 3.3x too small: bc2(1500) = 0.78, bc2(75) = 0.072). So T is recorded when the
+variance freezes, kept in checkpoints (save_checkpoint's manifest, the consolidated state_dict()) and
+restored with them; a state that never froze (any other optimizer's, or a warm-up) freezes at the
+steps it has at the next compression step. OneBitAdam checkpoints written before the record froze at
+freeze_step (their only way to compress) and load so.
+
 Note [1-bit format]
 -------------------
 Per block of ONEBIT_BLOCK (1024) consecutive elements of a message: one fp32 scale, the mean |x| of
@@ -403,6 +415,8 @@ class OneBitRoom:
         elif self.replicas > 1:
             self.worker, self.server = self.residual[:n], self.residual[n:]
         self.started_at = None  # the step at which compression started in this run (for logs and tests)
+        # The steps of Adam that built the frozen variance (its bias correction): Note [The step the variance froze at].
+        self.frozen_at = None
         self.m = self.v = self.denom = self.denom_rows = None
         self.ranges = None   # where this rank's shard sits in the flat layout (the hybrid mesh's sketch)
         self._local = None   # this step's local gradient, fp32 [total] (built once per step)
@@ -569,7 +583,7 @@ class OneBitRoom:
             st = inner.state.get(t) if inner is not None else None
             if not st or "exp_avg" not in st:
                 if inner is not None and t.numel():
-                    inner.state[t] = {"step": torch.tensor(float(self.config.freeze_step)),
+                    inner.state[t] = {"step": torch.tensor(float(self.steps)),
                                       "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
                     st = inner.state[t]
                 else:
@@ -595,7 +609,9 @@ class OneBitRoom:
         eps = torch.empty(self.n, dtype=torch.float32)
         for b, at in zip(layout.buckets, offsets):
             eps[at:at + b.chunk_numel].fill_(float(opt.param_groups[b.group]["eps"]))
-        bc2 = 1.0 - self.beta2 ** self.config.freeze_step
+        if self.frozen_at is None:
+            self.frozen_at = self.steps
+        bc2 = 1.0 - self.beta2 ** self.frozen_at
         self.denom = self.v.float().cpu().sqrt().div_(math.sqrt(bc2)).add_(eps)  # eps is read here, at the freeze
         del eps
         self.denom_master = self.denom.to(opt.master_device)  # the same tensor on a CPU master
@@ -615,12 +631,12 @@ class OneBitRoom:
                 dist.all_reduce(zero, group=opt.process_group)  # replicas hold the same shards
             total = sum(slot.numel for slot in opt.layout.params)
             if dist.get_rank(opt.world_group) == 0:
-                warnings.warn(f"OneBitAdam: variance frozen after {self.config.freeze_step} steps; 1-bit "
+                warnings.warn(f"OneBitAdam: variance frozen after {self.frozen_at} steps; 1-bit "
                               f"momentum exchange from step {self.started_at}", UserWarning, stacklevel=4)
                 if int(zero):
                     warnings.warn(
                         f"OneBitAdam: {int(zero):,} of {total:,} parameters ({int(zero) / total:.1%}) had a zero "
-                        f"gradient in all {self.config.freeze_step} warm-up steps, so their variance froze at 0: "
+                        f"gradient in all {self.frozen_at} warm-up steps, so their variance froze at 0: "
                         f"if they get a gradient later, their step is lr * momentum / eps and the loss can blow up "
                         f"(typically embedding rows of tokens the warm-up never saw). Freeze later (freeze_step) "
                         f"or freeze parameters that never train.", UserWarning, stacklevel=4)
@@ -667,7 +683,7 @@ class OneBitRoom:
             self.m.copy_(new_m)
         t = self.steps + 1
         bc1 = 1.0 - self.beta1 ** t
-        bc2 = 1.0 - self.beta2 ** self.config.freeze_step
+        bc2 = 1.0 - self.beta2 ** self.frozen_at
         for g, group in zip(inner.param_groups if inner is not None else [], opt.param_groups):
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             ps, ms, vs, ds, gs = [], [], [], [], []
@@ -707,19 +723,35 @@ class OneBitRoom:
 
     format_name = "onebit-momentum"  # the residuals' layout (hop_residual.signature); "onebit": before 2026-11-25
 
-    def after_load(self) -> None:
-        """A checkpoint was loaded into the inner optimizer: the steps taken come from its state (the
-        largest over every rank's pieces), the momentum and variance are re-viewed at the next step."""
+    def record(self) -> dict:
+        """What a checkpoint keeps of this room besides the optimizer state and the residuals."""
+        return {"frozen_at": self.frozen_at}
+
+    def after_load(self, record: dict | None, steps: int | None = None) -> None:
+        """A checkpoint was loaded into the inner optimizer: the steps taken come from its state (`steps`, or
+        the largest over every rank's pieces: a collective), the momentum and variance are re-viewed at the
+        next step, and the step the variance froze at comes from `record` (Note [The step the variance froze
+        at]): the saved room's record(), {"legacy": True} for a OneBitAdam checkpoint written before records,
+        or None for any other optimizer's state."""
         opt = self.opt
-        steps = 0
-        if opt.inner is not None:
-            for st in opt.inner.state.values():
-                if "step" in st:
-                    steps = max(steps, int(float(st["step"])))
-        t = torch.tensor([steps], dtype=torch.int64)
-        if dist.get_world_size(opt.world_group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=opt.world_group)
-        self.steps = int(t.item())
+        if steps is None:
+            steps = 0
+            if opt.inner is not None:
+                for st in opt.inner.state.values():
+                    if "step" in st:
+                        steps = max(steps, int(float(st["step"])))
+            t = torch.tensor([steps], dtype=torch.int64)
+            if dist.get_world_size(opt.world_group) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=opt.world_group)
+            steps = int(t.item())
+        self.steps = steps
+        if record is not None and record.get("legacy"):
+            frozen = self.config.freeze_step  # what every OneBitAdam checkpoint before records froze at
+        else:
+            frozen = record.get("frozen_at") if record is not None else None
+        # A variance that froze before the save stays frozen at that step; one that did not (a warm-up state,
+        # or another optimizer's) freezes at the next compression step, with the steps it then has.
+        self.frozen_at = frozen if frozen is not None and self.compressing else None
         self.m = self.v = None
         self.started_at = None
         self.sync_engine()

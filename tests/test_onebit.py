@@ -672,6 +672,71 @@ def test_one_rank_is_adam_with_a_frozen_variance(stage, offload):
     assert max(diffs) < (2e-5 if offload == "cpu" else 1e-5), diffs
 
 
+def _from_adamw(rank, world_size, path):
+    """Note [The step the variance froze at]: a checkpoint of 5 AdamW steps loaded into OneBitAdam(freeze_step=3)
+    compresses from the next step with the variance of 5 steps, bias-corrected as at step 5 (checked against
+    that, written out in plain PyTorch); the consolidated state dict carries the step on."""
+    import shardopt
+
+    torch.manual_seed(0)
+    base = AwkwardNet()
+    lr, wd, b1, b2, eps = 1e-2, 0.1, 0.9, 0.99, 1e-8
+    kw = dict(lr=lr, weight_decay=wd, betas=(b1, b2), eps=eps)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, reduce_bucket_size=300, **kw)
+    ddp = shardopt.ShardedDDP(model, opt)
+    adamw = torch.optim.AdamW(ref.parameters(), **kw)
+    for step in range(1, 6):
+        for m, o in ((ddp, opt), (ref, adamw)):
+            _loss(m, step, rank, branch=True).backward()
+            o.step()
+            o.zero_grad()
+    shardopt.save_checkpoint(path, ddp, opt)
+    model = copy.deepcopy(base)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, freeze_step=3,
+                                    reduce_bucket_size=300, **kw)
+    ddp = shardopt.ShardedDDP(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardopt.load_checkpoint(path, ddp, opt)
+        diffs = []
+        for step in range(6, 9):
+            _loss(ddp, step, rank, branch=True).backward()
+            opt.step()
+            opt.zero_grad()
+            _loss(ref, step, rank, branch=True).backward()
+            with torch.no_grad():
+                for p in ref.parameters():
+                    if p.grad is not None:
+                        st = adamw.state[p]
+                        st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                        d = st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** 5) + eps
+                        p.mul_(1 - lr * wd).addcdiv_(st["exp_avg"], d, value=-lr / (1 - b1 ** step))
+            adamw.zero_grad()
+            diffs.append(max((p - q).abs().max().item() for p, q in zip(weights(model, opt), ref.parameters())))
+    assert opt.onebit.started_at == 6 and opt.onebit.frozen_at == 5
+    said = [str(w.message) for w in caught if "variance frozen after" in str(w.message)]
+    opt.consolidate_state_dict(to=0)
+    record = opt.state_dict()["onebit"] if rank == 0 else None
+    if rank == 0:  # a torch.optim-format load keeps the record: the variance stays frozen at step 5
+        sd = opt.state_dict()
+        again = shardopt.ShardedOptimizer(copy.deepcopy(base).parameters(), optim=shardopt.OneBitAdam,
+                                          freeze_step=3, reduce_bucket_size=300, **kw)
+        again.load_state_dict(sd)
+        assert again.onebit.steps == 8 and again.onebit.compressing and again.onebit.frozen_at == 5
+        del sd["onebit"]  # another optimizer's dict: its variance freezes at the steps it has
+        again.load_state_dict(sd)
+        assert again.onebit.frozen_at is None
+    return diffs, said, record
+
+
+def test_a_loaded_adam_state_freezes_at_its_own_step(tmp_path):
+    diffs, said, record = run_ranks(_from_adamw, 1, str(tmp_path / "adamw"))[0]
+    assert max(diffs) < 1e-5, diffs  # with bc2(freeze_step = 3) instead of bc2(5): 1e-3 apart
+    assert said == ["OneBitAdam: variance frozen after 5 steps; 1-bit momentum exchange from step 6"], said
+    assert record == {"frozen_at": 5}
+
+
 def _on_a_group_without_cpu_backend(rank, world_size):
     """OneBitAdam on a group that says "nccl" (as init_process_group("nccl") makes): refused at construction,
     naming the group's backend and the fix, where the first exchange would fail inside NCCL."""

@@ -12,6 +12,8 @@ consolidation raises rather than return a part or a stale copy.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -53,6 +55,8 @@ def consolidate_state_dict(opt, to: int = 0) -> None:
         full = assemble({s.index: tuple(s.shape) for s in opt.layout.params}, (c for cs in gathered for c in cs))
         opt._consolidated = {"state": {index[id(opt._params[j])]: full[j] for j in sorted(full)},
                              "param_groups": groups}
+        if getattr(opt, "onebit", None) is not None:  # (torch.optim's load_state_dict ignores the key)
+            opt._consolidated["onebit"] = opt.onebit.record()
 
 
 def optimizer_state_dict(opt) -> dict:
@@ -105,3 +109,19 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
     for g, h in zip(opt.param_groups, hyper):
         g.update(h)
     forget_consolidated(opt)
+    if getattr(opt, "onebit", None) is not None:
+        _onebit_after_load(opt, state_dict)
+
+
+def _onebit_after_load(opt, state_dict: dict) -> None:
+    """OneBitAdam: its steps from the dict's (every rank reads the same, so no collective), the step its
+    variance froze at from the dict's record, and its residuals from zero: they held the rounding errors of
+    the weights before the load, and a torch.optim state dict has none to restore (save_checkpoint does)."""
+    steps = max((int(float(st["step"])) for st in state_dict["state"].values() if "step" in st), default=0)
+    opt.onebit.after_load(state_dict.get("onebit"), steps)
+    if opt.onebit.compressing and opt.onebit.residual.any():
+        opt.onebit.reset_residual()
+        if dist.get_rank(opt.world_group) == 0:
+            warnings.warn("load_state_dict: OneBitAdam's error-feedback residuals restart from zero (a torch.optim "
+                          "state dict does not hold them; shardopt.save_checkpoint / load_checkpoint keep them)",
+                          stacklevel=3)

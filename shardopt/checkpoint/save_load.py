@@ -261,6 +261,7 @@ def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> di
                          for i, g in enumerate(opt.param_groups)],
         "steps": steps,
         "loss_scaler": to_json(scaler.state_dict(), "loss scaler state") if scaler is not None else None,
+        "onebit": opt.onebit.record() if getattr(opt, "onebit", None) is not None else None,
         "extra": rank0["extra"],
         "files": files,
     }
@@ -407,6 +408,10 @@ class NativeSource(Source):
         self.params = body["params"]
         self.model_state = {n: (v["kind"], tuple(v["tensor"]["shape"])) for n, v in body["model_state"].items()}
         self.scaler = from_json(body["loss_scaler"]) if body["loss_scaler"] is not None else None
+        # OneBitAdam's record (Note [The step the variance froze at] in onebit.py); its checkpoints before
+        # the record froze at freeze_step
+        self.onebit = body.get("onebit") or ({"legacy": True} if body["optimizer"].endswith(".OneBitAdam")
+                                             and "onebit" not in body else None)
         self._saved: dict = {}
         for file, entry in body["files"].items():
             for p in entry.get("pieces", ()):
@@ -509,6 +514,7 @@ class _Staged:
     scaler: object
     extra: object
     residual: object   # hop_residual.Staged, or None
+    onebit: object     # Source.onebit
 
 
 def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
@@ -531,7 +537,7 @@ def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
     extra = src.extra()
     residual = hop_residual.stage(src, opt)
     swap.apply(states, hyper)  # last: the only change, and undoable
-    return _Staged(masters, others, hyper, src.scaler, extra, residual)
+    return _Staged(masters, others, hyper, src.scaler, extra, residual, src.onebit)
 
 
 def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_only: bool = True):
@@ -584,6 +590,6 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     opt.zero_grad()  # gradients accumulated before the load belong to other weights
     hop_residual.install(opt, staged.residual)  # or zeros, said once (Note [Hop residual in checkpoints])
     if getattr(opt, "onebit", None) is not None:
-        opt.onebit.after_load()  # steps taken: from the loaded optimizer state
+        opt.onebit.after_load(staged.onebit)  # steps taken: from the loaded optimizer state
     opt._publish_params()
     return staged.extra
