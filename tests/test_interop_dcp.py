@@ -310,3 +310,47 @@ def test_bf16_masters_move_through_dcp_and_mismatched_dicts_are_refused(tmp_path
         assert torch.equal(out["loaded"][n], want), n
     assert "param group 0 holds" in out["groups"] and not out["groups changed"], out["groups"]
     assert "model state dict lacks shift" in out["model"] and not out["model changed"], out["model"]
+
+
+def _onebit(rank, world_size, root):
+    """OneBitAdam through DCP in its compression stage: the steps taken and the step its variance froze at come
+    back (Note [The step the variance froze at]), and the residuals restart, said once."""
+    import warnings
+
+    import shardopt
+    import torch.distributed.checkpoint as dcp
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=1e-2, freeze_step=2,
+                                        reduce_bucket_size=64)
+        return model, opt, shardopt.ShardedDDP(model, opt)
+
+    model, opt, wrapper = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(4):
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + rank))
+            wrapper(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.onebit.compressing and opt.onebit.frozen_at == 2
+    msd, osd = shardopt.dcp.get_state_dict(wrapper, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "onebit"))
+    model, opt, wrapper = build()
+    opt.onebit.residual.fill_(1.0)  # what a run in flight would hold
+    msd, osd = shardopt.dcp.get_state_dict(wrapper, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=os.path.join(root, "onebit"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardopt.dcp.set_state_dict(wrapper, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    said = [str(w.message) for w in caught if "residuals restart" in str(w.message)]
+    return opt.onebit.steps, opt.onebit.frozen_at, bool(opt.onebit.residual.any()), said
+
+
+def test_onebit_state_moves_through_dcp(tmp_path):
+    out = run_ranks(_onebit, 2, str(tmp_path))
+    assert [o[:3] for o in out] == [(4, 2, False)] * 2, out
+    assert len(out[0][3]) == 1 and out[1][3] == [], out

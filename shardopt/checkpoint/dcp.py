@@ -253,7 +253,10 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
         state[name] = entry
     groups = [dict(group_hyper(g), params=[n for n in names if n is not None])
               for g, names in zip(opt.param_groups, info.group_names)]
-    return model_sd, {"state": state, "param_groups": groups}
+    optim_sd = {"state": state, "param_groups": groups}
+    if getattr(opt, "onebit", None) is not None:  # Note [The step the variance froze at] in onebit.py
+        optim_sd["onebit"] = opt.onebit.record()
+    return model_sd, optim_sd
 
 
 def _scalar(opt, j, k, sts):
@@ -342,6 +345,9 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
             info.others[k][0].copy_(v)
     forget_consolidated(opt)
     opt.zero_grad()
+    if hyper is not None and getattr(opt, "onebit", None) is not None:
+        from shardopt.checkpoint.optim_state import onebit_after_load
+        onebit_after_load(opt, optim_state_dict.get("onebit"), "set_state_dict", "DCP state dict")
     opt._publish_params()
 
 

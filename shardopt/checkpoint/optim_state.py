@@ -110,18 +110,22 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
         g.update(h)
     forget_consolidated(opt)
     if getattr(opt, "onebit", None) is not None:
-        _onebit_after_load(opt, state_dict)
+        # every rank reads the same dict: its steps need no collective
+        steps = max((int(float(st["step"])) for st in state_dict["state"].values() if "step" in st), default=0)
+        onebit_after_load(opt, state_dict.get("onebit"), "load_state_dict", "torch.optim state dict", steps)
 
 
-def _onebit_after_load(opt, state_dict: dict) -> None:
-    """OneBitAdam: its steps from the dict's (every rank reads the same, so no collective), the step its
-    variance froze at from the dict's record, and its residuals from zero: they held the rounding errors of
-    the weights before the load, and a torch.optim state dict has none to restore (save_checkpoint does)."""
-    steps = max((int(float(st["step"])) for st in state_dict["state"].values() if "step" in st), default=0)
-    opt.onebit.after_load(state_dict.get("onebit"), steps)
-    if opt.onebit.compressing and opt.onebit.residual.any():
+def onebit_after_load(opt, record, call: str, what: str, steps: int | None = None) -> None:
+    """OneBitAdam after a state-dict load (load_state_dict, DCP's set_state_dict): its steps (given, or from the
+    loaded state: a collective), the step its variance froze at from the dict's record, and its residuals from
+    zero: they held the rounding errors of the weights before the load, and such a dict has none to restore
+    (save_checkpoint does)."""
+    opt.onebit.after_load(record, steps)
+    if opt.onebit.compressing:
+        was = torch.tensor([int(opt.onebit.residual.any())])
+        if steps is None and dist.get_world_size(opt.world_group) > 1:  # (a collective call: agree on the warning)
+            dist.all_reduce(was, op=dist.ReduceOp.MAX, group=opt.world_group)
         opt.onebit.reset_residual()
-        if dist.get_rank(opt.world_group) == 0:
-            warnings.warn("load_state_dict: OneBitAdam's error-feedback residuals restart from zero (a torch.optim "
-                          "state dict does not hold them; shardopt.save_checkpoint / load_checkpoint keep them)",
-                          stacklevel=3)
+        if int(was) and dist.get_rank(opt.world_group) == 0:
+            warnings.warn(f"{call}: OneBitAdam's error-feedback residuals restart from zero (a {what} does not "
+                          "hold them; shardopt.save_checkpoint / load_checkpoint keep them)", stacklevel=3)
