@@ -113,8 +113,9 @@ compresses from the next step with v of 1500 steps, so T = 1500 (with T = 75 the
 too large, the steps 3.3x too small: bc2(1500) = 0.78, bc2(75) = 0.072). So T is recorded when the
 variance freezes, kept in checkpoints (save_checkpoint's manifest, the consolidated state_dict(), DCP's
 shardopt.dcp.get_state_dict) and restored with them; a state that never froze (any other optimizer's, or
-a warm-up) freezes at the steps it has at the next compression step. OneBitAdam checkpoints written before the record froze at
-freeze_step (their only way to compress) and load so.
+a warm-up) freezes at the steps it has at the next compression step. OneBitAdam checkpoints written
+before the record froze at freeze_step (their only way to compress) and load so (known by their residual
+files; at world size 1 they have none and load as another optimizer's state would).
 
 Note [1-bit format]
 -------------------

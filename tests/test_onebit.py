@@ -550,15 +550,32 @@ def _resume(rank, world_size, path, shape, stage):
         run(ddp, opt, range(1, 6))
         # (bytes in its tail: not summed; one rank exchanges nothing, so holds no residual)
         assert opt.onebit.compressing and (opt.onebit.residual.any() or world_size == 1)
-        shardopt.save_checkpoint(path, ddp, opt)
+        saved = shardopt.save_checkpoint(path, ddp, opt)
         model, opt, ddp = build()
         shardopt.load_checkpoint(path, ddp, opt)
-        assert opt.onebit.steps == 5 and opt.onebit.compressing
+        assert opt.onebit.steps == 5 and opt.onebit.compressing and opt.onebit.frozen_at == 2
         run(ddp, opt, range(6, 9))
         resumed = weights(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     if world_size == 1:  # (.ci/gpu_integrations.py on one GPU: no residual to leave out, no other mesh)
         return True
+    # A checkpoint from before the record (Note [The step the variance froze at]; its manifest without "onebit"):
+    # its residual files say OneBitAdam, which then froze at freeze_step (2), not at the steps it had (5).
+    if rank == 0:
+        import json
+        import os
+        from shardopt.checkpoint.files import MANIFEST, atomic_write_bytes, manifest_bytes
+
+        with open(os.path.join(saved, MANIFEST)) as f:
+            body = json.load(f)["body"]
+        assert body.pop("onebit") == {"frozen_at": 2}
+        atomic_write_bytes(os.path.join(saved, MANIFEST), manifest_bytes(body))
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, ddp = build()
+        shardopt.load_checkpoint(path, ddp, opt)
+    assert opt.onebit.steps == 5 and opt.onebit.frozen_at == 2
     with warnings.catch_warnings():  # without the residuals the resumed run differs (so the test can tell)
         warnings.simplefilter("ignore")
         model, opt, ddp = build()

@@ -408,10 +408,13 @@ class NativeSource(Source):
         self.params = body["params"]
         self.model_state = {n: (v["kind"], tuple(v["tensor"]["shape"])) for n, v in body["model_state"].items()}
         self.scaler = from_json(body["loss_scaler"]) if body["loss_scaler"] is not None else None
-        # OneBitAdam's record (Note [The step the variance froze at] in onebit.py); its checkpoints before
-        # the record froze at freeze_step
-        self.onebit = body.get("onebit") or ({"legacy": True} if body["optimizer"].endswith(".OneBitAdam")
-                                             and "onebit" not in body else None)
+        # OneBitAdam's record (Note [The step the variance froze at] in onebit.py). Its checkpoints from before
+        # the record froze at freeze_step; they are known by their residual files (at world size 1 they have
+        # none, and load as another optimizer's state would).
+        legacy = "onebit" not in body and any(
+            str(e.get("hop_residual", {}).get("signature", {}).get("format", "")).startswith("onebit")
+            for e in body["files"].values())
+        self.onebit = body.get("onebit") or ({"legacy": True} if legacy else None)
         self._saved: dict = {}
         for file, entry in body["files"].items():
             for p in entry.get("pieces", ()):
