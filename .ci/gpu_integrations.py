@@ -295,7 +295,7 @@ def onebit():
         diffs = O._one_rank(0, 1, stage, offload)
         print(f"   stage {stage}, offload={offload}: max |OneBitAdam - frozen-variance Adam| per step: "
               f"{['%.1e' % d for d in diffs]}")
-        assert max(diffs) < (2e-5 if offload == "cpu" else 1e-5), diffs  # test_onebit's bars
+        assert max(diffs) < 1e-5, diffs  # test_onebit's bar (its bit-for-bit warm-up: the host's kernel, not here)
 
     def train_pair(stage, offload, dtype):
         # asserts the warm-up bit for bit and the step compression starts at (skipped fp16 steps included)

@@ -50,7 +50,7 @@ def _rank(rank, world_size, sizes, trials):
         layout = plan_layout([[("flat", (n,))]], world_size, n, n)  # one bucket, as big as the buffer
         total = layout.total_numel
         shared = open_shared_flat(total, torch.float32, dist.group.WORLD, True,
-                                  why_not_shared(2, torch.device("cpu"), False, range(world_size), world_size))
+                                  why_not_shared(torch.device("cpu"), False, range(world_size), world_size))
         gather = SharedGather(layout, rank, shared)
         flat, bucket = shared.flat, torch.empty(total)
         lo, hi = layout.buckets[0].chunk(rank)
@@ -117,7 +117,7 @@ def _memory_rank(rank, world_size, model_name, shared):
         opt.step()
         opt.zero_grad()
     after = _smaps()
-    used = opt.publisher.shared_gather is not None
+    used = opt.store.shared_gather is not None
     return {k: after[k] - before[k] for k in after}, used, sum(p.numel() for p in model.parameters())
 
 

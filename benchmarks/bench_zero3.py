@@ -11,7 +11,7 @@ resident set (ru_maxrss) minus its resident set just before the model is
 built, with MALLOC_MMAP_THRESHOLD_=1 MiB so that freed tensors leave the RSS.
 For shardopt, also the bytes it counts (memory_stats after the last step:
 parameter chunks, gradient chunks, Adam state) and the peak of gathered
-buckets (param_shard.peak_live). The arithmetic: fp32 AdamW holds 16 bytes
+buckets (opt.store.peak_live). The arithmetic: fp32 AdamW holds 16 bytes
 per parameter (4 weights + 4 gradients + 8 state); sharded over N ranks,
 16P/N, plus the buckets gathered at once.
 
@@ -122,8 +122,8 @@ def _measure(rank, world_size, variant, layers, bucket):
     out = {"peak_growth": _peak() - before, "n": sum(int(torch.Size(s).numel()) for s in _shapes(cfg))}
     if variant.startswith("shardopt"):
         out["stats"] = opt.memory_stats()
-        if opt.param_shard is not None:
-            out["peak_live"] = opt.param_shard.peak_live
+        if opt.params_sharded:
+            out["peak_live"] = opt.store.peak_live
     torch.distributed.barrier()
     return out
 

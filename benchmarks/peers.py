@@ -258,7 +258,7 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   one host): the reduce-scatter plus a parameter all-gather before forward and
 #   another before backward, each (W-1)/W S: 3 (W-1)/W S, less the buckets
 #   backward starts with, which are not gathered twice (Note [The seam between
-#   forward and backward] in shardopt/sharded_param.py).
+#   forward and backward] in shardopt/zero3/store.py).
 # - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
 #   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per

@@ -6,3 +6,13 @@ except ImportError as e:  # pragma: no cover - only hit on a broken install
         "shardopt's C++ extension shardopt._C is not built or does not match the installed torch "
         f"({e}). Build it against your torch with: pip install --no-build-isolation -e ."
     ) from e
+
+
+def cpu_features() -> dict:
+    """Which SIMD variant the CPU kernels run with.
+
+    Returns a dict: ``active`` (the variant used now), ``best`` (what this CPU
+    and build support best; the default unless SHARDOPT_ISA pins another) and
+    ``supported`` (every variant this CPU can run, best last).
+    """
+    return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}

@@ -73,7 +73,7 @@ class ShardConfig:
     2: also shard gradients: a bucket's full-size gradient memory is reused as
     soon as it is reduce-scattered; each rank keeps only its gradient chunks.
     3: also shard parameters: a bucket's full parameters exist only while a
-    forward or backward uses them (sharded_param.py, Note [Stage-3 schedule])."""
+    forward or backward uses them (zero3/, Note [Stage-3 schedule] in zero3/schedule.py)."""
     reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE
     """Elements per gradient bucket: one reduce-scatter each (rounded up to a
     multiple of lcm(world_size, 128)). None: see Note [Default bucket sizes] (and
@@ -230,6 +230,15 @@ class ShardConfig:
         if self.inter_node_param_dtype not in (None, torch.bfloat16):
             raise ValueError(f"inter_node_param_dtype must be None (the parameters' dtype) or torch.bfloat16, got "
                              f"{self.inter_node_param_dtype!r}")
+        # Stage 3's store gathers each bucket for its use, on its own schedule (zero3/): neither a flat
+        # buffer shared on one host nor the flat gather's phase across nodes exists there.
+        if self.stage == 3 and self.shared_memory_gather:
+            raise ValueError("shared_memory_gather=True cannot be used: stage 3 gathers each bucket for its use "
+                             "(zero3/), not a flat buffer. Drop it (None uses shared memory where it can) or pass "
+                             "False.")
+        if self.stage == 3 and self.inter_node_param_dtype is not None:
+            raise NotImplementedError("inter_node_param_dtype is built for stages 1-2 (stage 3 gathers parameters "
+                                      "bucket by bucket on its own schedule); drop it or use stage=2")
 
     def hop_format(self) -> str:
         """The inter-node hop's format for the bucket engine."""

@@ -14,10 +14,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from shardopt import _ext
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.optimizer import ShardedOptimizer
-from shardopt.prefetch import plan_forward_waits, plan_gather_order, plan_stage3_schedule
+from shardopt.prefetch import plan_forward_waits, plan_gather_order
+from shardopt.view import ModelWrapper
 
 
-class ShardedDDP(nn.Module):
+class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know it (Note [The optimizer's view])
     """Data parallel wrapper for a model whose trainable parameters are all in `optimizer`.
 
     At construction: checks that every rank has the same parameters and buffers,
@@ -27,7 +28,8 @@ class ShardedDDP(nn.Module):
     `no_sync()` accumulates gradients locally, as DDP's does. At stage 3 a model
     built on the meta device is materialised here, bucket by bucket, by each
     module's reset_parameters() or by `param_init_fn(module)` when given (Note
-    [Meta-device models] in sharded_param.py).
+    [Meta-device models] in zero3/store.py). What differs per stage is the
+    optimizer's parameter store's (Note [One parameter store] in param_store.py).
     """
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, broadcast_buffers: bool = True,
@@ -35,7 +37,9 @@ class ShardedDDP(nn.Module):
         super().__init__()
         if not isinstance(optimizer, ShardedOptimizer):
             raise TypeError(f"ShardedDDP needs a shardopt.ShardedOptimizer, got {type(optimizer).__name__}")
-        _forget_orphan(module)  # a stage-3 module whose last wrapper was dropped (Note [Orphaned stage-3 modules])
+        store = optimizer.store
+        if store.adopt(module, param_init_fn):  # a meta-device model got its values (stage 3)
+            optimizer._load_master_from_model()
         self.module = module
         self.optimizer = optimizer
         self.broadcast_buffers = broadcast_buffers
@@ -57,14 +61,10 @@ class ShardedDDP(nn.Module):
         if missing:
             raise ValueError(f"{len(missing)} optimizer parameters (e.g. parameter {missing[0]}) are not "
                              "parameters of this model: wrap the model the optimizer was built from")
-        stage3 = optimizer.param_shard is not None
-        if stage3 and optimizer.param_shard.on_meta:
-            optimizer.param_shard.materialize(module, param_init_fn)  # Note [Meta-device models]
-            optimizer._load_master_from_model()
 
-        def shape(p):  # at stage 3 a managed parameter is empty between uses: its shape is the layout's
+        def shape(p):  # a managed parameter's shape is the layout's (at stage 3 it is empty between uses)
             i = optimizer._index.get(id(p))
-            return list(optimizer.layout.params[i].shape) if stage3 and i is not None else list(p.shape)
+            return list(optimizer.layout.params[i].shape) if i is not None else list(p.shape)
 
         check_same_across_ranks(
             [f"param {n} {shape(p)} {p.dtype} requires_grad={p.requires_grad}" for n, p in named]
@@ -72,57 +72,35 @@ class ShardedDDP(nn.Module):
             + [f"broadcast_buffers={broadcast_buffers}"],
             "model's parameters and buffers", group)
         waits = plan_forward_waits(module, optimizer._index, optimizer.layout)
-        optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)),
-                          plan_stage3_schedule(optimizer.layout, waits) if stage3 else None)
+        optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)), waits)
 
-        # Rank 0's initial values everywhere, like DDP: the flat buffer in one
-        # collective, everything else (frozen params, buffers) coalesced.
+        # Rank 0's initial values everywhere, like DDP: the managed parameters as their store holds them (the
+        # flat buffer in one collective; stage 3 took rank 0's values as it sharded them), everything else
+        # (frozen params, buffers) coalesced.
         self._group = group
         if dist.get_world_size(group) > 1:
             src = dist.get_global_rank(group, 0)
-            if not stage3:  # at stage 3 the optimizer took rank 0's values as it sharded them
-                dist.broadcast(optimizer.flat_param, src, group=group)
+            store.broadcast(src, group)
             others = [p.data for _, p in named if id(p) not in optimizer._index]
             self._broadcast_coalesced(others + [b for b in module.buffers()])
             optimizer._load_master_from_model()
 
-        # See Note [Hooks die with the wrapper].
-        handles = []
+        # Parameters given new storage after wrapping are refused before any forward, before any other hook
+        # of the forward runs (Note [Parameters stay in the flat buffer] in optimizer.py).
         this = weakref.ref(self)
-        if stage3:  # Python hooks: the parameter shards need Python per parameter anyway
-            for i, p in enumerate(optimizer._params):
-                handles.append(p.register_hook(_pre_accumulate_hook(this, i)))
-                handles.append(p.register_post_accumulate_grad_hook(_grad_hook(this, i)))
-        elif optimizer._params:
-            # Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h: no Python per parameter.
-            stage = optimizer.config.stage
-            self._grad_hooks = _ext._C.GradHooks(list(optimizer._params), optimizer.engine,
-                                                 optimizer._grad_views if stage == 1 else [], stage,
-                                                 _begin_backward_hook(this))
-            handles.append(self._grad_hooks)
+        self._param_names = [named[pos][0] for pos in positions]
+        handles = [module.register_forward_pre_hook(_check_in_place_hook(this))]
+        # Gradient hooks, and whatever module and state-dict hooks the store needs (loads reach the masters:
+        # Note [A load of the values held] in loads.py). See Note [Hooks die with the wrapper].
+        handles += store.install_hooks(this, module, optimizer, waits)
         # The parameter set is fixed here, as with DDP: parameters() answers from this list
         # (Note [Parameters fixed at wrap time]).
         _count_registrations()
         self._remember_params()
-        # Parameters given new storage after wrapping are refused before any forward
-        # (Note [Parameters stay in the flat buffer] in optimizer.py).
-        self._param_names = [named[pos][0] for pos in positions]
-        handles.append(module.register_forward_pre_hook(_check_in_place_hook(this)))
-        if stage3:
-            handles += _install_stage3_hooks(module, optimizer, waits)
-        # With separate master weights (Note [Master weights] in master_step.py), new
-        # values loaded into the model must reach the masters, or the next step
-        # would overwrite them with the old ones. Post hooks run for every module
-        # of a load, so this sees loads into the model or into this wrapper.
-        if not stage3:  # stage 3: its own hooks (Note [Stage-3 hooks])
-            same, finer = [], {}
-            handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same, finer)))
-            handles.append(module.register_load_state_dict_post_hook(
-                lambda mod, keys: _masters_after_load(optimizer, same, finer)))
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
-        self._orphans = [stage3]  # cleared by detach(), which gives the module its whole weights
+        self._orphans = [True]  # cleared by detach(), which gives the module its whole weights
         self._finalizer = weakref.finalize(self, _detach, handles, optimizer, module, self._orphans)
 
     def detach(self) -> nn.Module:
@@ -133,16 +111,12 @@ class ShardedDDP(nn.Module):
         values in tensors of their own; the rank holds the whole model from then on. The optimizer is done
         with this model: it refuses to step, and its full_params() no longer reaches the module.
         """
-        opt = self.optimizer
-        whole = None
-        if opt.param_shard is not None:
-            with opt.full_params(writeback=False), torch.no_grad():
-                whole = [p.detach().clone() for p in opt._params]
+        whole = self.optimizer.store.whole_copies()
         self._orphans[0] = False
         self._finalizer()
         if whole is not None:
             with torch.no_grad():
-                for p, value in zip(opt._params, whole):
+                for p, value in zip(self.optimizer._params, whole):
                     p.data = value
         return self.module
 
@@ -272,8 +246,6 @@ class ShardedDDP(nn.Module):
         """A parameter's gradient is complete: hand it to the bucket engine."""
         opt = self.optimizer
         engine = opt.engine
-        if opt.param_shard is not None:
-            opt.param_shard.grad_ready(index)
         if not self._sync or opt._local_grads():  # OneBitAdam's flat compression stage: exchanged at step()
             engine.note_used(index)
             return
@@ -339,31 +311,9 @@ class ShardedDDP(nn.Module):
 # (nothing reduces gradients into it any more). At stages 1 and 2 the
 # per-parameter hooks are C++ (Note [Gradient hooks in C++] in
 # csrc/comm/grad_hooks.h): they hold the engine and the parameters, and reach
-# the wrapper only through the weak `begin` hook (_begin_backward_hook), once
-# per backward pass; the finalizer's remove() takes them off the gradient
-# accumulators. Stage 3 keeps the Python hooks below.
-def _grad_hook(wrapper_ref, index: int):
-    def hook(p: torch.Tensor) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is not None:
-            wrapper._on_grad(index, p)
-    return hook
-
-
-def _pre_accumulate_hook(wrapper_ref, index: int):
-    def hook(grad: torch.Tensor) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is not None:
-            wrapper.optimizer._before_accumulate(index)
-    return hook
-
-
-def _begin_backward_hook(wrapper_ref):
-    def hook() -> int:
-        wrapper = wrapper_ref()
-        return wrapper._begin_backward() if wrapper is not None else _ext._C.PASS_IGNORE
-    return hook
-
+# the wrapper only through the weak `begin` hook (flat_params._begin_backward_hook),
+# once per backward pass; the finalizer's remove() takes them off the gradient
+# accumulators. Stage 3 keeps Python hooks (zero3/hooks.py), as weak.
 
 # Note [Parameters fixed at wrap time]
 # clip_grad_norm_(model.parameters(), c) and model.zero_grad() run every step;
@@ -438,165 +388,10 @@ def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
     module.named_parameters = types.MethodType(_waiting_named_parameters, module)
 
 
-# Note [A load of the values held]
-# --------------------------------
-# With separate master weights (a bf16/fp16 model, offload: Note [Master weights] in master_step.py), a
-# state dict loaded into the model is the new truth: the masters take the loaded values whole (at stage
-# 3 as well), or the next step would publish the old ones over them. A load that changes no value is
-# different: code that puts the model's own weights back (Lightning's WeightAveraging on resume, a
-# checkpoint reloaded into the process that wrote it) would round a bf16 model's fp32 masters to bf16,
-# where under DDP such a load changes nothing. So before a load, the values it brings are compared with
-# the managed parameters' (in the model's dtype, as the load will write them; parameters it leaves out
-# count as unchanged); if none differs, the masters keep their bits. One compare pass per load.
-# A loaded value finer than the model's dtype (an fp32 checkpoint, pretrained weights, into a bf16 model)
-# holds more than the model can: the masters take it at their own precision, not the model's rounding of
-# it (which the load writes into the model), whether or not that rounding changed the model. So a bf16
-# model wrapped first and loaded after starts from the file's fp32 values (a plain checkpoint loaded by the
-# Lightning strategy too), as FSDP2's sharded fp32 parameters would; the model holds their rounding, as
-# after any step.
-def _same_values_hook(optimizer, same: list, finer: dict):
-    def hook(mod, state_dict, prefix, *args):
-        with torch.no_grad():
-            values = [(p, state_dict.get(prefix + name)) for name, p in mod.named_parameters()
-                      if id(p) in optimizer._index]
-            same[:] = [all(_holds(p, value) for p, value in values)]
-            finer.clear()
-            finer.update((optimizer._index[id(p)], value) for p, value in values if _finer(value, p))
-    return hook
-
-
-def _holds(p: torch.Tensor, value) -> bool:
-    if not torch.is_tensor(value):
-        return value is None  # not in the state dict: the load leaves it
-    return value.shape == p.shape and torch.equal(value.to(device=p.device, dtype=p.dtype), p.detach())
-
-
-def _finer(value, p: torch.Tensor) -> bool:
-    """Whether a loaded value carries more precision than the parameter's dtype (an fp32 value, a bf16 model)."""
-    return torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape \
-        and torch.finfo(value.dtype).eps < torch.finfo(p.dtype).eps
-
-
-def _masters_after_load(optimizer, same: list, finer: dict) -> None:
-    if same and same.pop():
-        optimizer._note_model_version()  # the load wrote what was there: nothing to take
-    else:
-        optimizer._load_master_from_model()
-    if finer:
-        optimizer._load_master_from_values(finer)  # more than the model holds: at master precision
-        finer.clear()
-
-
-# Note [Stage-3 hooks]
-# At stage 3 the wrapped module's hooks carry out Note [Stage-3 schedule]:
-# its root forward opens a forward round and autograd's saved-tensor hooks
-# (Note [Parameters between gathers]); each module that waits for buckets
-# asks for them before its forward and reports after it; the root's forward
-# end (even by an exception) closes the round. state_dict() and
-# load_state_dict() on the wrapped module (or on this wrapper) see whole
-# parameters: a collective, so every rank calls them, as with FSDP's full
-# state dict; the returned tensors are copies.
-def _install_stage3_hooks(module: nn.Module, optimizer, waits) -> list:
-    shard = optimizer.param_shard
-    saved = []  # the saved-tensor hooks context of the forward in progress
-    handles = []
-
-    def begin(mod, args):
-        shard.begin_forward()
-        ctx = torch.autograd.graph.saved_tensors_hooks(shard.pack, shard.unpack)
-        ctx.__enter__()
-        saved.append(ctx)
-
-    def end(mod, args, out):
-        if saved:
-            saved.pop().__exit__(None, None, None)
-        shard.end_forward(torch.is_grad_enabled())
-        optimizer._note_model_version()  # a compiled forward counts as an edit (Note [Weights edited in place])
-
-    handles.append(module.register_forward_pre_hook(begin))
-    handles.append(module.register_forward_hook(end, always_call=True))
-
-    def needer(buckets):
-        return lambda mod, args: shard.need(buckets)
-
-    def reporter(buckets):
-        return lambda mod, args, out: shard.forward_done(id(mod), buckets)
-
-    for w in waits:
-        handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
-        if not w.covered:  # its parent's return reports these buckets (prefetch.ForwardWait.covered)
-            handles.append(w.module.register_forward_hook(reporter(w.buckets)))
-
-    whole = []  # the gathered() context of a state_dict / load_state_dict in progress
-
-    def gather(writeback: bool):
-        def hook(mod, *args):
-            # state_dict(keep_vars=True) asks for the parameters themselves (which tensors, not values).
-            if not writeback and args[-1]:
-                whole.append(None)
-                return
-            ctx = optimizer.full_params(writeback=writeback)
-            ctx.__enter__()
-            whole.append(ctx)
-        return hook
-
-    def copy_and_free(mod, state_dict, prefix, local_metadata):
-        ctx = whole.pop()
-        if ctx is None:
-            return
-        for k, v in state_dict.items():
-            if torch.is_tensor(v) and shard.holds(v):
-                state_dict[k] = v.clone()
-        ctx.__exit__(None, None, None)
-
-    same, finer = [], {}
-
-    def load_and_free(mod, incompatible):
-        whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
-        _masters_after_load(optimizer, same, finer)  # and the masters, whole (Note [A load of the values held])
-
-    handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
-    handles.append(module.register_state_dict_post_hook(copy_and_free))
-    handles.append(module.register_load_state_dict_pre_hook(gather(writeback=True)))
-    handles.append(module.register_load_state_dict_pre_hook(_same_values_hook(optimizer, same, finer)))  # after gather
-    handles.append(module.register_load_state_dict_post_hook(load_and_free))
-    return handles
-
-
 def _detach(handles, optimizer, module, orphans) -> None:
     for h in handles:
         h.remove()
     if _WAITING_MODULES.pop(module, None) is not None:
         module.__dict__.pop("named_parameters", None)
     optimizer._detach_model()
-    if orphans[0]:
-        _refuse_orphan(module)
-
-
-# Note [Orphaned stage-3 modules]
-# At stage 3 a managed parameter is an empty tensor between uses: its values
-# live in the optimizer's shards and only a ShardedDDP's hooks gather them.
-# detach() gathers them into the module for good. A wrapper that is simply
-# dropped (garbage-collected) cannot: gathering is a collective, and a
-# finalizer runs on each rank at a moment of its own. The module is then left
-# with empty parameters, and its forward or state_dict() would fail obscurely
-# or, worse, return empty tensors as if they were the weights. So such a module
-# refuses both, saying what to do, until a new ShardedDDP (with the same
-# optimizer, which still holds the shards) takes it again.
-_ORPHANS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-_ORPHAN_MESSAGE = ("this module's parameters are sharded over the ranks (ZeRO stage 3) and the ShardedDDP that "
-                   "gathered them was dropped without detach(), so here they are empty tensors. Wrap it again "
-                   "with shardopt.ShardedDDP(module, optimizer) to go on training (or to save a checkpoint), or "
-                   "call wrapper.detach() on every rank before dropping the wrapper to keep the whole weights")
-
-
-def _refuse_orphan(module: nn.Module) -> None:
-    def refuse(*args, **kwargs):
-        raise RuntimeError(_ORPHAN_MESSAGE)
-
-    _ORPHANS[module] = [module.register_forward_pre_hook(refuse), module.register_state_dict_pre_hook(refuse)]
-
-
-def _forget_orphan(module: nn.Module) -> None:
-    for h in _ORPHANS.pop(module, ()):
-        h.remove()
+    optimizer.store.released(module, orphaned=orphans[0])

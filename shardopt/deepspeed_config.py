@@ -62,7 +62,7 @@ and ignored, as DeepSpeed does):
   parameter after a module's forward if the trace says it is used again within
   that many elements; shardopt's schedule keeps a bucket until the last module
   of the pass that waits for it has run, however far (Note [Stage-3 schedule]
-  in prefetch.py), which is DeepSpeed's behaviour at its default 1e9. A smaller
+  in zero3/schedule.py), which is DeepSpeed's behaviour at its default 1e9. A smaller
   distance only frees earlier (memory, not results); the schedule has no such
   knob, so the value does not change what happens.
 * stage3_gather_16bit_weights_on_model_save (and its older fp16 spelling): not

@@ -78,7 +78,7 @@ def use(ops: DeviceOps):
 
 def materialization_device(device: torch.device) -> torch.device:
     """Where parameters built on the meta device get storage (stage 3): the current accelerator, else the
-    CPU (Note [Meta-device models] in sharded_param.py)."""
+    CPU (Note [Meta-device models] in zero3/store.py)."""
     if device.type != "meta":
         return device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

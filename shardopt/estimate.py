@@ -41,10 +41,10 @@ Note [Estimate for stage 3]
 ---------------------------
 At stage 3 a rank keeps 1/N of the parameters (its chunks) and gathers a
 bucket's full parameters only while modules use it (Note [Stage-3 schedule]
-in prefetch.py): the one in use and `prefetch` ahead, `live_buckets` in all,
+in zero3/schedule.py): the one in use and `prefetch` ahead, `live_buckets` in all,
 of the largest bucket's size. The estimate counts that peak as parameters;
 memory_stats() counts what is gathered at the moment it is called (between
-steps: nothing but persistent buckets); `opt.param_shard.peak_live` is the peak.
+steps: nothing but persistent buckets); `opt.store.peak_live` is the peak.
 So weights + gradients + Adam state per rank come to 16P/N bytes in fp32
 (4 + 4 + 8 per element), plus the live buckets and the staging buffers.
 The staging pool may grow past num_staging_buffers at stage 3 (Note [Stage 3

@@ -27,12 +27,15 @@ _GRAD = operator.attrgetter("grad")
 
 
 def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig, process_group, grad_dtype,
-                 reduce_dtype, device, copy_device, flat_grad: torch.Tensor, shard_grad: torch.Tensor):
+                 reduce_dtype, device, copy_device, flat_grad: torch.Tensor, shard_grad: torch.Tensor, *,
+                 waits_in_backward: bool):
     """The C++ bucket engine for this layout (Note [Bucket engine] in csrc/comm/bucket_engine.h).
 
     launch_order: buckets in the order every rank reduces them (layout.plan_launch_order);
     gather_order: indices into layout.gather_spans, in the order the forward needs them
-    (prefetch.plan_gather_order)."""
+    (prefetch.plan_gather_order); flat_grad: the full-size gradient buffer the parameters' .grad are views
+    of (stage 1), or an empty tensor (only this rank's chunks are kept, in shard_grad); waits_in_backward:
+    the parameter store's answer (Note [Stage 3 never waits in backward])."""
     plan = _ext._C.BucketPlan()
     plan.bucket_start = [b.start for b in layout.buckets]
     plan.bucket_numel = [b.numel for b in layout.buckets]
@@ -47,8 +50,8 @@ def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig
     plan.gather_lo = [g.lo for g in spans]
     plan.gather_hi = [g.hi for g in spans]
     opts = _ext._C.EngineOptions()
-    opts.stage = min(config.stage, 2)  # stage 3 reduces gradients as stage 2 does
-    opts.wait_for_staging = config.stage < 3  # Note [Stage 3 never waits in backward]
+    opts.stage = 1 if flat_grad.numel() else 2  # the engine's two ways: full-size gradients kept, or chunks only
+    opts.wait_for_staging = waits_in_backward
     opts.num_staging = config.num_staging_buffers
     opts.overlap = config.overlap_comm
     opts.impl = config.comm_impl
@@ -62,12 +65,14 @@ def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig
 class GradSync:
     """What a ShardedOptimizer knows about gradients between two steps."""
 
-    def __init__(self, params: list, stage: int, grad_views: list, shard_grad: torch.Tensor, grad_shard: GradShard,
+    def __init__(self, params: list, resting_grads: list, shard_grad: torch.Tensor, grad_shard: GradShard,
                  world_group, replicas: int, nonfinite: str, phase: dict, loss_scaled: bool = False):
         self.params = params
         self.shard_grad = shard_grad  # this rank's chunks of the averaged gradient, concatenated
-        self.stage = stage
-        self.grad_views = grad_views  # stage 1: each parameter's .grad, a view of the flat gradient buffer
+        # Per parameter, what its .grad holds while autograd accumulates (the parameter store's answer):
+        # stage 1 its view of the full-size gradient buffer, else None (the gradient is released once reduced).
+        self.resting = resting_grads
+        self.full_grads = any(g is not None for g in resting_grads)
         self.shard = grad_shard
         grad_shard.flat = shard_grad  # its pieces are views of it (Note [Foreach over a shard])
         grad_shard.installed = lambda: self.installed  # Note [What a list leaves out] in sharded_grad.py
@@ -82,7 +87,7 @@ class GradSync:
         self.attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
         # installed[i] is what this optimizer last put in parameter i's .grad: its ShardedGrad, its
         # stage-1 view, or None.
-        self.installed: list = list(grad_views) if stage == 1 else [None] * len(params)
+        self.installed: list = list(resting_grads)
         self.last_used = torch.zeros(len(params), dtype=torch.bool)  # global, at the last step
         self.reconciled = False    # this backward pass already reconciled user changes to p.grad
         self.handles_out = False   # some installed[i] may be a ShardedGrad (else reconcile has nothing to do)
@@ -161,8 +166,7 @@ class GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_reconciled)
         p = self.params[index]
         if isinstance(p.grad, ShardedGrad):
-            p.grad = self.grad_views[index] if self.stage == 1 else None
-            self.installed[index] = p.grad
+            p.grad = self.installed[index] = self.resting[index]
 
     def begin_backward(self) -> None:
         """A backward pass starts (the first C++ hook: Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h).
@@ -175,8 +179,7 @@ class GradSync:
         self.reconcile()
         for i, p in enumerate(self.params):
             if isinstance(p.grad, ShardedGrad):
-                p.grad = self.grad_views[i] if self.stage == 1 else None
-                self.installed[i] = p.grad
+                p.grad = self.installed[i] = self.resting[i]
 
     def _end_reconciled(self) -> None:
         self.reconciled = False
@@ -184,13 +187,9 @@ class GradSync:
     def on_grad(self, index: int, p: torch.Tensor) -> None:
         """Parameter `index`'s gradient is complete and reducing: hand it to the engine, release it."""
         self.engine.mark_ready(index, p.grad)
-        if self.stage == 1:
-            view = self.grad_views[index]
-            if p.grad is not view:  # replaced by user code: the engine copied it back in
-                p.grad = view
-        else:
-            p.grad = None  # stage 2: the full-size gradient is released here
-        self.installed[index] = p.grad
+        # Stage 1: its view of the flat buffer (if user code replaced it, the engine copied it back in);
+        # else None: the full-size gradient is released here.
+        p.grad = self.installed[index] = self.resting[index]
 
     # Note [The step's flags ride the end of backward]
     # --------------------------------------------------
@@ -215,7 +214,7 @@ class GradSync:
     def end_backward(self, reached: bool = True) -> None:
         """End of a backward pass (or, reached=False, a rank that had none): reduce what is left."""
         engine = self.require_engine()
-        if self.stage >= 2:
+        if not self.full_grads:
             # Gradients accumulated under no_sync for parameters this backward did not reach.
             for i in engine.unready_params():
                 p = self.params[i]
@@ -263,7 +262,7 @@ class GradSync:
             grads = list(self.shard.handles)
         else:
             # Without one: stage 1 None (not the zeroed view: DDP's p.grad is None here too); stage 2 as is.
-            keep = [None] * n if self.stage == 1 else list(map(_GRAD, self.params))
+            keep = [None] * n if self.full_grads else list(map(_GRAD, self.params))
             grads = [h if x else k for h, x, k in zip(self.shard.handles, has, keep)]
         _ext._C.set_grads(self.params, grads)  # one C++ pass, not n Python assignments
         self.installed = grads
@@ -451,7 +450,7 @@ class GradSync:
             self.last_used.zero_()
             self.handles_out = False
         # Stage 1: the view autograd accumulates into (zeroed by the engine).
-        fresh = list(self.grad_views) if self.stage == 1 else [None] * len(self.params)
+        fresh = list(self.resting)
         if not set_to_none:  # the ShardedGrads stay (reading zeros)
             fresh = [g if isinstance(g, ShardedGrad) else f for g, f in zip(map(_GRAD, self.params), fresh)]
         _ext._C.set_grads(self.params, fresh)

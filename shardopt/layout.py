@@ -57,7 +57,7 @@ Note [Stage-3 buckets hold whole parameters]
 --------------------------------------------
 At stage 3 a bucket's full parameters exist only while it is gathered, in
 storage of its own that is allocated for the gather and freed after use
-(sharded_param.py). A parameter is a view into that storage, so it must not
+(zero3/store.py). A parameter is a view into that storage, so it must not
 straddle two buckets: with `whole_params=True` a bucket closes before the
 parameter that would cross `bucket_numel`, and each bucket is padded to
 `align` on its own (a parameter larger than `bucket_numel` gets a bucket of

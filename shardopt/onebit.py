@@ -3,144 +3,70 @@ a momentum exchange of one bit per element (Note [1-bit Adam under ZeRO]).
 
     opt = ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, lr=3e-4, freeze_step=400)
 
-or a DeepSpeed config with "type": "OneBitAdam" (deepspeed_config.py). ShardedOptimizer asks this room
-three things: `local_grads()` (on a flat mesh backward passes of the compression stage reduce nothing:
-ShardedDDP keeps the gradients local, as under no_sync), `clip_grad_norm` and `step` once compressing;
-and it switches the bucket engine's hop across replicas off at the freeze (`sync_engine`).
+or a DeepSpeed config with "type": "OneBitAdam"; ShardedOptimizer runs the compression stage through a
+OneBitStep. The measurements behind the design: benchmarks/results/2026-11-28-onebit-design-history.md.
 
 Note [1-bit Adam under ZeRO]
 ----------------------------
-1-bit Adam (Tang et al. 2021; DeepSpeed's OnebitAdam) runs exact Adam for a warm-up, then freezes
-Adam's variance v and communicates only the momentum, one sign bit per element and a scale, with
-error feedback: what a compression loses is kept and added to the same elements next time, so the
-errors do not accumulate. In DeepSpeed every worker holds the whole momentum m and all-reduces its
-local momentum b1*m + (1-b1)*g_i; under ZeRO rank r owns the shard of every bucket's chunk r
-(layout.py) and steps it. So:
+1-bit Adam (Tang et al. 2021; DeepSpeed's OnebitAdam) runs exact Adam for a warm-up (here the AdamW path,
+bit for bit; skipped steps do not count), then freezes Adam's variance v and exchanges only the momentum
+m, as signs and one scale per block (Note [1-bit format]), with error feedback: what an encoding loses is
+added to the same elements next time, so errors do not pile up. Under ZeRO rank r owns chunk r of every
+bucket (its shard, n elements) and steps only that.
 
-  warm-up (steps 1..freeze_step): our AdamW path, unchanged: exact gradient reduce-scatter, the
-    inner optimizer (torch AdamW, or CPUAdam with offload) on the shard. Bit for bit the AdamW run.
-  compression stage (from step freeze_step + 1), with G_i rank i's local gradient (unscaled) and
-  d = sqrt(v) / sqrt(bc2(T)) + eps the frozen Adam denominator. What crosses is always divided by d:
-  with v frozen the update is linear in m (p -= lr/bc1 * m / d), so dividing by d puts every element
-  in the units of its own update: one scale per block then fits elements of very different variance,
-  and an element with a tiny v no longer turns a block's sign noise into a huge step. d is constant,
-  so error feedback in those units telescopes exactly as in the raw ones.
-    flat mesh (W ranks, one shard group): DeepSpeed's exchange, with rows for owners. Every rank
-      keeps U, every chunk's momentum over its owner's d, as the last step's exchange left it: not as
-      fp32 (that would be the whole m, 4 bytes per parameter on every rank) but as the W 1-bit messages
-      it was decoded from (1/8 byte per parameter; at the first compression step the owners' exact
-      m / d, all-gathered once). Rank i forms its local momentum M_i = b1*U + (1-b1)*G_i / d in rows
-      (row j: chunk j of every bucket, the gradient shard's layout, over owner j's d, all-gathered
-      once at the freeze), and the rows go through the two-phase compressed all-reduce below, owner j
-      summing row j (its own row exact) and encoding the mean with its summing-side residual. Every
-      rank decodes the same W messages: that is the new U, and owner j's m_j = U_j * d_j. Row j is rank
-      j's chunk: with node-aware collectives (a flat mesh across nodes) ranks own chunks in node-major
-      order (Note [Node-aware chunk order] in layout.py), so _rows puts them back in rank order; only
-      the warm-up's reduce-scatter and every step's parameter gather are two-level.
-      (Before 2026-11-25 the flat mesh exchanged the increments (1-b1)*G_i / d, one phase, and added
-      their mean to b1*m: half the bytes, but on the small GPT of benchmarks/onebit_loss_curve.py it
-      ended 11.2% above AdamW. benchmarks/onebit_exchange_sim.py, 4 simulated ranks, 375 steps, the
-      freeze at 75 (benchmarks/results/2026-11-25-onebit-momentum.md): increments over d with mean-|x|
-      scales +10.8%, the momentum over d with RMS scales (this exchange) -3.7%, with mean-|x| scales
-      +0.4%, DeepSpeed's own (the raw momentum, one RMS per chunk) +8.3%, a frozen variance with an
-      exact exchange -0.2%. Error feedback on the momentum, whose signs are stable, loses far less
-      than on increments, mostly noise. The scale: Note [1-bit format].)
-    hybrid mesh (R replicas of S shards, the link between replicas). Inside the shard group the
-      gradients are reduced exactly by the backward, as in warm-up (the bucket engine's reduce-scatter,
-      overlapped with backward, with its hop across replicas switched off: set_replica_hop), giving
-      replica k the mean over its S ranks of G_i on its shard; times (1-b1) that is the increment D_k.
-      (Until 2026-11-26 backward kept local gradients here too and step() reduced them with an fp32
-      all-to-all: whole-model gradients on every rank, and an exchange nothing overlapped.)
-      Each replica holds m and d of that shard (equal on all replicas), and the replicas average
-      M_k = (b1*m + D_k) / d, the momentum, as DeepSpeed does, with its two-phase compressed
-      all-reduce: the shard is cut into R parts, part j owned by replica j; every replica sends part j
-      1-bit with its sending-side residual (n elements), j averages what it receives in rank order in
-      fp32 (its own part exact), encodes the mean with its summing-side residual (n / R elements) and
-      sends it to every replica; every replica, j included, decodes it and sets m = decoded * d. All
-      replicas decode the same bytes: m stays bit-equal on all of them. (hybrid_exchange="increment"
-      exchanges D_k / d instead and adds it to b1*m: the same bytes, but in a loss diagnosis on the
-      small GPT it trained worse than the momentum, 4.9% against 3.7% above AdamW after 100 compressed
-      steps: the momentum's signs are stable, the increment's are mostly noise.)
-  Then each rank steps its shard with v frozen at step T = freeze_step (bias corrections as AdamW's:
-  bc1 at the current step t, bc2 frozen at T):
-      p = p * (1 - lr*wd) - lr / bc1(t) * m / (sqrt(v) / sqrt(bc2(T)) + eps)
-  and the parameters are all-gathered as at every step: foreach tensor ops on the master shard, or
-  with offload="cpu" the fused CPU Adam kernel (beta1 = 0 takes the exchanged m, beta2 = 1 keeps v,
-  bias corrections folded into lr, eps and the decay; equal to the foreach path within an ulp).
+In the compression stage G_i is rank i's local gradient (unscaled), T the step v froze at, and
+d = sqrt(v) / sqrt(bc2(T)) + eps the frozen denominator. Everything exchanged is divided by d: with v
+frozen the update is linear in m, so over d each element is in the units of its own update and one scale
+fits a block of very different variances; d is constant, so error feedback telescopes as on raw values.
+The exchange is DeepSpeed's two-phase compressed all-reduce (allreduce_1bit): in a group, rank j owns part j
+of the vector; every rank sends part j 1-bit to rank j, which sums the parts in rank order in fp32 (its own
+exact) and sends their mean back 1-bit; every rank decodes the same bytes. Error feedback keeps a
+sending-side residual the size of the vector and a summing-side one the size of a part.
+  flat mesh (W ranks): every rank keeps U, every chunk's m over its owner's d, as the W messages the last
+    exchange decoded (at the first compression step the owners' exact m / d, all-gathered once). Rank i
+    all-reduces M_i = b1*U + (1-b1)*G_i / d, row j being chunk j of every bucket over owner j's d (rows in
+    rank order: _rows, Note [Node-aware chunk order] in layout.py); the result is the new U, and owner j's
+    m = U_j * d_j. The momentum crosses, not the increment (1-b1)*G_i / d (one phase, half the bytes),
+    because the momentum's signs are stable from step to step and the increment's mostly noise.
+  hybrid mesh (R replicas of S shards): backward reduces gradients exactly inside the shard group, as in
+    warm-up, with the engine's hop across replicas off (sync_engine); times (1-b1) that is replica k's
+    increment D_k. The replicas hold equal m and d, all-reduce M_k = (b1*m + D_k) / d and set
+    m = decoded * d, bit-equal on all. hybrid_exchange="increment" sends D_k / d and adds b1*m instead.
+Each rank then steps its shard: p = p * (1 - lr*wd) - lr / bc1(t) * m / d, t the current step, by foreach
+ops or the fused CPU Adam kernel at beta1 = 0, beta2 = 1 (offload="cpu"); parameters are gathered as usual.
+Bytes per rank per step (blocks of B): flat 2 (W-1)/W * (P/8 + 4P/(W B)) for P parameters, instead of
+(W-1)/W * 4P in fp32; hybrid 2 (R-1)/R * n/8 (+ scales), so per node 32x less than the exact fp32 hop.
+Memory per rank besides AdamW's, per parameter: flat, 4 bytes of sending-side residual, 4 of every owner's
+d, 1/8 of U, 4 / W of summing-side residual and a whole local gradient (as DDP). Hybrid, per element of the
+shard: residuals of 4 + 4 / R bytes and d's 4; gradients stay sharded.
 
-Bytes per step once compressing (P parameters, fp32 messages of 1/8 byte per element plus 4 bytes per
-block of B = ONEBIT_BLOCK elements; n = P / S the shard):
-  flat:   every rank sends (W-1) rows of P/W elements, then its owner's message to the W-1 others:
-          2 (W-1)/W * (P/8 + 4 P/(W B)) bytes, instead of (W-1)/W * 4P (fp32 reduce-scatter); the
-          parameter all-gather is unchanged.
-  hybrid: every rank sends (R-1) parts twice: 2 (R-1)/R * n/8 (+ scales); per node, S ranks,
-          2 (R-1)/R * P/8 bytes over the link, 32x less than the exact fp32 hop (2 (R-1)/R * 4P).
-Memory per rank, besides the AdamW path's: flat: the sending-side residual over all of M_i (4 bytes per
-parameter, as DeepSpeed's worker error), every owner's d (4 more), U as messages (1/8) and the server
-residual (4 / W); a compression-stage backward keeps full local gradients (as DDP or no_sync). Hybrid:
-residuals of n + n / R fp32 and d (n), 10 bytes per shard element; gradients stay sharded as in
-warm-up, and the step's temporaries are a few of n. (The clipping sketch's signs are computed, not
-stored: Note [Clipping by a sketch].)
-Stage 3 (parameters sharded too): the same exchange on the same shards; only the backward differs,
-which gathers parameters as always. So a hybrid mesh keeps stage 3's memory (nothing whole-model
-sized), while a flat mesh, by the algorithm, holds every
-rank's local gradient and its residual whole: 1-bit Adam on a model whose weights do not fit one
-device wants a hybrid mesh. Stage 3 equals stage 2 bit for bit when both cut the same buckets
-(tests/test_onebit.py); a rank whose forward had no backward walks the owed gathers before the
-exchange (ShardedOptimizer._settle_rounds), as before an AdamW step. The residuals, and the
-flat mesh's messages, are one tensor saved per rank (Note [Hop residual in checkpoints]): a resume at
-the same mesh continues bit for bit; another mesh restarts them from zero and U from the owners' m.
-Speed: the 1-bit exchange happens at step(), not overlapped with backward (the momentum needs the
-whole gradient); the codec is C++ (Note [Fused 1-bit codec]), the rest foreach / all-to-all on the group.
-
-Clipping in the compression stage: the averaged gradient never exists on any rank, so clip_grad_norm
-estimates its norm from a sketch (Note [Clipping by a sketch]: one all-reduce of 8192 floats, exact
-for gradients of at most 8192 elements) and step() multiplies every rank's local gradient by the clip
-coefficient before the exchange, which scales their mean as AdamW's clipping does. (On a hybrid mesh
-every rank sketches its shard of its shard group's mean, at the shard's flat ranges: the sum over
-the world is R times the sketch of the mean.) (Clipping each
-rank's local gradient by its own norm, as DeepSpeed's engine does, or by sqrt(mean_i |G_i|^2) clips far
-harder than AdamW at small per-rank batches: the local gradients' noise dominates their norms.) A step
-with inf/nan anywhere is skipped before anything is encoded (residuals untouched), as in warm-up;
-skipped steps do not count toward freeze_step.
+Stage 3 runs the same exchange on the same shards, bit for bit as stage 2 for the same buckets; as a flat
+mesh holds whole local gradients, a model too large for one device wants a hybrid mesh. Checkpoints hold
+the residuals (and the flat mesh's messages) as one tensor per rank (Note [Hop residual in checkpoints]):
+the same mesh resumes bit for bit, another restarts them from zero and U from the owners' m.
+Clipping: the mean gradient never exists, so clip_grad_norm estimates its norm from a sketch
+(Note [Clipping by a sketch]) and step() scales every local gradient, hence their mean, by the clip
+coefficient before the exchange; clipping each by its own norm, as DeepSpeed's engine does, clips far
+harder, as noise dominates small local batches. A step with inf/nan anywhere is skipped before anything is
+encoded. The exchange waits for the end of backward: the momentum needs the whole gradient.
 
 Note [The step the variance froze at]
 -------------------------------------
-The frozen denominator is AdamW's at the freeze, sqrt(v) / sqrt(bc2(T)) + eps, bc2(T) = 1 - b2^T, where T is
-the number of Adam steps that built v. In a run that warms up to freeze_step, T = freeze_step. A load can
-bring more: an AdamW (or DeepSpeed Adam) checkpoint of 1500 steps into OneBitAdam(freeze_step=75)
-compresses from the next step with v of 1500 steps, so T = 1500 (with T = 75 the denominators were 3.3x
-too large, the steps 3.3x too small: bc2(1500) = 0.78, bc2(75) = 0.072). So T is recorded when the
-variance freezes, kept in checkpoints (save_checkpoint's manifest, the consolidated state_dict(), DCP's
-shardopt.dcp.get_state_dict) and restored with them; a state that never froze (any other optimizer's, or
-a warm-up) freezes at the steps it has at the next compression step. OneBitAdam checkpoints written
-before the record froze at freeze_step (their only way to compress) and load so (known by their residual
-files; at world size 1 they have none and load as another optimizer's state would).
+d's bias correction is bc2(T) = 1 - b2^T, T the number of Adam steps that built v: freeze_step after a
+warm-up, but a load can bring more. An AdamW checkpoint of 1500 steps loaded into OneBitAdam(freeze_step=75)
+compresses from the next step with T = 1500 (T = 75 would make every denominator sqrt(bc2(1500) / bc2(75))
+= 3.3x too large). So T is recorded when v freezes, kept in checkpoints (save_checkpoint's manifest, the
+consolidated state_dict(), shardopt.dcp) and restored with them; a state that never froze (a warm-up, or
+another optimizer's) freezes at the next compression step with the steps it has then. OneBitAdam
+checkpoints from before this record froze at freeze_step and load so (checkpoint/save_load.py).
 
 Note [1-bit format]
 -------------------
-Per block of ONEBIT_BLOCK (1024) consecutive elements of a message: one fp32 scale, the mean |x| of
-the block's elements (summed in fp64), then one bit per element, 1 for x >= 0, packed eight to a byte,
-element 8k+i in bit i of byte k.
-The mean |x| is the scale of least squared error (it minimises |x - s sign(x)|^2), so the decoded
-message is the closest a sign and one scale come to what was encoded. DeepSpeed takes the root mean
-square, which keeps the block's norm but steps most of its elements further than their own value (the
-error feedback takes the excess back on later steps); from 2026-11-25 to 2026-11-26 so did shardopt. On
-benchmarks/onebit_loss_curve.py (75 exact steps, 300 compressed, lr 1e-3) that made OneBitAdam end 3.4-4.5%
-*below* AdamW, and 3.8-5.0% above it at lr 2e-3 and 4e-3 (benchmarks/results/2026-11-26-onebit-lr.md): the
-overshoot is an effective change of learning rate, not fidelity to Adam. With the mean |x| the same run
-ends +0.3% / -0.2% (flat) and -1.1% / -1.4% (2x2 mesh) from AdamW over two seeds
-(benchmarks/results/2026-11-26-onebit-loss.md); on the corpus of later that day -0.3% to -0.7% (flat) and
--2.2% to -3.0% (2x2), while the frozen variance with the exchange made exact stays within 0.9% of AdamW
-at that length (benchmarks/results/2026-11-26-onebit-control.md). Run on to 1500 steps
-(benchmarks/results/2026-11-27-onebit-long.md) OneBitAdam leads AdamW by up to 6-7% (2x2) and 4-5% (flat)
-around step 600 and the two meet again by step 1500; the exact-exchange control leads by 3-4% there too:
-on that model AdamW's variance keeps growing after the freeze (its denominators 3x the frozen ones by step
-750), so 1-bit Adam steps like AdamW at a larger learning rate; the two replicas' exchange adds 1-2%. At 16
-windows per rank instead of 8 the flat mesh ends 2.4% below AdamW: the frozen variance alone -6.3%, the
-exchange +4.1% against the exact one (they nearly cancel at 8).
-A message of n elements is 4*ceil(n/B) + ceil(n/8) bytes. Decoding gives +scale or -scale. The
-pure-PyTorch reference is in reference.py (onebit_*_reference).
+A message of n elements is one fp32 scale per block of ONEBIT_BLOCK (B = 1024) consecutive elements, then
+one bit per element (1 for x >= 0), eight to a byte, element 8k+i in bit i of byte k: 4*ceil(n/B) +
+ceil(n/8) bytes; an element decodes to +scale or -scale. The scale is the block's mean |x| (summed in
+fp64), the scale of least squared error; DeepSpeed's RMS steps most elements further than their own value,
+a larger effective learning rate. Pure-PyTorch reference: reference.py (onebit_*_reference).
 """
 from __future__ import annotations
 
@@ -151,6 +77,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from shardopt import _ext
 from shardopt.layout import chunk_index
 from shardopt.parallel import comm as _comm
 
@@ -236,12 +163,10 @@ def encode(rows: torch.Tensor, block: int = ONEBIT_BLOCK) -> torch.Tensor:
 
 def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK, skip: int | None = None) -> torch.Tensor:
     """uint8 [k, message_bytes(n)] -> fp32 [k, n] (row `skip` left unwritten: the caller fills it)."""
-    from shardopt import _C
-
     out = torch.empty(msgs.shape[0], n, dtype=torch.float32)
     for i in range(msgs.shape[0]):
         if i != skip:
-            _C.onebit_decode(msgs[i], out[i], block=block)
+            _ext._C.onebit_decode(msgs[i], out[i], block=block)
     return out
 
 
@@ -249,14 +174,12 @@ def encode_feedback(rows: torch.Tensor, residual: torch.Tensor | None, keep: int
                     block: int = ONEBIT_BLOCK) -> torch.Tensor:
     """The messages of rows + residual ([k, n] fp32 each); residual becomes what the encoding lost. Row
     `keep` is not sent (the caller's own): its message is left zero and its residual stays zero."""
-    from shardopt import _C
-
     k, n = rows.shape
     rows = rows.contiguous()
     msgs = torch.zeros(k, message_bytes(n, block), dtype=torch.uint8)
     for i in range(k):
         if i != keep:
-            _C.onebit_encode(rows[i], msgs[i], residual=None if residual is None else residual[i], block=block)
+            _ext._C.onebit_encode(rows[i], msgs[i], residual=None if residual is None else residual[i], block=block)
     if residual is not None and keep is not None:
         residual[keep].zero_()
     return msgs
@@ -371,9 +294,10 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     gather(out, inp, group=group)
 
 
-# ------------------------------------------------------------------- the room
-class OneBitRoom:
-    """The compression state of one ShardedOptimizer and its compression-stage step."""
+# ------------------------------------------------------------------- the step
+class OneBitStep:
+    """OneBitAdam's compression-stage step and its state, beside master_step.MasterStep in ShardedOptimizer.
+    It reads the optimizer's parameters and pieces through `opt.view` (Note [The optimizer's view] in view.py)."""
 
     def __init__(self, opt, config: OneBitConfig):
         self.opt = opt
@@ -389,7 +313,7 @@ class OneBitRoom:
         self.n = layout.shard_numel()
         offsets = layout.chunk_offsets()
         self.piece_at = [offsets[pc.bucket] + pc.start - layout.buckets[pc.bucket].chunk(self.rank)[0]
-                         for pc in opt._pieces]
+                         for pc in opt.view.pieces]
         backend = str(dist.get_backend(opt.world_group))
         if self.world > 1 and _comm.reduces_on_device(backend, "cpu"):
             raise ValueError(
@@ -455,7 +379,7 @@ class OneBitRoom:
             return self._local
         opt = self.opt
         layout = opt.layout
-        flat = opt.flat_grad
+        flat = opt.store.flat_grad
         if flat is not None and flat.dtype == torch.float32 and flat.device.type == "cpu" \
                 and opt.loss_scaler is None and flat.numel() == layout.total_numel:
             self._local = flat  # read only (the step's users copy: _rows, sketch)
@@ -464,7 +388,7 @@ class OneBitRoom:
         if flat is not None:
             g.copy_(flat)
         else:
-            grads = [(slot, p.grad) for slot, p in zip(layout.params, opt._params) if p.grad is not None]
+            grads = [(slot, p.grad) for slot, p in zip(layout.params, opt.view.params) if p.grad is not None]
             devices = {grad.device for _, grad in grads}
             # Gradients on a GPU are laid out there and brought over in one copy: a copy per parameter is
             # a host sync each (54 per step on an H100 for the demo GPT, 2026-11-28; 3 with one copy).
@@ -483,7 +407,7 @@ class OneBitRoom:
         """(used per parameter anywhere, some rank saw inf/nan): one all-reduce over the world."""
         opt = self.opt
         g = self._local_grad()
-        used = torch.tensor([p.grad is not None for p in opt._params], dtype=torch.int32)
+        used = torch.tensor([p.grad is not None for p in opt.view.params], dtype=torch.int32)
         if opt.engine is not None:
             used |= opt.engine.used().to(torch.int32)
         # inf/nan anywhere makes the sum inf/nan (one pass, no mask; a finite gradient whose sum overflows
@@ -499,7 +423,7 @@ class OneBitRoom:
             if self.replicas == 1:
                 self._flagged = self._flags()
             else:  # reduced in the shard group by the engine: its flags, as in warm-up
-                used = self.opt._grads_and_rounds()
+                used = self.opt.view.finish_grads()
                 self._flagged = (used, self.opt.grads.found_nonfinite)
             if not self._flagged[1] and self.m is None:
                 self._start()
@@ -580,7 +504,7 @@ class OneBitRoom:
             self.ranges = [b.chunk(self.rank) for b in opt.layout.buckets]
         self.m = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
         self.v = torch.zeros(self.n, dtype=torch.float32, device=opt.master_device)
-        for at, t in zip(self.piece_at, opt._piece_params):
+        for at, t in zip(self.piece_at, opt.view.piece_params):
             st = inner.state.get(t) if inner is not None else None
             if not st or "exp_avg" not in st:
                 if inner is not None and t.numel():
@@ -596,7 +520,7 @@ class OneBitRoom:
         # Elements of no piece (bucket padding) keep m = 0: in the momentum exchange they would carry
         # decoded noise, which a checkpoint (keyed by parameters) cannot hold, so a resume would differ.
         covered = torch.zeros(self.n, dtype=torch.bool)
-        for at, t in zip(self.piece_at, opt._piece_params):
+        for at, t in zip(self.piece_at, opt.view.piece_params):
             covered[at:at + t.numel()] = True
         self.padding = (~covered).nonzero().reshape(-1)
         if self.replicas == 1 and self.world > 1:  # every chunk's padding: no momentum crosses there
@@ -685,12 +609,13 @@ class OneBitRoom:
         t = self.steps + 1
         bc1 = 1.0 - self.beta1 ** t
         bc2 = 1.0 - self.beta2 ** self.frozen_at
+        pieces = opt.view.pieces
         for g, group in zip(inner.param_groups if inner is not None else [], opt.param_groups):
             lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
             ps, ms, vs, ds, gs = [], [], [], [], []
             for p in g["params"]:
                 k = self._piece_index[id(p)]
-                pc, at = opt._pieces[k], self.piece_at[k]
+                pc, at = pieces[k], self.piece_at[k]
                 if not used[pc.param] or not p.numel():
                     continue
                 m = self.m[at:at + p.numel()]
@@ -725,14 +650,14 @@ class OneBitRoom:
     format_name = "onebit-momentum"  # the residuals' layout (hop_residual.signature); "onebit": before 2026-11-25
 
     def record(self) -> dict:
-        """What a checkpoint keeps of this room besides the optimizer state and the residuals."""
+        """What a checkpoint keeps of this step's state besides the optimizer state and the residuals."""
         return {"frozen_at": self.frozen_at}
 
     def after_load(self, record: dict | None, steps: int | None = None) -> None:
         """A checkpoint was loaded into the inner optimizer: the steps taken come from its state (`steps`, or
         the largest over every rank's pieces: a collective), the momentum and variance are re-viewed at the
         next step, and the step the variance froze at comes from `record` (Note [The step the variance froze
-        at]): the saved room's record(), {"legacy": True} for a OneBitAdam checkpoint written before records,
+        at]): the saved OneBitStep's record(), {"legacy": True} for a OneBitAdam checkpoint written before records,
         or None for any other optimizer's state."""
         opt = self.opt
         if steps is None:
@@ -764,7 +689,7 @@ class OneBitRoom:
     def _piece_index(self) -> dict:
         idx = getattr(self, "_piece_index_cache", None)
         if idx is None:
-            idx = self._piece_index_cache = {id(t): k for k, t in enumerate(self.opt._piece_params)}
+            idx = self._piece_index_cache = {id(t): k for k, t in enumerate(self.opt.view.piece_params)}
         return idx
 
     # ----------------------------------------------------------- inspection

@@ -1,4 +1,8 @@
-"""ShardedOptimizer: each rank steps only its chunks of the flat parameter buffer (ZeRO-1/2).
+"""ShardedOptimizer: each rank steps only its chunks of the parameters (ZeRO stages 1, 2 and 3).
+
+Where the parameters live is its parameter store's, chosen once here by the stage (Note [One parameter
+store] in param_store.py): flat_params.py for stages 1-2, zero3/ for stage 3. The constructor is wiring:
+config -> groups -> layout -> the store -> the rooms below.
 
 Lifecycle of one iteration (see Note [Flat layout] in layout.py and Note
 [Bucket engine] in csrc/comm/bucket_engine.h):
@@ -7,12 +11,12 @@ Lifecycle of one iteration (see Note [Flat layout] in layout.py and Note
   clip      -> one all-reduce of the local squared norm;
   step      -> one all-reduce of "which parameters got a gradient anywhere,
                and did any rank see an inf/nan", the inner torch optimizer
-               steps this rank's pieces (fp32 master values), and the updated
-               chunks are all-gathered straight into the model.
+               steps this rank's pieces (fp32 master values), and the store
+               puts every rank's updated chunks into the model.
 
-The rooms it asks: grad_sync.py (the end of backward, p.grad, the step's
-flags), master_step.py (the inner optimizer on this rank's pieces; Note
-[Master weights]), publish.py (updated chunks back into the model).
+The rooms it asks: the store (where parameters live), grad_sync.py (the end of backward, p.grad, the
+step's flags), master_step.py (the inner optimizer on this rank's pieces; Note [Master weights]),
+publish.py (updated chunks back into the model), onebit.py (OneBitAdam's compressed steps).
 """
 from __future__ import annotations
 
@@ -31,21 +35,21 @@ from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
 from shardopt import onebit as _onebit
 from shardopt.elementwise import check_elementwise
+from shardopt.flat_params import FlatStore
 from shardopt.grad_sync import GradSync, build_engine
 from shardopt.master_step import MasterStep
 from shardopt.publish import Publisher
 from shardopt.parallel.consistency import check_same_across_ranks
-from shardopt.layout import Layout, plan_launch_order, plan_layout
+from shardopt.layout import Layout, plan_launch_order
 from shardopt.parallel.mesh import require_dist, resolve_groups
 from shardopt.parallel.mesh_plan import param_phase_dtype
-from shardopt.parallel.shared_flat import SharedGather, open_shared_flat, why_not_shared
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard
-from shardopt.sharded_param import ParamShard
+from shardopt.view import OptimizerView
+from shardopt.zero3.store import ShardedStore
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
-_DTYPE = operator.attrgetter("dtype")
 _VERSION = operator.attrgetter("_version")
 
 
@@ -69,36 +73,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
                  param_persistence_threshold: int = 0, node_aware: bool | None = None,
                  inter_node_param_dtype=None, shared_memory_gather: bool | None = None, **optim_kwargs):
-        self.config = ShardConfig(stage=stage, reduce_bucket_size=reduce_bucket_size,
-                                  allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm,
-                                  overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
-                                  reduce_dtype=reduce_dtype, loss_scale=loss_scale, nonfinite=nonfinite,
-                                  max_grad_norm=max_grad_norm,
-                                  num_staging_buffers=num_staging_buffers, comm_impl=comm_impl,
-                                  inter_node_dtype=inter_node_dtype, reshard_after_forward=reshard_after_forward,
-                                  prefetch_bucket_size=prefetch_bucket_size,
-                                  max_live_parameters=max_live_parameters,
-                                  param_persistence_threshold=param_persistence_threshold,
-                                  node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype,
-                                  shared_memory_gather=shared_memory_gather)
+        self.config = ShardConfig(
+            stage=stage, reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
+            overlap_comm=overlap_comm, overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
+            reduce_dtype=reduce_dtype, loss_scale=loss_scale, nonfinite=nonfinite, max_grad_norm=max_grad_norm,
+            num_staging_buffers=num_staging_buffers, comm_impl=comm_impl, inter_node_dtype=inter_node_dtype,
+            reshard_after_forward=reshard_after_forward, prefetch_bucket_size=prefetch_bucket_size,
+            max_live_parameters=max_live_parameters, param_persistence_threshold=param_persistence_threshold,
+            node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype,
+            shared_memory_gather=shared_memory_gather)
         # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
         optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         check_elementwise(optim)
         require_dist()  # before any work: the groups are resolved once the parameters are known
         # The inner optimizer's own defaults, validated by constructing it once on a dummy tensor.
-        probe = optim([torch.zeros(1, requires_grad=True)], **optim_kwargs)
-        super().__init__(params, dict(probe.defaults))
+        super().__init__(params, dict(optim([torch.zeros(1, requires_grad=True)], **optim_kwargs).defaults))
         self.optim_class = optim
+        self._take_params()
+        self._resolve_groups(process_group, mesh, shard_group)
+        # The one place the stage picks how parameters are kept (Note [One parameter store]).
+        store_class = ShardedStore if self.config.stage == 3 else FlatStore
+        self.layout: Layout = self._plan(store_class)
+        self._resolve_precision()
+        check_same_across_ranks(
+            self.sharding.signature() + self.config.signature()
+            + [f"optimizer {optim.__module__}.{optim.__qualname__}", f"dtype {self.dtype}"] + self.layout.signature()
+            + [f"group {g} " + repr({k: v for k, v in grp.items() if k != "params"})
+               for g, grp in enumerate(self.param_groups)],
+            "parameters and optimizer configuration", self.world_group)
+        self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)  # see phase_seconds()
+        self.store = store_class(self.layout, self.rank, self._params, self.sharding, self.config, self.device,
+                                 self._phase)
+        self._build_rooms(optim, optim_kwargs)
+        # What checkpoint/, DCP, the integrations and onebit.py see of it (Note [The optimizer's view] in view.py).
+        self.view = OptimizerView(self)
+        self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
+        self.onebit = _onebit.OneBitStep(self, onebit_config) if onebit_config is not None else None
+        self.skipped_steps = 0
+        self.last_step_skipped = False
 
-        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
-        self._params: list[torch.nn.Parameter] = [p for group in trainable for p in group]
+    # ----------------------------------------------------------------- setup
+    def _take_params(self) -> None:
+        """The trainable parameters, in the groups' order, checked."""
+        self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]
+                                                  if p.requires_grad]
         if not self._params:
             raise ValueError("ShardedOptimizer got no parameter that requires grad")
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._check_params()
-        # Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
-        # process_group / rank / world_size are the shard group's: the layout is split over it.
+
+    def _resolve_groups(self, process_group, mesh, shard_group) -> None:
+        """Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
+        process_group / rank / world_size are the shard group's: the layout is split over it."""
         where = _device_ops.materialization_device(self._params[0].device)  # a meta model's too
         self.sharding = resolve_groups(process_group, mesh, shard_group, where.type,
                                        node_aware=self.config.node_aware)
@@ -110,86 +137,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(
                 f"hybrid sharding's inter-node hop runs on CPU tensors (gloo) in this release; the model is on "
                 f"{where}. Shard flat (process_group=...) for now.")
-        nodes = self.sharding.nodes
-        if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid and nodes is None:
+        if self.config.inter_node_dtype is not None and not self.sharding.shape.hybrid and self.sharding.nodes is None:
             if mesh is None and shard_group is None:
                 raise ValueError("inter_node_dtype compresses the inter-node hop of hybrid sharding or of node-aware "
                                  "flat sharding: pass shard_group='node' or mesh=DeviceMesh((replicate, shard)), or "
                                  "run with ranks on several nodes (LOCAL_WORLD_SIZE < world size), or drop it")
             warnings.warn(f"inter_node_dtype={self.config.inter_node_dtype!r} has no effect: the mesh "
                           f"{self.sharding.shape} has one replica, so no gradient crosses between nodes",
-                          UserWarning, stacklevel=2)
-        names = [[(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(group)]
-                 for g, group in enumerate(trainable)]
+                          UserWarning, stacklevel=3)
+
+    def _plan(self, store_class) -> Layout:
+        """The flat layout (Note [Flat layout] in layout.py), cut as the store needs it."""
+        names = []
+        for g, group in enumerate(self.param_groups):
+            trainable = [p for p in group["params"] if p.requires_grad]
+            names.append([(f"group{g}.param{i}", tuple(p.shape)) for i, p in enumerate(trainable)])
         total = sum(p.numel() for p in self._params)
-        rbs = reduce_bucket_size if reduce_bucket_size is not None \
+        nodes = self.sharding.nodes
+        rbs = self.config.reduce_bucket_size if self.config.reduce_bucket_size is not None \
             else auto_bucket_size(total, self.config.stage, across_nodes=nodes is not None)
-        agbs = allgather_bucket_size if allgather_bucket_size is not None else rbs
-        stage3 = self.config.stage == 3
-        persistent = frozenset(i for i, p in enumerate(self._params)
-                               if stage3 and p.numel() <= self.config.param_persistence_threshold)
-        self.layout: Layout = plan_layout(names, self.world_size, rbs, agbs, replicas=self.sharding.shape.replicas,
-                                          whole_params=stage3, persistent=persistent,
-                                          nodes=nodes.replicas if nodes is not None else 1)
+        agbs = self.config.allgather_bucket_size if self.config.allgather_bucket_size is not None else rbs
+        return store_class.plan(names, self.world_size, self.config, (rbs, agbs), self.sharding.shape.replicas,
+                                nodes.replicas if nodes is not None else 1, self._params)
+
+    def _resolve_precision(self) -> None:
+        """The model's dtype and device, the masters', the reductions' and the loss scaling."""
         self.dtype, self.device = self._params[0].dtype, _device_ops.materialization_device(self._params[0].device)
-        if self._params[0].is_meta and self.config.stage < 3:
-            raise ValueError("the model is on the meta device: stage=3 builds it shard by shard (Note [Meta-device "
-                             "models] in sharded_param.py); for stage 1/2 give it storage and values first "
-                             "(model.to_empty(device=...), then initialise or load it)")
         # fp32 master values for a low-precision model; otherwise the model's own dtype.
         self.master_dtype = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
         # Parameters crossing nodes narrower than the model (Note [Parameters across nodes in bf16]).
-        self.param_round = param_phase_dtype(self.config.inter_node_param_dtype, self.sharding.shape, nodes,
-                                             self.config.stage, self.dtype)
+        self.param_round = param_phase_dtype(self.config.inter_node_param_dtype, self.sharding.shape,
+                                             self.sharding.nodes, self.dtype)
         self.reduce_dtype = self.config.reduce_dtype or self.master_dtype
         scale_config = resolve_loss_scale(self.config.loss_scale, self.dtype)
         self.loss_scaler = LossScaler(scale_config) if scale_config is not None else None
         self._nonfinite = resolve_nonfinite(self.config.nonfinite, self.loss_scaler is not None)
-        check_same_across_ranks(
-            self.sharding.signature() + self.config.signature()
-            + [f"optimizer {optim.__module__}.{optim.__qualname__}", f"dtype {self.dtype}"] + self.layout.signature()
-            + [f"group {g} " + repr({k: v for k, v in grp.items() if k != "params"})
-               for g, grp in enumerate(self.param_groups)],
-            "parameters and optimizer configuration", self.world_group)
 
-        # Where parameters live: views into one flat buffer (stages 1-2), or this rank's chunks with a
-        # bucket's full parameters gathered only for its use (stage 3: sharded_param.py).
-        self.flat_param, self.param_shard = None, None
-        # One host, stages 1-2: every rank's buffer in shared memory (Note [Gathering through shared memory]).
-        self._shared = open_shared_flat(
-            self.layout.total_numel, self.dtype, self.process_group, self.config.shared_memory_gather,
-            why_not_shared(self.config.stage, self.device, nodes is not None,
-                           dist.get_process_group_ranks(self.process_group), dist.get_world_size()))
-        self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)  # see phase_seconds()
-        if stage3:
-            bucket = self.layout.bucket_numel
-            self.param_shard = ParamShard(
-                self.layout, self.rank, self._params, self.process_group, self.world_group, self.device,
-                impl=self.config.comm_impl, reshard_after_forward=self.config.reshard_after_forward,
-                prefetch=1 if prefetch_bucket_size is None else -(-prefetch_bucket_size // bucket),
-                max_live=None if max_live_parameters is None else max(1, max_live_parameters // bucket),
-                phase=self._phase, nodes=nodes)
-            model_chunks = self.param_shard.chunks
-        else:
-            self.flat_param = self._shared.flat if self._shared is not None \
-                else torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
-            with torch.no_grad():
-                for slot, p in zip(self.layout.params, self._params):
-                    view = self.flat_param[slot.offset:slot.end]
-                    view.copy_(p.detach().reshape(-1))
-                    p.data = view.view(p.shape)
-            model_chunks = [self.flat_param[slice(*b.chunk(self.rank))] for b in self.layout.buckets]
-        # Where each parameter must stay (Note [Parameters stay in the flat buffer]).
-        self._param_ptrs = [p.data_ptr() for p in self._params]
-        # Stage 1 keeps full-size gradients in one flat buffer (the params'
-        # .grad are views of it); stage 2 keeps only this rank's chunks.
-        self.flat_grad = None
-        self._grad_views: list[torch.Tensor] = []  # stage 1: each param's .grad, a view of flat_grad
-        if self.config.stage == 1:
-            self.flat_grad = torch.zeros_like(self.flat_param)
-            for slot, p in zip(self.layout.params, self._params):
-                p.grad = self.flat_grad[slot.offset:slot.end].view(p.shape)
-                self._grad_views.append(p.grad)
+    def _build_rooms(self, optim, optim_kwargs) -> None:
+        """The gradient shard, the master step, the publisher and the gradient sync over the store's chunks."""
         offloaded = self.config.offload == "cpu"
         self.master_device = torch.device("cpu") if offloaded else self.device
         # GPU-only operations (pinning, side-stream copies, events): Note [Device
@@ -197,30 +182,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ops = _device_ops.current()
         self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device,
                                          offloaded and self.config.pin_memory, self._ops)
-        self.stepper = MasterStep(self.layout, self.rank, model_chunks, self.shard_grad, self.param_groups, optim, optim_kwargs,
-                                  master_dtype=self.master_dtype, offloaded=offloaded, round_to=self.param_round,
-                                  pin=offloaded and self.config.pin_memory, ops=self._ops)
+        self.stepper = MasterStep(self.layout, self.rank, self.store.chunks, self.shard_grad, self.param_groups,
+                                  optim, optim_kwargs, master_dtype=self.master_dtype, offloaded=offloaded,
+                                  round_to=self.param_round, pin=offloaded and self.config.pin_memory, ops=self._ops)
         self.master, self.inner = self.stepper.master, self.stepper.inner
         # Note [Weights edited in place]: whether an in-place edit of a parameter misses the optimizer.
-        self._edits_watched = self.param_shard is not None or self.master is not None
+        self._edits_watched = not self.store.holds_whole or self.master is not None
         self._note_model_version()
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
-        self.publisher = Publisher(self.stepper, self.flat_param, self._ops, self.device, self._phase,
-                                   self.param_shard)
-        if self._shared is not None:  # stages 1-2 only (why_not_shared)
-            self.publisher.shared_gather = SharedGather(self.layout, self.rank, self._shared)
+        self.publisher = Publisher(self.stepper, self.store, self._ops, self.device, self._phase)
         # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py).
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
                                [slot.offset for slot in self.layout.params], self.process_group,
                                self.world_size, lambda: self.grads.had_grad(),
                                [slot.shape for slot in self.layout.params], device=self.shard_grad.device)
-        self.grads = GradSync(self._params, self.config.stage, self._grad_views, self.shard_grad, grad_shard,
+        self.grads = GradSync(self._params, self.store.resting_grads, self.shard_grad, grad_shard,
                               self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase,
                               loss_scaled=self.loss_scaler is not None)
-        self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
-        self.onebit = _onebit.OneBitRoom(self, onebit_config) if onebit_config is not None else None
-        self.skipped_steps = 0
-        self.last_step_skipped = False
 
     @classmethod
     def from_config(cls, params, config, **overrides) -> "ShardedOptimizer":
@@ -255,19 +233,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                 "ShardedOptimizer needs one parameter dtype (cast the model, e.g. model.float() "
                                 "or model.bfloat16())")
 
-    def _attach(self, positions: list[int], gather_order: list[int], schedule=None) -> None:
+    def _attach(self, positions: list[int], gather_order: list[int], waits) -> None:
         """Called by ShardedDDP: builds the bucket engine in the model's backward order.
 
         gather_order: indices into layout.gather_spans, in the order the
-        forward needs them (prefetch.plan_gather_order); schedule: stage 3's
-        gather rounds (prefetch.plan_stage3_schedule).
+        forward needs them (prefetch.plan_gather_order); waits: the buckets
+        each module's forward waits for (prefetch.plan_forward_waits).
         """
         if self.grads.attached:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
-        flat_grad = self.flat_grad if self.flat_grad is not None else torch.empty(0, dtype=self.dtype)
+        flat_grad = self.store.flat_grad if self.store.flat_grad is not None else torch.empty(0, dtype=self.dtype)
         self.engine = build_engine(self.layout, plan_launch_order(self.layout, positions), gather_order,
                                    self.config, self.process_group, self.dtype, self.reduce_dtype, self.device,
-                                   self._ops.copy_device(), flat_grad, self.shard_grad)
+                                   self._ops.copy_device(), flat_grad, self.shard_grad,
+                                   waits_in_backward=self.store.waits_in_backward)
         if self.sharding.replicate is not None:
             self.engine.set_replicate_group(self.sharding.replicate, self.config.hop_format())
         if self.sharding.nodes is not None:  # Note [Two-level collectives] in parallel/mesh_plan.py
@@ -277,9 +256,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.set_loss_scale(self.loss_scale)
         if self.onebit is not None:
             self.onebit.sync_engine()
-        self.grads.engine = self.publisher.engine = self.engine
-        if self.param_shard is not None:
-            self.param_shard.attach(schedule)
+        self.grads.engine = self.engine
+        self.store.attach(self.engine, waits)
         self.grads.attached = True
 
     def _detach_model(self) -> None:
@@ -300,17 +278,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -------------------------------------------------------------- gradients
-    # ShardedDDP's hooks call these (the work is grad_sync.py's).
-    def _before_accumulate(self, index: int) -> None:
-        self.grads.before_accumulate(index)
-        if self.param_shard is not None:
-            self.param_shard.before_accumulate(index)
-
+    # ShardedDDP's hooks call this (the work is the store's and grad_sync.py's).
     def _end_backward(self) -> None:
-        if self.param_shard is not None:
-            # Every all-gather of the backward round is issued before this rank waits for any
-            # reduce-scatter (Note [Stage 3 never waits in backward] in csrc/comm/bucket_engine.cpp).
-            self.param_shard.end_backward()
+        # Stage 3: every all-gather of the backward round is issued before this rank waits for any
+        # reduce-scatter (Note [Stage 3 never waits in backward] in csrc/comm/bucket_engine.cpp).
+        self.store.end_backward()
         self.grads.end_backward()
 
     @torch.no_grad()
@@ -463,9 +435,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._edits_watched:
             return
         versions = list(map(_VERSION, self._params))  # C loops, as the check above
-        if versions == self._model_versions and not (saving and self.param_shard is None):
+        if versions == self._model_versions and not (saving and self.store.holds_whole):
             return
-        if self.param_shard is not None:
+        if not self.store.holds_whole:
             i = next(i for i, (v, w) in enumerate(zip(versions, self._model_versions)) if v != w)
             self._note_model_version()
             name = f"parameter '{names[i]}'" if names else f"parameter {i} (shape {self.layout.params[i].shape})"
@@ -492,19 +464,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # each forward (ShardedDDP) and each step, on every rank, before anything
     # wrong is computed. At stage 3 a parameter is its bucket's view while
     # gathered and an empty tensor between uses (Note [Parameters between
-    # gathers] in sharded_param.py); anything else was put there by user code.
+    # gathers] in zero3/store.py); anything else was put there by user code.
     def check_params_in_place(self, names: list[str] | None = None, take_edits: bool = False) -> None:
         """Raises if a managed parameter no longer lives in the flat buffer (see the Note above). Weights edited
         in place (Note [Weights edited in place]): refused at stage 3; take_edits (at a step): into the masters."""
         # Every forward: C loops over the parameters when nothing moved (the usual case).
-        if self.param_shard is None and list(map(torch.Tensor.data_ptr, self._params)) == self._param_ptrs \
-                and all(map(self.dtype.__eq__, map(_DTYPE, self._params))):
+        if self.store.all_in_place():
             if take_edits:
                 self._take_model_edits()
             return
-        for i, (p, ptr) in enumerate(zip(self._params, self._param_ptrs)):
-            moved = not self.param_shard.in_place(i) if self.param_shard is not None else p.data_ptr() != ptr
-            if moved or p.dtype != self.dtype:
+        for i, p in enumerate(self._params):
+            if self.store.moved(i) or p.dtype != self.dtype:
                 name = f"parameter '{names[i]}'" if names else f"parameter {i} (shape {tuple(p.shape)})"
                 dtype = f" (its dtype is now {p.dtype}, was {self.dtype})" if p.dtype != self.dtype else ""
                 raise RuntimeError(
@@ -544,11 +514,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         [Writing back keeps the master's bits] in master_step.py).
         """
         self.wait_params()
-        if self.param_shard is None:
+        with self.store.gathered(writeback):
             yield
-        else:
-            with self.param_shard.gathered(writeback):
-                yield
         if writeback:
             self.stepper.take_model_writes()
         self._note_model_version()  # the block's in-place writes are taken (or, writeback=False, dropped)
@@ -560,8 +527,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _settle_rounds(self) -> None:
         """Stage 3: the backward rounds this rank owes, walked before any step's collective."""
-        if self.param_shard is not None:
-            self.param_shard.settle()
+        self.store.settle()
+
+    @property
+    def params_sharded(self) -> bool:
+        """Whether the model's parameters are empty tensors between uses (stage 3), so code that reads or writes
+        weights outside a forward needs `with opt.full_params():` (Note [One parameter store])."""
+        return not self.store.holds_whole
 
     def phase_seconds(self) -> dict:
         """Cumulative wall seconds this rank spent per phase since construction.
@@ -605,10 +577,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return sum(t.numel() * t.element_size() for t in ts)
         state = self.stepper.state_tensors()
         stats = {
-            "params": nbytes([self.flat_param]) if self.param_shard is None
-            else nbytes([self.param_shard.shard]) + self.param_shard.live_bytes(),
+            "params": self.store.param_bytes(),
             "master": nbytes([self.master]) if self.master is not None else 0,
-            "grads": nbytes([self.shard_grad] + ([self.flat_grad] if self.flat_grad is not None else [])),
+            "grads": nbytes([self.shard_grad] + ([self.store.flat_grad] if self.store.flat_grad is not None else [])),
             "optimizer_state": nbytes(state),
             "staging": self.engine.staging_bytes if self.engine is not None else 0,
             # int8 inter-node hop: error feedback (Note [Compressed inter-node hop]).

@@ -152,7 +152,7 @@ def _between(when: str, how: str, step: int, opt, model: nn.Module, sharded: boo
     master's bits]); edit: weights clamped in place after a step (Note [Weights edited in place]); replace: a
     gradient replaced by a tensor and another cleared before the step (Note [A replaced gradient brings its own
     inf]). At stage 3 weights and replacement gradients are whole only inside full_params()."""
-    whole = opt.full_params() if sharded and opt.param_shard is not None else contextlib.nullcontext()
+    whole = opt.full_params() if sharded and opt.params_sharded else contextlib.nullcontext()
     params = [p for p in model.parameters() if p.requires_grad]
     if when == "after_step" and how == "peek" and sharded:
         with opt.full_params(), torch.no_grad():

@@ -250,7 +250,7 @@ def test_a_wrong_step_fails_the_run_with_exit_1(tmp_path, monkeypatch, capsys):
     def slightly_off(self, *a, **k):  # as a wrong scale or chunk would, by less than one percent
         out = real_step(self, *a, **k)
         with torch.no_grad():
-            self.flat_param.mul_(1 + 1e-3)
+            self.store.flat_param.mul_(1 + 1e-3)
         return out
 
     monkeypatch.setattr(shardopt.ShardedOptimizer, "step", slightly_off)

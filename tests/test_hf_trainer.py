@@ -258,9 +258,9 @@ def _stage3_parity(rank, world_size, tmp):
                 shardopt_kwargs=STAGE3)
     failures = _compare(ref, ours, 1e-5, "stage 3") + _is_sharded(ours[2], "stage 3")
     opt = ours[2]._sharded()[1]
-    if opt.config.stage != 3 or opt.param_shard.live_bytes() != sum(
+    if opt.config.stage != 3 or opt.store.live_bytes() != sum(
             b.numel * 4 for b in opt.layout.buckets if b.persistent):
-        failures.append(f"stage {opt.config.stage}, {opt.param_shard.live_bytes()} bytes left gathered")
+        failures.append(f"stage {opt.config.stage}, {opt.store.live_bytes()} bytes left gathered")
     if [e["step"] for e in ours[0] if "eval_loss" in e] != [3, 6]:
         failures.append(f"evaluations at {[e['step'] for e in ours[0] if 'eval_loss' in e]}")
     # generate(): the end-of-sequence token is the one the trained model puts after rank 0's prompt, so rank 0

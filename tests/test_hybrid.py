@@ -352,7 +352,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
                 failures.append(f"{what}: final {name} relative error {err:.2e}")
     # Replicas must hold bit-equal parameters (their shards took the same hop results).
     if opt.sharding.replicate is not None:
-        mine = opt.flat_param if opt.param_shard is None else opt.param_shard.shard
+        mine = opt.store.flat_param if not opt.params_sharded else opt.store.shard
         copies = [torch.empty_like(mine) for _ in range(shape[0])]
         dist.all_gather(copies, mine, group=opt.sharding.replicate)
         if not all(torch.equal(copies[0], c) for c in copies):
@@ -367,24 +367,24 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         if not all(torch.equal(copies[0], c) for c in copies):
             failures.append(f"{what}: ranks hold different parameters")
         # Parameters across nodes in bf16: every rank's model holds bf16 values, the masters fp32 ones.
-        if param_hop is not None and (not torch.equal(opt.flat_param, opt.flat_param.to(param_hop).float())
+        if param_hop is not None and (not torch.equal(opt.store.flat_param, opt.store.flat_param.to(param_hop).float())
                                       or opt.master is None
                                       or torch.equal(opt.master, opt.master.to(param_hop).float())):
             failures.append(f"{what}: the model is not rounded to {param_hop}, or the masters are")
     # Memory is that of flat sharding over the shard group (stage 3: the parameters' too).
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
-    if stage == 3 and (opt.param_shard.shard.numel() * shape[1] != opt.layout.total_numel
-                       or opt.param_shard.live_bytes() != _persistent_bytes(opt)):
-        failures.append(f"{what}: parameter shard has {opt.param_shard.shard.numel()} elements (not 1/{shape[1]}) "
-                        f"and {opt.param_shard.live_bytes()} bytes gathered between steps")
+    if stage == 3 and (opt.store.shard.numel() * shape[1] != opt.layout.total_numel
+                       or opt.store.live_bytes() != _persistent_bytes(opt)):
+        failures.append(f"{what}: parameter shard has {opt.store.shard.numel()} elements (not 1/{shape[1]}) "
+                        f"and {opt.store.live_bytes()} bytes gathered between steps")
     return failures
 
 
 def _two_level_param_gathers(opt, nodes):
     """Stage 3's ParamShard gathers in two levels over the node-aware shape, on a node and an across group of
     its own (the bucket engine reduces on the optimizer's pair meanwhile)."""
-    ps, sh = opt.param_shard, opt.sharding
+    ps, sh = opt.store, opt.sharding
     return (ps.nodes == sh.nodes and ps.nodes.replicas == nodes and ps.group is None
             and dist.get_world_size(ps.across_group) == nodes
             and dist.get_world_size(ps.node_group) == dist.get_world_size() // nodes
@@ -393,7 +393,7 @@ def _two_level_param_gathers(opt, nodes):
 
 def _persistent_bytes(opt):
     """Stage 3: bytes of the buckets that stay gathered between steps (param_persistence_threshold)."""
-    return sum(b.numel for b in opt.layout.buckets if b.persistent) * opt.param_shard.full[0].element_size()
+    return sum(b.numel for b in opt.layout.buckets if b.persistent) * opt.store.full[0].element_size()
 
 
 class _null:
@@ -504,8 +504,8 @@ def _meta_on_a_mesh(rank, shape=(2, 2)):
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(lazy, opt)
     out = [] if (opt.sharding.nodes is not None) == (shape[0] == "nodes") else [f"meta {shape}: {opt.sharding}"]
-    if opt.param_shard.peak_live >= opt.layout.total_numel * 4:
-        out.append(f"meta on a mesh: {opt.param_shard.peak_live} bytes gathered at once while building")
+    if opt.store.peak_live >= opt.layout.total_numel * 4:
+        out.append(f"meta on a mesh: {opt.store.peak_live} bytes gathered at once while building")
     got = wrapper.module.state_dict()  # whole weights (a collective)
     out += [f"meta on a mesh: {k} differs from the eager build" for k, v in eager.state_dict().items()
             if not torch.equal(v, got[k])]
@@ -769,7 +769,7 @@ def _residual_resume(rank, world_size, path):
     if not all(torch.equal(p, q) for p, q in zip(resumed.parameters(), straight.parameters())):
         out.append("parameters across nodes in bf16: the resumed run differs from the straight one")
     _, exact, _ = _int8_run(rank, ("nodes", 2), 0, hop=None, load=(path, "bf16p"))
-    mine = torch.cat([exact.flat_param[slice(*b.chunk(exact.rank))] for b in exact.layout.buckets])
+    mine = torch.cat([exact.store.flat_param[slice(*b.chunk(exact.rank))] for b in exact.layout.buckets])
     if not torch.equal(mine, masters):
         out.append("a bf16-parameter checkpoint loaded without the option: parameters are not the saved masters")
     # Elsewhere it restarts from zero, said once.
@@ -849,8 +849,8 @@ def _refusals(rank, world_size):
     # minutes (a lost node); so does stage 3's flat gather group.
     from shardopt.parallel.mesh import group_timeout
     world_timeout = group_timeout(dist.group.WORLD)
-    flat3 = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3, node_aware=False).param_shard
-    groups = [sharding.node, sharding.across, s3[0].param_shard.node_group, s3[0].param_shard.across_group,
+    flat3 = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3, node_aware=False).store
+    groups = [sharding.node, sharding.across, s3[0].store.node_group, s3[0].store.across_group,
               flat3.group]
     if world_timeout is None or world_timeout.total_seconds() >= 1800 or \
             {group_timeout(g) for g in groups} != {world_timeout}:

@@ -268,8 +268,8 @@ def _stage3(rank, world_size, root):
     strategy = ShardedStrategy(stage=3, reduce_bucket_size=300, param_persistence_threshold=30)
     model, trainer = fit(strategy, [sharded, weights])
     opt = trainer.optimizers[0]
-    if opt.config.stage != 3 or opt.param_shard.num_gathers == 0:
-        fails.append(f"trained at stage {opt.config.stage} with {opt.param_shard.num_gathers} gathers")
+    if opt.config.stage != 3 or opt.store.num_gathers == 0:
+        fails.append(f"trained at stage {opt.config.stage} with {opt.store.num_gathers} gathers")
     for what, a, b in (("loss", ref.losses, model.losses), ("validation loss", ref.val_losses, model.val_losses)):
         if len(a) != len(b) or not a or max(_rel_errors(a, b)) > 1e-5:
             fails.append(f"{what}: {b} vs DDP's {a}")

@@ -19,22 +19,24 @@ def _ours():
 
 
 def test_why_not_names_each_reason(monkeypatch):
+    from shardopt.config import ShardConfig
     from shardopt.parallel.shared_flat import why_not_shared
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert why_not_shared(2, cpu, False, range(4), 4) is None
-    assert why_not_shared(1, cpu, False, range(2), 2) is None
-    assert "one rank" in why_not_shared(2, cpu, False, [3], 4)
-    assert "stage 3" in why_not_shared(3, cpu, False, range(4), 4)
-    assert "cuda" in why_not_shared(2, torch.device("cuda", 0), False, range(4), 4)
-    assert "node-aware" in why_not_shared(2, cpu, True, range(4), 4)
+    assert why_not_shared(cpu, False, range(4), 4) is None
+    assert why_not_shared(cpu, False, range(2), 2) is None
+    assert "one rank" in why_not_shared(cpu, False, [3], 4)
+    with pytest.raises(ValueError, match="stage 3"):  # stage 3 has no flat buffer: its config refuses it
+        ShardConfig(stage=3, shared_memory_gather=True)
+    assert "cuda" in why_not_shared(torch.device("cuda", 0), False, range(4), 4)
+    assert "node-aware" in why_not_shared(cpu, True, range(4), 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun on each of 2 nodes (real or emulated)
-    assert "spans nodes [0, 1] (LOCAL_WORLD_SIZE=2 < world size 4)" in why_not_shared(2, cpu, False, range(4), 4)
-    assert "spans nodes [0, 1]" in why_not_shared(2, cpu, False, [1, 2], 4)  # a mesh's shard dim across nodes
-    assert why_not_shared(2, cpu, False, [2, 3], 4) is None  # a hybrid mesh's shard group: node 1
+    assert "spans nodes [0, 1] (LOCAL_WORLD_SIZE=2 < world size 4)" in why_not_shared(cpu, False, range(4), 4)
+    assert "spans nodes [0, 1]" in why_not_shared(cpu, False, [1, 2], 4)  # a mesh's shard dim across nodes
+    assert why_not_shared(cpu, False, [2, 3], 4) is None  # a hybrid mesh's shard group: node 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert why_not_shared(2, cpu, False, range(4), 4) is None
+    assert why_not_shared(cpu, False, range(4), 4) is None
 
 
 def _train(rank, optim, stage, shared, steps=4, **kw):
@@ -65,10 +67,10 @@ def _parity(rank, world_size):
                 model, opt = _train(rank, optim, stage, shared, **kw)
                 models[shared] = model
                 if shared is None:
-                    out[f"used {optim.__name__} {stage}"] = opt.publisher.shared_gather is not None
+                    out[f"used {optim.__name__} {stage}"] = opt.store.shared_gather is not None
                     # On this x86 host the barriers go through shared memory too (Note [Barriers in shared memory]).
-                    out[f"used barrier {optim.__name__} {stage}"] = opt.publisher.shared_gather.shared.barrier is not None
-                    out[f"gathers {optim.__name__} {stage}"] = opt.publisher.gatherer.num_all_gathers
+                    out[f"used barrier {optim.__name__} {stage}"] = opt.store.shared_gather.shared.barrier is not None
+                    out[f"gathers {optim.__name__} {stage}"] = opt.store.gatherer.num_all_gathers
                     out[f"files left {optim.__name__} {stage}"] = _ours()
             out[f"equal {optim.__name__} {stage}"] = all(
                 torch.equal(p, q) for p, q in zip(models[None].parameters(), models[False].parameters()))
@@ -146,7 +148,7 @@ def _refusals(rank, world_size, case):
         try:
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1,
                                             stage=3 if case == "stage 3" else 2, shared_memory_gather=want)
-            out[want] = "shared" if opt.publisher.shared_gather is not None else "process group"
+            out[want] = "shared" if opt.store.shared_gather is not None else "process group"
         except (ValueError, RuntimeError) as e:
             out[want] = f"{type(e).__name__}: {e}"
     import torch.distributed as dist
@@ -182,13 +184,13 @@ def _across_nodes(rank, world_size):
         model, opt = _train(rank, torch.optim.AdamW, 2, shared, shard_group="node", lr=1e-2, weight_decay=0.1)
         models[shared] = model
         if shared is None:
-            out["hybrid used"] = opt.publisher.shared_gather is not None
+            out["hybrid used"] = opt.store.shared_gather is not None
     out["hybrid equal"] = all(torch.equal(p, q) for p, q in zip(models[None].parameters(),
                                                                  models[False].parameters()))
     for want in (None, True):  # flat sharding over both nodes: the process group, never shared memory
         try:
             _, opt = _train(rank, torch.optim.SGD, 2, want, steps=1, node_aware=False, lr=0.1)
-            out[f"flat {want}"] = "shared" if opt.publisher.shared_gather is not None else "process group"
+            out[f"flat {want}"] = "shared" if opt.store.shared_gather is not None else "process group"
         except ValueError as e:
             out[f"flat {want}"] = str(e)
     return out

@@ -51,8 +51,8 @@ def _train(rank, world_size, cfg):
                                     max_live_parameters=cfg["max_live"],
                                     param_persistence_threshold=cfg["persist"], offload=cfg["offload"], **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
-    if cfg["nodes"] and not (opt.sharding.nodes is not None and opt.param_shard.nodes == opt.sharding.nodes
-                             and opt.sharding.nodes.replicas == cfg["nodes"] and opt.param_shard.group is None):
+    if cfg["nodes"] and not (opt.sharding.nodes is not None and opt.store.nodes == opt.sharding.nodes
+                             and opt.sharding.nodes.replicas == cfg["nodes"] and opt.store.group is None):
         return [f"node-aware collectives are not on for stage 3's gathers ({opt.sharding.nodes})"], 0, 0
     sharded = shardopt.ShardedDDP(model, opt)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -84,14 +84,14 @@ def _train(rank, world_size, cfg):
         for a, b in zip(results[:half], results[half:]):
             if abs(a - b) > 1e-5 * max(1.0, abs(a)):
                 failures.append(f"step {step}: ref {a!r} vs stage 3 {b!r}")
-    assert opt.param_shard.live_bytes() == 0 or cfg["persist"], "buckets left gathered after the step"
-    most_live = opt.param_shard.peak_live
+    assert opt.store.live_bytes() == 0 or cfg["persist"], "buckets left gathered after the step"
+    most_live = opt.store.peak_live
     with opt.full_params(writeback=False):
         for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
             err = ((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item()
             if err > 1e-5:
                 failures.append(f"final {name}: relative error {err:.2e}")
-    return failures, opt.param_shard.num_gathers, most_live
+    return failures, opt.store.num_gathers, most_live
 
 
 def _matrix(rank, world_size, configs):
@@ -193,7 +193,7 @@ def _one_rank_branches(rank, world_size):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    shard = opt.param_shard
+    shard = opt.store
     gathers = shard.num_gathers
     # Note [The seam between forward and backward]: a forward whose backward follows keeps the buckets
     # the backward starts with, and the backward does not gather them again; a no-grad forward keeps none.
@@ -240,7 +240,7 @@ def _one_bucket_kept_then_freed(rank, world_size):
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
                                     reduce_bucket_size=10**6, max_live_parameters=10**6)
     wrapper = shardopt.ShardedDDP(model, opt)
-    assert len(opt.layout.buckets) == 1 and opt.param_shard.max_live == 1
+    assert len(opt.layout.buckets) == 1 and opt.store.max_live == 1
     for step in range(3):
         x, y = batch(step, rank)
         for w, o in ((ref, ref_opt), (wrapper, opt)):
@@ -252,7 +252,7 @@ def _one_bucket_kept_then_freed(rank, world_size):
     with opt.full_params(writeback=False):
         err = max(((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item()
                   for p, q in zip(ref_model.parameters(), model.parameters()))
-    return opt.param_shard.num_gathers, err
+    return opt.store.num_gathers, err
 
 
 def test_a_rank_that_skips_a_module_does_not_hang_when_the_seam_is_freed_first():
@@ -329,11 +329,11 @@ def _whole_weights(rank, world_size):
         lazy = StackNet()
     opt = shardopt.ShardedOptimizer(lazy.parameters(), optim=torch.optim.AdamW, stage=3, reduce_bucket_size=300)
     wrapper = shardopt.ShardedDDP(lazy, opt)
-    out = {"total": opt.layout.total_numel * 4, "peak_at_build": opt.param_shard.peak_live}
+    out = {"total": opt.layout.total_numel * 4, "peak_at_build": opt.store.peak_live}
     # A meta-device model built shard by shard gets the values an eager build gets (same seed).
     sd = wrapper.module.state_dict()                      # whole, copies (a collective)
     out["state_dict vs eager"] = [k for k, v in eager.state_dict().items() if not torch.equal(v, sd[k])]
-    out["freed after state_dict"] = opt.param_shard.live_bytes()
+    out["freed after state_dict"] = opt.store.live_bytes()
     out["between uses"] = [tuple(p.shape) for p in lazy.parameters() if p.requires_grad]
     # load_state_dict writes every rank's chunk; full_params(writeback) too (an EMA-style write).
     new = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}

@@ -552,7 +552,7 @@ def _python_calls_in_backward(rank, world_size):
                 if step != 1:
                     opt.step()
                     wrapper.zero_grad()
-            out[(stage, 2 * layers)] = (python_hooks, wrapper._grad_hooks.num_hooks, calls)
+            out[(stage, 2 * layers)] = (python_hooks, opt.store.grad_hooks.num_hooks, calls)
     return out
 
 

@@ -152,7 +152,7 @@ class _Plan:
             for pc in opt.layout.pieces(r):
                 off = opt.layout.params[pc.param].offset
                 self.ranges.setdefault(pc.param, []).append((r, pc.start - off, pc.end - off))
-        for j, p in enumerate(opt._params):
+        for j, p in enumerate(opt.params):
             if p.dim() == 0:
                 raise NotImplementedError(f"parameter {names[j]!r} is 0-d: shardopt.checkpoint.dcp cannot describe a 0-d "
                                           "parameter's pieces to DCP (make it shape (1,))")
@@ -181,7 +181,7 @@ def _init_inner_state(opt) -> None:
         return
     lrs = [g["lr"] for g in inner.param_groups]
     try:
-        for t in opt._piece_params:
+        for t in opt.piece_params:
             t.grad = torch.zeros_like(t)
         for g in inner.param_groups:
             g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
@@ -190,7 +190,7 @@ def _init_inner_state(opt) -> None:
     finally:
         for g, lr in zip(inner.param_groups, lrs):
             g["lr"] = lr
-        for t in opt._piece_params:
+        for t in opt.piece_params:
             t.grad = None
 
 
@@ -203,16 +203,16 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     opt = _check_pair(model, optimizer)
     _refuse_hybrid(opt)
     opt.wait_params()
-    opt._take_model_edits(saving=True)  # the masters handed out hold edited weights (Note [Weights edited in place])
+    opt.take_model_edits(saving=True)  # the masters handed out hold edited weights (Note [Weights edited in place])
     module = _unwrap(model)
     info = describe_model(module, opt)
     plan = _Plan(opt, info.names)
     _init_inner_state(opt)
     group = opt.process_group
-    index = {id(p): j for j, p in enumerate(opt._params)}
+    index = {id(p): j for j, p in enumerate(opt.params)}
 
     mine: dict = {}   # param index -> [(a, b, piece index)]
-    for i, pc in enumerate(opt._pieces):
+    for i, pc in enumerate(opt.pieces):
         off = opt.layout.params[pc.param].offset
         mine.setdefault(pc.param, []).append((pc.start - off, pc.end - off, i))
 
@@ -225,7 +225,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
         return _sharded_tensor(shape, dtype, device, plan.boxes(j, shape), local, group)
 
     # Only what this rank holds (Note [How ZeRO-1/2 state is described to DCP]).
-    masters = {j: sharded(j, [opt._piece_params[i] for _, _, i in mine[j]]) for j in mine}
+    masters = {j: sharded(j, [opt.piece_params[i] for _, _, i in mine[j]]) for j in mine}
     model_sd = {}
     for k, v in module.state_dict(keep_vars=True).items():
         j = index.get(id(v))
@@ -237,7 +237,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     state = {}
     inner_state = opt.inner.state if opt.inner is not None else {}
     for j, name in enumerate(info.names):
-        pieces = [opt._piece_params[i] for _, _, i in mine.get(j, ())]
+        pieces = [opt.piece_params[i] for _, _, i in mine.get(j, ())]
         sts = [inner_state.get(t, {}) for t in pieces]
         keys = set(sts[0]) if sts else set()
         if not keys:
@@ -254,7 +254,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     groups = [dict(group_hyper(g), params=[n for n in names if n is not None])
               for g, names in zip(opt.param_groups, info.group_names)]
     optim_sd = {"state": state, "param_groups": groups}
-    if getattr(opt, "onebit", None) is not None:  # Note [The step the variance froze at] in onebit.py
+    if opt.onebit is not None:  # Note [The step the variance froze at] in onebit.py
         optim_sd["onebit"] = opt.onebit.record()
     return model_sd, optim_sd
 
@@ -290,7 +290,7 @@ def _is_dtensor(v) -> bool:
 
 
 def _piece_values(opt, info, value, name, key, i):
-    pc = opt._pieces[i]
+    pc = opt.pieces[i]
     slot = opt.layout.params[pc.param]
     a, b = pc.start - slot.offset, pc.end - slot.offset
     slices, _ = cut(_chunks_of(value, name, key, slot.shape), a, b, f"{key} of parameter {name!r}")
@@ -311,18 +311,18 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
     swap = InnerStateSwap(opt)
     error = masters = others = hyper = None
     try:
-        if getattr(opt, "engine", None) is None:
+        if opt.engine is None:
             raise RuntimeError("set_state_dict needs the model wrapped: build shardopt.ShardedDDP(model, "
                                "optimizer) first (loading ends by all-gathering the weights)")
         info = describe_model(module, opt)
         if model_state_dict is not None:
-            held = {info.names[pc.param] for pc in opt._pieces}
+            held = {info.names[pc.param] for pc in opt.pieces}
             missing = [k for k in held if k not in model_state_dict] + \
                       [k for k in info.others if k not in model_state_dict]
             if missing:
                 raise CheckpointError(f"model state dict lacks {', '.join(sorted(missing)[:10])}")
             masters = {i: _piece_values(opt, info, model_state_dict[info.names[pc.param]], info.names[pc.param],
-                                        PARAM, i) for i, pc in enumerate(opt._pieces)}
+                                        PARAM, i) for i, pc in enumerate(opt.pieces)}
             others = {}
             for k, (t, _) in info.others.items():
                 v = model_state_dict[k]
@@ -339,16 +339,16 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
             for g, h in zip(opt.param_groups, hyper):
                 g.update(h)
         for i, values in (masters or {}).items():
-            if values.data_ptr() != opt._piece_params[i].data_ptr():
-                opt._piece_params[i].copy_(values)
+            if values.data_ptr() != opt.piece_params[i].data_ptr():
+                opt.piece_params[i].copy_(values)
         for k, v in (others or {}).items():
             info.others[k][0].copy_(v)
     forget_consolidated(opt)
     opt.zero_grad()
-    if hyper is not None and getattr(opt, "onebit", None) is not None:
+    if hyper is not None and opt.onebit is not None:
         from shardopt.checkpoint.optim_state import onebit_after_load
         onebit_after_load(opt, optim_state_dict.get("onebit"), "set_state_dict", "DCP state dict")
-    opt._publish_params()
+    opt.publish_params()
 
 
 def _install_optim(opt, info, sd: dict, swap: InnerStateSwap) -> list:
@@ -363,7 +363,7 @@ def _install_optim(opt, info, sd: dict, swap: InnerStateSwap) -> list:
                                   f"{ours[:5]}... here: build the optimizer with the same param groups")
     hyper = resolve_hyper(opt, [group_hyper(g) for g in saved_groups], True, "the optimizer state dict")
     states = {}
-    for i, pc in enumerate(opt._pieces):
+    for i, pc in enumerate(opt.pieces):
         name = info.names[pc.param]
         st = sd["state"].get(name)
         if not st:

@@ -45,17 +45,17 @@ FILE = "hop-residual-r{replica:03d}-s{shard:05d}.bin"
 def live(opt) -> torch.Tensor | None:
     """This rank's residual (the engine's own tensor, or OneBitAdam's: Note [1-bit Adam under ZeRO]
     in onebit.py, saved and loaded the same way, at flat meshes too), or None when it keeps none."""
-    onebit = getattr(opt, "onebit", None)
+    onebit = opt.onebit
     if onebit is not None:
         return onebit.residual if onebit.residual.numel() else None
-    engine = getattr(opt, "engine", None)
+    engine = opt.engine
     return None if engine is None else engine.hop_residual
 
 
 def signature(opt) -> dict:
     """What must be equal for a saved residual to mean the same here."""
     shape = opt.sharding.shape
-    onebit = getattr(opt, "onebit", None)
+    onebit = opt.onebit
     out = {"format": onebit.format_name if onebit is not None else opt.config.hop_format(),
            "mesh": [shape.replicas, shape.shards],
            "buckets": [[b.group, b.start, b.numel] for b in opt.layout.buckets]}
@@ -173,7 +173,7 @@ def install(opt, staged: Staged | None) -> None:
     if staged.values is not None:
         live(opt).copy_(staged.values)
         return
-    onebit = getattr(opt, "onebit", None)
+    onebit = opt.onebit
     if onebit is not None:
         onebit.reset_residual()
     else:

@@ -9,6 +9,9 @@ param-group order, whole-parameter state tensors), so the dict moves to and
 from a plain torch optimizer over the same parameters. State is in the master
 dtype. As with torch's ZeroRedundancyOptimizer, state_dict() without a fresh
 consolidation raises rather than return a part or a stale copy.
+
+The consolidated dict is kept on the optimizer's view (Note [The optimizer's view] in view.py); these
+functions are called with the ShardedOptimizer (its own methods) or its view.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.checkpoint.pieces import InnerStateSwap, assemble, group_hyper, local_chunks, resolve_hyper, split_state
+from shardopt.view import view_of
 
 
 def _torch_groups(opt) -> tuple[list[dict], dict]:
@@ -32,38 +36,41 @@ def _torch_groups(opt) -> tuple[list[dict], dict]:
     return groups, index
 
 
-def forget_consolidated(opt, *args) -> None:
-    opt._consolidated = None
+def forget_consolidated(opt) -> None:
+    """A consolidated copy is stale (a step, a load): drop it rather than hand it out later."""
+    opt.consolidated = None
 
 
 def consolidate_state_dict(opt, to: int = 0) -> None:
     """Gathers the whole optimizer state, in torch.optim's format, on group rank `to` (a collective)."""
+    opt = view_of(opt)
     if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < opt.world_size:
         raise ValueError(f"to must be a rank of the optimizer's group (0..{opt.world_size - 1}), got {to!r}")
-    if not getattr(opt, "_consolidation_hooked", False):
+    if not opt.consolidation_hooked:
         # A step makes a consolidated copy stale: drop it rather than hand it out later.
-        opt.register_step_post_hook(forget_consolidated)
-        opt._consolidation_hooked = True
-    chunks = [c for _, c in local_chunks(opt, range(len(opt._params)), copy=True)]
+        opt.after_every_step(forget_consolidated)
+        opt.consolidation_hooked = True
+    chunks = [c for _, c in local_chunks(opt, range(len(opt.params)), copy=True)]
     gathered = [chunks]
     if opt.world_size > 1:
         gathered = [None] * opt.world_size if opt.rank == to else None
         dist.gather_object(chunks, gathered, group=opt.process_group, group_dst=to)
-    opt._consolidated, opt._consolidated_to = None, to
+    opt.consolidated, opt.consolidated_to = None, to
     if opt.rank == to:
         groups, index = _torch_groups(opt)
         full = assemble({s.index: tuple(s.shape) for s in opt.layout.params}, (c for cs in gathered for c in cs))
-        opt._consolidated = {"state": {index[id(opt._params[j])]: full[j] for j in sorted(full)},
-                             "param_groups": groups}
-        if getattr(opt, "onebit", None) is not None:  # (torch.optim's load_state_dict ignores the key)
-            opt._consolidated["onebit"] = opt.onebit.record()
+        opt.consolidated = {"state": {index[id(opt.params[j])]: full[j] for j in sorted(full)},
+                            "param_groups": groups}
+        if opt.onebit is not None:  # (torch.optim's load_state_dict ignores the key)
+            opt.consolidated["onebit"] = opt.onebit.record()
 
 
 def optimizer_state_dict(opt) -> dict:
     """ShardedOptimizer.state_dict(): the consolidated torch.optim-format state (see consolidate_state_dict)."""
-    sd = getattr(opt, "_consolidated", None)
+    opt = view_of(opt)
+    sd = opt.consolidated
     if sd is None:
-        where = getattr(opt, "_consolidated_to", None)
+        where = opt.consolidated_to
         why = (f"it was consolidated on rank {where}, this is rank {opt.rank}" if where is not None
                and where != opt.rank else "the state is sharded over ranks and has not been consolidated "
                "since the last step")
@@ -83,6 +90,7 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("expected a torch.optim state dict ({'state': ..., 'param_groups': ...}), as "
                          "state_dict() returns after consolidate_state_dict()")
+    opt = view_of(opt)
     saved_groups = state_dict["param_groups"]
     hyper = resolve_hyper(opt, [group_hyper(g) for g in saved_groups], True, "the state dict", ValueError)
     for gi, (s, g) in enumerate(zip(saved_groups, opt.param_groups)):
@@ -94,8 +102,8 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
     ours, index = _torch_groups(opt)
     saved_index = dict(zip((i for g in ours for i in g["params"]), (i for g in saved_groups for i in g["params"])))
     states = {}
-    for i, pc in enumerate(opt._pieces):
-        p = opt._params[pc.param]
+    for i, pc in enumerate(opt.pieces):
+        p = opt.params[pc.param]
         st = state_dict["state"].get(saved_index[index[id(p)]])
         if not st:
             continue
@@ -109,7 +117,7 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
     for g, h in zip(opt.param_groups, hyper):
         g.update(h)
     forget_consolidated(opt)
-    if getattr(opt, "onebit", None) is not None:
+    if opt.onebit is not None:
         # every rank reads the same dict: its steps need no collective
         steps = max((int(float(st["step"])) for st in state_dict["state"].values() if "step" in st), default=0)
         onebit_after_load(opt, state_dict.get("onebit"), "load_state_dict", "torch.optim state dict", steps)

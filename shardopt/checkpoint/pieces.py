@@ -16,6 +16,7 @@ from typing import Hashable, Iterable, Sequence
 import torch
 
 from shardopt.checkpoint.files import CheckpointError
+from shardopt.view import view_of
 
 # Per-parameter state that is not elementwise even when it looks like it (torch's
 # optimizers all call the step counter this; a 0-d step of a 0-d parameter would
@@ -58,12 +59,14 @@ def split_state(state: dict, shape: tuple, where: str) -> tuple[dict, dict]:
 
 
 def local_chunks(opt, keys: Sequence[Hashable], copy: bool) -> list[tuple[int, Chunk]]:
-    """(piece index, Chunk) for every piece of this rank; keys[j] names layout parameter j.
+    """(piece index, Chunk) for every piece of this rank of `opt` (a ShardedOptimizer or its view); keys[j]
+    names layout parameter j.
 
     copy=True clones to CPU (for sending); otherwise the tensors are the live ones.
     """
+    opt = view_of(opt)
     out = []
-    for i, (pc, t) in enumerate(zip(opt._pieces, opt._piece_params)):
+    for i, (pc, t) in enumerate(zip(opt.pieces, opt.piece_params)):
         slot = opt.layout.params[pc.param]
         state = opt.inner.state.get(t, {}) if opt.inner is not None else {}
         slices, scalars = split_state(state, (pc.numel,), f"parameter {keys[pc.param]!r}")
@@ -155,7 +158,7 @@ class InnerStateSwap:
     """
 
     def __init__(self, opt):
-        self.opt = opt
+        self.opt = opt  # the optimizer's view (Note [The optimizer's view] in view.py)
         self._old = None
 
     def apply(self, piece_states: dict, hyper: Sequence[dict]) -> None:
@@ -163,7 +166,7 @@ class InnerStateSwap:
         if inner is None:
             return
         order = {id(t): k for k, t in enumerate(p for g in inner.param_groups for p in g["params"])}
-        state = {order[id(self.opt._piece_params[i])]: st for i, st in piece_states.items() if st}
+        state = {order[id(self.opt.piece_params[i])]: st for i, st in piece_states.items() if st}
         groups = [dict(h, params=[order[id(p)] for p in g["params"]]) for g, h in zip(inner.param_groups, hyper)]
         old = inner.state_dict()
         inner.load_state_dict({"state": state, "param_groups": groups})

@@ -65,6 +65,7 @@ from shardopt.checkpoint.files import (LATEST, MANIFEST, CheckpointError, Record
 from shardopt.checkpoint.pieces import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
 from shardopt.checkpoint.optim_state import forget_consolidated
 from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
+from shardopt.view import ModelWrapper, OptimizerView, view_of
 
 MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
 _DEFAULT_TAG = re.compile(r"ckpt-(\d+)$")
@@ -88,39 +89,41 @@ class ModelInfo:
 
 
 def _unwrap(model) -> nn.Module:
-    from shardopt.ddp import ShardedDDP
+    """The model a ShardedDDP wraps (Note [The optimizer's view]: its marker), or `model` itself."""
+    return model.module if isinstance(model, ModelWrapper) else model
 
-    return model.module if isinstance(model, ShardedDDP) else model
 
-
-def _check_pair(model, optimizer):
-    from shardopt.ddp import ShardedDDP
-    from shardopt.optimizer import ShardedOptimizer
-
-    if not isinstance(optimizer, ShardedOptimizer):
+def _check_pair(model, optimizer) -> OptimizerView:
+    """The optimizer's view, once `optimizer` is a ShardedOptimizer and `model` its model (a ShardedDDP that
+    feeds it, or a module). Checked through the view, without importing the engine (Note [The optimizer's
+    view] in view.py)."""
+    view = getattr(optimizer, "view", None)
+    if not isinstance(view, OptimizerView):
         raise TypeError(f"expected a shardopt.ShardedOptimizer, got {type(optimizer).__name__}; for a plain "
                         "torch optimizer use torch.save(model.state_dict()) / optimizer.state_dict()")
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected the model (a ShardedDDP or the module it wraps), got {type(model).__name__}")
-    if isinstance(model, ShardedDDP) and model.optimizer is not optimizer:
+    if isinstance(model, ModelWrapper) and model.optimizer is not optimizer:
         raise ValueError("this ShardedDDP wraps a different ShardedOptimizer than the one given: pass the pair "
                          "that trains together")
-    return optimizer
+    return view
 
 
 def describe_model(module: nn.Module, opt) -> ModelInfo:
-    """Names every tensor of `module` for `opt`; raises if an optimizer parameter is not in the model."""
+    """Names every tensor of `module` for `opt` (a ShardedOptimizer or its view); raises if an optimizer
+    parameter is not in the model."""
+    opt = view_of(opt)
     by_id: dict = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     names = []
-    for j, p in enumerate(opt._params):
+    for j, p in enumerate(opt.params):
         if id(p) not in by_id:
             raise ValueError(f"optimizer parameter {j} (shape {tuple(p.shape)}) is not a parameter of this "
                              "model: pass the model the optimizer was built from")
         names.append(by_id[id(p)][0])
     aliases = {ns[0]: ns[1:] for ns in by_id.values()}
-    managed = {id(p) for p in opt._params}
+    managed = {id(p) for p in opt.params}
     others, seen = {}, {}
     state = module.state_dict(keep_vars=True)
     for k, v in state.items():
@@ -210,7 +213,7 @@ def _write_rank_file(partial: str, opt, info: ModelInfo) -> tuple[str, dict, lis
     try:
         for i, c in local_chunks(opt, info.names, copy=False):
             pieces.append({
-                "name": c.key, "start": c.start, "end": c.end, "param": w.add(opt._piece_params[i]),
+                "name": c.key, "start": c.start, "end": c.end, "param": w.add(opt.piece_params[i]),
                 "slices": {k: w.add(v) for k, v in c.slices.items()},
                 "scalars": {k: {"tensor": w.add(v)} if torch.is_tensor(v) else {"value": to_json(v, k)}
                             for k, v in c.scalars.items()}})
@@ -239,7 +242,7 @@ def _write_rank0_files(partial: str, info: ModelInfo, extra) -> dict:
 
 
 def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> dict:
-    scaler = getattr(opt, "loss_scaler", None)
+    scaler = opt.loss_scaler
     layout = opt.layout
     master = next((p["param"]["dtype"] for f in files.values() for p in f.get("pieces", ())), None)
     return {
@@ -248,7 +251,7 @@ def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> di
         "mesh": [opt.sharding.shape.replicas, opt.sharding.shape.shards],
         "config": {f.name: repr(getattr(opt.config, f.name)) for f in dataclasses.fields(opt.config)},
         "optimizer": class_name(opt.optim_class),
-        "dtypes": {"model": dtype_name(opt._params[0].dtype), "master": master},
+        "dtypes": {"model": dtype_name(opt.params[0].dtype), "master": master},
         "layout": {"bucket_numel": layout.bucket_numel, "total_numel": layout.total_numel,
                    "buckets": [[b.group, b.start, b.numel] for b in layout.buckets],
                    "params": [[info.names[s.index], list(s.shape), s.group, s.offset] for s in layout.params]},
@@ -261,7 +264,7 @@ def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> di
                          for i, g in enumerate(opt.param_groups)],
         "steps": steps,
         "loss_scaler": to_json(scaler.state_dict(), "loss scaler state") if scaler is not None else None,
-        "onebit": opt.onebit.record() if getattr(opt, "onebit", None) is not None else None,
+        "onebit": opt.onebit.record() if opt.onebit is not None else None,
         "extra": rank0["extra"],
         "files": files,
     }
@@ -286,7 +289,7 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     """
     opt = _check_pair(model, optimizer)
     opt.wait_params()  # parameters may still be gathered (Note [Gathering in the next forward])
-    opt._take_model_edits(saving=True)  # the masters saved hold edited weights (Note [Weights edited in place])
+    opt.take_model_edits(saving=True)  # the masters saved hold edited weights (Note [Weights edited in place])
     path = os.fspath(path)
     sharding = opt.sharding
     if not sharding.shape.hybrid:
@@ -529,7 +532,7 @@ def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
                               "selectively)")
     hyper = src.resolve_hyper(opt)
     masters, states = {}, {}
-    for i, pc in enumerate(opt._pieces):
+    for i, pc in enumerate(opt.pieces):
         name = info.names[pc.param]
         slot = opt.layout.params[pc.param]
         a, b = pc.start - slot.offset, pc.end - slot.offset
@@ -567,7 +570,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     swap = InnerStateSwap(opt)
     staged = info = error = None
     try:
-        if getattr(opt, "engine", None) is None:
+        if opt.engine is None:
             raise RuntimeError("load_checkpoint needs the model wrapped: build shardopt.ShardedDDP(model, "
                                "optimizer) first, then load (loading ends by all-gathering the weights)")
         info = describe_model(_unwrap(model), opt)
@@ -583,16 +586,16 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
         for g, h in zip(opt.param_groups, staged.hyper):
             g.update(h)
         for i, values in staged.masters.items():
-            opt._piece_params[i].copy_(values)
+            opt.piece_params[i].copy_(values)
         for name, values in staged.others.items():
             info.others[name][0].copy_(values)
-    scaler = getattr(opt, "loss_scaler", None)
+    scaler = opt.loss_scaler
     if scaler is not None and staged.scaler is not None:
         scaler.load_state_dict(staged.scaler)
     forget_consolidated(opt)
     opt.zero_grad()  # gradients accumulated before the load belong to other weights
     hop_residual.install(opt, staged.residual)  # or zeros, said once (Note [Hop residual in checkpoints])
-    if getattr(opt, "onebit", None) is not None:
+    if opt.onebit is not None:
         opt.onebit.after_load(staged.onebit)  # steps taken: from the loaded optimizer state
-    opt._publish_params()
+    opt.publish_params()
     return staged.extra

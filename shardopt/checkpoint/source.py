@@ -33,7 +33,7 @@ class Source:
     scaler = None
     """Loss-scaler state for shardopt.precision.LossScaler.load_state_dict, or None."""
     onebit = None
-    """OneBitAdam's record (OneBitRoom.record(), Note [The step the variance froze at]), or None."""
+    """OneBitAdam's record (OneBitStep.record(), Note [The step the variance froze at]), or None."""
 
     def resolve_hyper(self, opt) -> list:
         """Every param group's hyper-parameters after the load; raises if the optimizers cannot meet."""

@@ -406,7 +406,7 @@ class ShardedStrategy(DDPStrategy):
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
-            if self._sharded_optimizer().param_shard is not None:
+            if self._sharded_optimizer().params_sharded:
                 _refuse_weight_averaging(trainer)
             _average_in_own_dtypes(trainer, self.lightning_module)
             self.model = self._setup_model(self.model)
@@ -491,12 +491,12 @@ class ShardedStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def _stage3_attached(self) -> bool:
-        return isinstance(self.model, ShardedDDP) and self.model.optimizer.param_shard is not None
+        return isinstance(self.model, ShardedDDP) and self.model.optimizer.params_sharded
 
     def teardown(self) -> None:
         if isinstance(self.model, ShardedDDP):
             wrapper, self.model = self.model, self.lightning_module
-            if wrapper.optimizer.param_shard is None:
+            if not wrapper.optimizer.params_sharded:
                 # Stages 1-2: Lightning's teardown moves the module to the CPU, gradients too, and a reduced
                 # p.grad is this rank's shard only (Note [Sharded p.grad]): it cannot move. The wrapper lets
                 # go of the module first (hooks off; those p.grad None), as DDP leaves a plain module. On a

@@ -51,7 +51,7 @@ by a sketch] in shardopt/onebit.py), the same on every rank.
 Note [ShardedTrainer at stage 3]
 --------------------------------
 Once the optimizer exists, a stage-3 model's parameters are empty between
-uses (Note [Parameters between gathers] in shardopt/sharded_param.py); its
+uses (Note [Parameters between gathers] in shardopt/zero3/store.py); its
 forward gathers what it uses on every rank. What the Trainer does with the
 model outside training steps, and what changes for it:
   * evaluation and prediction call the bare model's forward on every rank, the
@@ -261,7 +261,7 @@ class ShardedTrainer(Trainer):
             model, opt = self._sharded()
             model = getattr(model, "_orig_mod", model)  # under torch.compile
             parameters = list(parameters)
-            if opt._compressing() or (isinstance(model, ShardedDDP) and model.is_every_gradient(parameters)):
+            if opt.view.compressing or (isinstance(model, ShardedDDP) and model.is_every_gradient(parameters)):
                 acc.unscale_gradients()
                 return opt.clip_grad_norm(max_norm, norm_type)
             return clip(parameters, max_norm, norm_type=norm_type)
@@ -280,7 +280,7 @@ class ShardedTrainer(Trainer):
         opt = self.optimizer
         while opt is not None and not isinstance(opt, ShardedOptimizer):
             opt = getattr(opt, "optimizer", None)
-        if opt is None or opt.param_shard is None or not opt.grads.attached:
+        if opt is None or not opt.params_sharded or not opt.view.attached:
             return None
         return opt
 

@@ -132,7 +132,7 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
 
     Collective over every rank of `group` (call it in the same order everywhere). Stage 3 makes a pair of its
     own for its parameter gathers, which run beside the bucket engine's reductions on the first pair
-    (sharded_param.py)."""
+    (zero3/store.py)."""
     # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
     # fail every survivor within the timeout the user gave init_process_group.
     timeout = group_timeout(group)

@@ -61,11 +61,11 @@ bf16]), and either way every rank holds the same parameters bit for bit.
 
 Stage 3 keeps only its 1/W chunk of the parameters and gathers a bucket
 before each use, in forward and again in backward (Note [Stage-3 schedule] in
-prefetch.py): both gathers are this two-level gather (csrc/comm/two_level.h,
+zero3/schedule.py): both gathers are this two-level gather (csrc/comm/two_level.h,
 on groups of the parameter shard's own, beside the engine's reductions), so a
 node sends 3 (R-1)/R * S per step (gradient phase + two parameter gathers; less
 the buckets backward starts with, gathered once: Note [The seam between
-forward and backward] in sharded_param.py) where a flat ring sends
+forward and backward] in zero3/store.py) where a flat ring sends
 3 (W-1)/W * S, with parameters, gradients and optimizer state at 1/W.
 
 Exactness: every sum is the fp32 sum of the same W addends as a flat ring's,
@@ -162,17 +162,15 @@ def node_mesh(world_size: int, local_world_size: int | None) -> MeshShape:
     return MeshShape(replicas=world_size // local_world_size, shards=local_world_size)
 
 
-def param_phase_dtype(requested, shape: MeshShape, nodes: MeshShape | None, stage: int, model_dtype):
+def param_phase_dtype(requested, shape: MeshShape, nodes: MeshShape | None, model_dtype):
     """The dtype the parameter gather's phase across nodes carries if narrower than the model's, or None
-    (Note [Parameters across nodes in bf16]); refuses what cannot work, naming the fix."""
+    (Note [Parameters across nodes in bf16]); refuses what cannot work, naming the fix (stage 3, which
+    gathers on its own schedule, ShardConfig refuses)."""
     if requested is None:
         return None
     if shape.hybrid:
         raise ValueError("inter_node_param_dtype: hybrid sharding (mesh= / shard_group=) never sends parameters "
                          "across nodes (each node gathers its own); drop inter_node_param_dtype")
-    if stage == 3:
-        raise NotImplementedError("inter_node_param_dtype is built for stages 1-2 (stage 3 gathers parameters "
-                                  "bucket by bucket on its own schedule); drop it or use stage=2")
     if nodes is None:
         raise ValueError("inter_node_param_dtype narrows the parameters' phase across nodes of node-aware "
                          "collectives, which are off here (one node, LOCAL_WORLD_SIZE = world size, node_aware="

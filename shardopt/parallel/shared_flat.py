@@ -67,14 +67,12 @@ SHM_DIR = "/dev/shm"
 _MARK = 16  # bytes of the handshake mark at the start of each file
 
 
-def why_not_shared(stage: int, device: torch.device, node_aware: bool, shard_ranks: Sequence[int],
+def why_not_shared(device: torch.device, node_aware: bool, shard_ranks: Sequence[int],
                    world: int) -> str | None:
     """Why the flat buffers of the shard group of global ranks `shard_ranks` (of `world` in all) cannot be
     shared (None: they can, if the handshake agrees). Reads LOCAL_WORLD_SIZE; no process group."""
     if len(shard_ranks) == 1:
         return "one rank: nothing to gather"
-    if stage == 3:
-        return "stage 3 gathers each bucket for its use (sharded_param.py), not a flat buffer"
     if device.type != "cpu":
         return f"the model is on {device}: shared memory holds CPU buffers"
     if node_aware:

@@ -119,7 +119,7 @@ def run(args) -> int:
     mem = opt.memory_stats()
     # Stage 3: between steps a rank holds 1/N of the weights ("params"); during forward and backward whole
     # buckets exist too, this many bytes at most at once.
-    mem["gathered_peak"] = opt.param_shard.peak_live if opt.param_shard is not None else 0
+    mem["gathered_peak"] = opt.store.peak_live if opt.params_sharded else 0
     params = list(ref_model.parameters())
     ddp_mem = {
         "params": sum(p.numel() * p.element_size() for p in params),

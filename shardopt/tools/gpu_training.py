@@ -323,7 +323,7 @@ def _full_params(opt):
     """Stage 3 keeps a rank's shard only: read whole weights through opt.full_params() (DESIGN.md)."""
     import contextlib
 
-    if opt.config.stage == 3:
+    if opt.params_sharded:
         return opt.full_params()
     return contextlib.nullcontext()
 

@@ -109,7 +109,7 @@ def _time_point(factory, inputs, stage, rbs, agbs, steps, warmup):
         opt.zero_grad()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    gathered = opt.param_shard.peak_live if opt.param_shard is not None else 0
+    gathered = opt.store.peak_live if opt.params_sharded else 0
     info = (len(opt.layout.buckets), opt.memory_stats()["staging"], gathered)
     return times, info
 

@@ -1,4 +1,4 @@
-"""Stage 3: the parameter shard and the life cycle of a bucket's full parameters (gather, wait, free).
+"""Stage 3's parameter store: this rank's shard, and the life cycle of a bucket's full parameters.
 
 Between uses each rank holds only its chunk of every bucket (`shard`, the
 chunks concatenated in bucket order, in the model's dtype). A bucket's full
@@ -7,7 +7,8 @@ hold whole parameters] in layout.py) that exists only while the bucket is
 gathered: a gather allocates it and all-gathers every rank's chunk into it
 (in two levels over ranks on several nodes: Note [Two-level collectives] in
 parallel/mesh_plan.py), a free gives the memory back. Which gather comes
-when is Note [Stage-3 schedule] in prefetch.py; this module carries it out.
+when is Note [Stage-3 schedule] in zero3/schedule.py; this module carries it out,
+and zero3/hooks.py is where the model's modules and autograd call into it.
 
 Note [Parameters between gathers]
 ---------------------------------
@@ -42,25 +43,42 @@ gathered meanwhile.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from shardopt.layout import Layout
+from shardopt.layout import Layout, plan_layout
+from shardopt.param_store import ParamStore
 from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
-from shardopt.parallel.mesh_plan import MeshShape
-from shardopt.prefetch import Stage3Schedule
+from shardopt.zero3 import hooks
+from shardopt.zero3.schedule import Stage3Schedule, plan_stage3_schedule
 
-FREE, GATHERING, LIVE = "free", "gathering", "live"
+
+class BucketState(str, enum.Enum):
+    """Where a bucket's full parameters are: FREE (no storage) -start_gather-> GATHERING (storage, a
+    collective writing it) -finish_gather-> LIVE (its parameters are views of it) -reshard-> FREE."""
+    FREE = "free"
+    GATHERING = "gathering"
+    LIVE = "live"
+
+
+FREE, GATHERING, LIVE = BucketState.FREE, BucketState.GATHERING, BucketState.LIVE
+
+
+class Pass(str, enum.Enum):
+    """Which pass a round walks the schedule for (Note [Stage-3 schedule])."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 class _Round:
     """One pass of the schedule (Note [Stage-3 schedule]): which gathers were issued, what may be freed."""
 
-    def __init__(self, kind: str, order: tuple, users: tuple, carried: frozenset = frozenset()):
+    def __init__(self, kind: Pass, order: tuple, users: tuple, carried: frozenset = frozenset()):
         self.kind = kind
         self.order = order
         self.position = {b: i for i, b in enumerate(order)}
@@ -74,21 +92,35 @@ class _Round:
         self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
 
 
-class ParamShard:
-    """This rank's chunks of the parameters and the buckets gathered now (stage 3)."""
+class ShardedStore(ParamStore):
+    """This rank's chunks of the parameters and the buckets gathered now (stage 3; Note [One parameter
+    store] in param_store.py)."""
 
-    def __init__(self, layout: Layout, rank: int, params: list, process_group, world_group, device, *, impl: str,
-                 prefetch: int, max_live: int | None, reshard_after_forward: bool, phase: dict,
-                 nodes: MeshShape | None = None):
+    waits_in_backward = False  # Note [Stage 3 never waits in backward] in csrc/comm/bucket_engine.cpp
+    holds_whole = False        # a parameter is an empty tensor between uses (Note [Parameters between gathers])
+
+    @classmethod
+    def plan(cls, names, world_size, config, sizes, replicas, nodes, params) -> Layout:
+        """Buckets of whole parameters; those of at most param_persistence_threshold elements stay gathered
+        (Note [Stage-3 buckets hold whole parameters] in layout.py)."""
+        persistent = frozenset(i for i, p in enumerate(params) if p.numel() <= config.param_persistence_threshold)
+        return plan_layout(names, world_size, *sizes, replicas=replicas, whole_params=True, persistent=persistent,
+                           nodes=nodes)
+
+    def __init__(self, layout: Layout, rank: int, params: list, sharding, config, device, phase: dict):
+        process_group, world_group, nodes = sharding.shard, sharding.world, sharding.nodes
+        bucket = layout.bucket_numel
         self.layout = layout
         self.rank = rank
         self.params = params
-        self.impl = impl
-        self.prefetch = prefetch
-        self.max_live = max_live
-        self.reshard_after_forward = reshard_after_forward
+        self.impl = config.comm_impl
+        self.prefetch = 1 if config.prefetch_bucket_size is None else -(-config.prefetch_bucket_size // bucket)
+        self.max_live = None if config.max_live_parameters is None else max(1, config.max_live_parameters // bucket)
+        self.reshard_after_forward = config.reshard_after_forward
         self.phase = phase
         self.dtype, self.device = params[0].dtype, device
+        self.flat_grad, self.resting_grads = None, [None] * len(params)  # gradients: only this rank's chunks
+        self.engine = None
         self.world_size = dist.get_world_size(process_group)
         # Parameter gathers run on groups of their own, with the world's timeout: the bucket engine's
         # reduce-scatters run on `process_group` (or its node groups) in backward at the same time, in an
@@ -180,7 +212,7 @@ class ParamShard:
             dist.broadcast(full, dist.get_global_rank(self._world, 0), group=self._world)
         lo = self._lo[b]
         self.chunks[b].copy_(full[lo:lo + bucket.chunk_numel])
-        self._free(b)
+        self.reshard(b)
 
     # Note [Meta-device models]
     # -------------------------
@@ -276,14 +308,14 @@ class ParamShard:
         for i in self.bucket_params[b]:
             self.params[i].data = self.views[i]
 
-    def _issue(self, b: int) -> None:
+    def start_gather(self, b: int) -> None:
         """Starts gathering bucket b into freshly allocated storage."""
         self._allocate(b, views=False)
-        self.handles[b] = self._start_gather(b)
+        self.handles[b] = self._launch_gather(b)
         self.state[b] = GATHERING
         self.num_gathers += 1
 
-    def _start_gather(self, b: int):
+    def _launch_gather(self, b: int):
         """Starts every rank's chunk of bucket b into its full storage (through `_comm`): flat, or in two
         levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
         if self.nodes is not None:
@@ -291,16 +323,16 @@ class ParamShard:
                                                    self.across_group, impl=self.impl)
         return comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group, impl=self.impl)
 
-    def _wait(self, b: int) -> None:
+    def finish_gather(self, b: int) -> None:
         t0 = time.perf_counter()
         self.handles.pop(b).wait()
         self.phase["gather"] += time.perf_counter() - t0
         self.state[b] = LIVE
         self._show(b)
 
-    def _free(self, b: int, even_persistent: bool = False) -> None:
+    def reshard(self, b: int, even_persistent: bool = False) -> None:
         if self.state[b] == GATHERING:
-            self._wait(b)  # never free memory a collective is still writing
+            self.finish_gather(b)  # never free memory a collective is still writing
         if self.state[b] == FREE or (self.layout.buckets[b].persistent and not even_persistent):
             return
         for i in self.bucket_params[b]:
@@ -321,9 +353,9 @@ class ParamShard:
         """The root module's forward starts: a forward round (Note [Stage-3 schedule])."""
         if self.round is not None:  # a pass that never ended (an exception): close it as every rank does
             self._close_round()
-        self.round = self._new_round("forward", self.schedule.forward)
+        self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
 
-    def _new_round(self, kind: str, order: tuple) -> _Round:
+    def _new_round(self, kind: Pass, order: tuple) -> _Round:
         return _Round(kind, order, self.schedule.users, frozenset(b for b in order if self.state[b] != FREE))
 
     def end_forward(self, grad_enabled: bool) -> None:
@@ -333,7 +365,7 @@ class ParamShard:
         everything gathered for it (its backward round gathers nothing); with True it
         keeps the buckets that backward needs first (Note [The seam between forward
         and backward])."""
-        if self.round is None or self.round.kind != "forward":
+        if self.round is None or self.round.kind is not Pass.FORWARD:
             return
         self._finish_round_gathers()
         keep_all = grad_enabled and not self.reshard_after_forward
@@ -341,22 +373,22 @@ class ParamShard:
         for b in range(len(self.full)):
             if keep_all or b in seam:
                 if self.state[b] == GATHERING:
-                    self._wait(b)
+                    self.finish_gather(b)
             else:
-                self._free(b)
+                self.reshard(b)
         self.round = None
         self.backwards_owed += int(grad_enabled)
 
     def _begin_backward(self) -> None:
         order = self.schedule.backward if self.reshard_after_forward else ()
-        self.round = self._new_round("backward", order)
+        self.round = self._new_round(Pass.BACKWARD, order)
         self.round.pending = {b: len(self.bucket_params[b]) for b in order}
         if torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:
         """The backward pass is over (autograd's final callback): the rest of the round, then frees."""
-        if self.round is not None and self.round.kind == "backward":
+        if self.round is not None and self.round.kind is Pass.BACKWARD:
             self._close_round()
             self.backwards_owed = max(0, self.backwards_owed - 1)
 
@@ -370,7 +402,7 @@ class ParamShard:
     def _close_round(self) -> None:
         self._finish_round_gathers()
         for b in range(len(self.full)):
-            self._free(b)
+            self.reshard(b)
         self.round = None
 
     def _finish_round_gathers(self) -> None:
@@ -394,7 +426,7 @@ class ParamShard:
         b = r.order[r.pos]
         r.pos += 1
         if self.state[b] == FREE and b not in r.carried:
-            self._issue(b)
+            self.start_gather(b)
 
     def _room(self) -> bool:
         if self.max_live is None:
@@ -409,7 +441,7 @@ class ParamShard:
             if in_backward:
                 self._begin_backward()
             else:  # a submodule called on its own, outside the root's forward
-                self.round = self._new_round("forward", self.schedule.forward)
+                self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
         r = self.round
         for b in buckets:
             if self.state[b] != FREE:
@@ -422,23 +454,23 @@ class ParamShard:
                     # Needed again after it was freed in this pass: the rest of the round first, then one
                     # extra gather (Note [Stage-3 schedule], the limit).
                     self._finish_round_gathers()
-                    self._issue(b)
+                    self.start_gather(b)
                 else:
                     self._advance(at)
-            self._wait(b)
+            self.finish_gather(b)
         self._advance(None)
 
     def forward_done(self, module_id: int, buckets) -> None:
         """A module's forward returned: buckets every waiting module has now used may go."""
         r = self.round
-        if r is None or r.kind != "forward" or module_id in r.ran:
+        if r is None or r.kind is not Pass.FORWARD or module_id in r.ran:
             return
         r.ran.add(module_id)
         seam = self._seam if torch.is_grad_enabled() else ()
         for b in buckets:
             r.users[b] -= 1
             if r.users[b] == 0 and self.reshard_after_forward and b not in seam:
-                self._free(b)
+                self.reshard(b)
 
     def before_accumulate(self, index: int) -> None:
         """Autograd is about to accumulate parameter `index`'s gradient (Note [Gradients of parameters not
@@ -455,14 +487,14 @@ class ParamShard:
         if self.round is None:
             self._begin_backward()
         r = self.round
-        if r.kind != "backward":
+        if r.kind is not Pass.BACKWARD:
             return
         for b in self._bucket_of_param[index]:
             left = r.pending.get(b)
             if left is not None:
                 r.pending[b] = left - 1
                 if left == 1:
-                    self._free(b)
+                    self.reshard(b)
 
     # ------------------------------------------------------------- attaching
     # Note [The seam between forward and backward]
@@ -477,10 +509,38 @@ class ParamShard:
     # saves no peak memory (the backward holds them right away). So a forward
     # whose backward will follow keeps them (FSDP2 likewise does not reshard the
     # root after forward); a no-grad forward (evaluation) frees everything.
-    def attach(self, schedule: Stage3Schedule) -> None:
-        self.schedule = schedule
+    def attach(self, engine, waits) -> None:
+        self.engine = engine
+        self.schedule = plan_stage3_schedule(self.layout, waits)
         depth = 1 + self.prefetch if self.max_live is None else min(1 + self.prefetch, self.max_live)
-        self._seam = frozenset(schedule.backward[:depth])
+        self._seam = frozenset(self.schedule.backward[:depth])
+
+    def adopt(self, module: torch.nn.Module, param_init_fn=None) -> bool:
+        hooks.forget_orphan(module)  # a module whose last wrapper was dropped (Note [Orphaned stage-3 modules])
+        if not self.on_meta:
+            return False
+        self.materialize(module, param_init_fn)  # Note [Meta-device models]
+        return True
+
+    def install_hooks(self, wrapper_ref, module, optimizer, waits) -> list:
+        return hooks.install(self, wrapper_ref, module, optimizer, waits)
+
+    def released(self, module: torch.nn.Module, orphaned: bool) -> None:
+        if orphaned:
+            hooks.refuse_orphan(module)
+
+    def whole_copies(self) -> list:
+        with self.gathered(writeback=False), torch.no_grad():
+            return [p.detach().clone() for p in self.params]
+
+    def publish(self, defer: bool) -> None:
+        self.refresh_persistent()  # the next forward gathers the rest as it uses them
+
+    def moved(self, index: int) -> bool:
+        return not self.in_place(index)
+
+    def param_bytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size() + self.live
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a bucket's full storage (memory that a free gives back)."""
@@ -512,16 +572,16 @@ class ParamShard:
             raise RuntimeError("full_params() inside a forward or backward pass: use it between steps")
         was_free = [b for b, s in enumerate(self.state) if s == FREE]
         for b in was_free:
-            self._issue(b)
+            self.start_gather(b)
         for b in was_free:
-            self._wait(b)
+            self.finish_gather(b)
         try:
             yield
         finally:
             if writeback:
                 self.take_chunks()
             for b in was_free:
-                self._free(b)
+                self.reshard(b)
 
     @torch.no_grad()
     def take_chunks(self) -> None:
@@ -535,11 +595,11 @@ class ParamShard:
         """After a step: the persistent buckets take every rank's updated chunk (as stage 2 publishes)."""
         keep = [b.index for b in self.layout.buckets if b.persistent]
         for b in keep:
-            self.handles[b] = self._start_gather(b)
+            self.handles[b] = self._launch_gather(b)
             self.state[b] = GATHERING
             self.num_gathers += 1
         for b in keep:
-            self._wait(b)
+            self.finish_gather(b)
 
     # ----------------------------------------------------------------- checks
     def in_place(self, index: int) -> bool:

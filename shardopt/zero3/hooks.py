@@ -1,0 +1,141 @@
+"""Stage 3's hooks: where the model's modules and autograd call into the sharded store (store.py)."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from shardopt.loads import masters_after_load, same_values_hook
+
+
+def install(store, wrapper_ref, module: nn.Module, optimizer, waits) -> list:
+    """Every hook stage 3 needs on `module` (a ShardedDDP's, held weakly: Note [Hooks die with the wrapper]
+    in ddp.py); returns their handles."""
+    handles = []
+    for i, p in enumerate(store.params):  # Python hooks: the parameter shards need Python per parameter anyway
+        handles.append(p.register_hook(_pre_accumulate_hook(wrapper_ref, store, i)))
+        handles.append(p.register_post_accumulate_grad_hook(_grad_hook(wrapper_ref, store, i)))
+    return handles + _module_hooks(module, store, optimizer, waits)
+
+
+def _grad_hook(wrapper_ref, store, index: int):
+    def hook(p: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            store.grad_ready(index)  # its bucket may go once all of its parameters have their gradient
+            wrapper._on_grad(index, p)
+    return hook
+
+
+def _pre_accumulate_hook(wrapper_ref, store, index: int):
+    def hook(grad: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper.optimizer.grads.before_accumulate(index)
+            store.before_accumulate(index)  # Note [Gradients of parameters not gathered] in store.py
+    return hook
+
+
+# Note [Stage-3 hooks]
+# At stage 3 the wrapped module's hooks carry out Note [Stage-3 schedule]:
+# its root forward opens a forward round and autograd's saved-tensor hooks
+# (Note [Parameters between gathers]); each module that waits for buckets
+# asks for them before its forward and reports after it; the root's forward
+# end (even by an exception) closes the round. state_dict() and
+# load_state_dict() on the wrapped module (or on this wrapper) see whole
+# parameters: a collective, so every rank calls them, as with FSDP's full
+# state dict; the returned tensors are copies.
+def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
+    saved = []  # the saved-tensor hooks context of the forward in progress
+    handles = []
+
+    def begin(mod, args):
+        shard.begin_forward()
+        ctx = torch.autograd.graph.saved_tensors_hooks(shard.pack, shard.unpack)
+        ctx.__enter__()
+        saved.append(ctx)
+
+    def end(mod, args, out):
+        if saved:
+            saved.pop().__exit__(None, None, None)
+        shard.end_forward(torch.is_grad_enabled())
+        optimizer._note_model_version()  # a compiled forward counts as an edit (Note [Weights edited in place])
+
+    handles.append(module.register_forward_pre_hook(begin))
+    handles.append(module.register_forward_hook(end, always_call=True))
+
+    def needer(buckets):
+        return lambda mod, args: shard.need(buckets)
+
+    def reporter(buckets):
+        return lambda mod, args, out: shard.forward_done(id(mod), buckets)
+
+    for w in waits:
+        handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
+        if not w.covered:  # its parent's return reports these buckets (prefetch.ForwardWait.covered)
+            handles.append(w.module.register_forward_hook(reporter(w.buckets)))
+
+    whole = []  # the gathered() context of a state_dict / load_state_dict in progress
+
+    def gather(writeback: bool):
+        def hook(mod, *args):
+            # state_dict(keep_vars=True) asks for the parameters themselves (which tensors, not values).
+            if not writeback and args[-1]:
+                whole.append(None)
+                return
+            ctx = optimizer.full_params(writeback=writeback)
+            ctx.__enter__()
+            whole.append(ctx)
+        return hook
+
+    def copy_and_free(mod, state_dict, prefix, local_metadata):
+        ctx = whole.pop()
+        if ctx is None:
+            return
+        for k, v in state_dict.items():
+            if torch.is_tensor(v) and shard.holds(v):
+                state_dict[k] = v.clone()
+        ctx.__exit__(None, None, None)
+
+    same, finer = [], {}
+
+    def load_and_free(mod, incompatible):
+        whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
+        masters_after_load(optimizer, same, finer)  # and the masters, whole (Note [A load of the values held])
+
+    handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
+    handles.append(module.register_state_dict_post_hook(copy_and_free))
+    handles.append(module.register_load_state_dict_pre_hook(gather(writeback=True)))
+    handles.append(module.register_load_state_dict_pre_hook(same_values_hook(optimizer, same, finer)))  # after gather
+    handles.append(module.register_load_state_dict_post_hook(load_and_free))
+    return handles
+
+
+# Note [Orphaned stage-3 modules]
+# At stage 3 a managed parameter is an empty tensor between uses: its values
+# live in the optimizer's shards and only a ShardedDDP's hooks gather them.
+# detach() gathers them into the module for good. A wrapper that is simply
+# dropped (garbage-collected) cannot: gathering is a collective, and a
+# finalizer runs on each rank at a moment of its own. The module is then left
+# with empty parameters, and its forward or state_dict() would fail obscurely
+# or, worse, return empty tensors as if they were the weights. So such a module
+# refuses both, saying what to do, until a new ShardedDDP (with the same
+# optimizer, which still holds the shards) takes it again.
+_ORPHANS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_ORPHAN_MESSAGE = ("this module's parameters are sharded over the ranks (ZeRO stage 3) and the ShardedDDP that "
+                   "gathered them was dropped without detach(), so here they are empty tensors. Wrap it again "
+                   "with shardopt.ShardedDDP(module, optimizer) to go on training (or to save a checkpoint), or "
+                   "call wrapper.detach() on every rank before dropping the wrapper to keep the whole weights")
+
+
+def refuse_orphan(module: nn.Module) -> None:
+    def refuse(*args, **kwargs):
+        raise RuntimeError(_ORPHAN_MESSAGE)
+
+    _ORPHANS[module] = [module.register_forward_pre_hook(refuse), module.register_state_dict_pre_hook(refuse)]
+
+
+def forget_orphan(module: nn.Module) -> None:
+    for h in _ORPHANS.pop(module, ()):
+        h.remove()

@@ -1,0 +1,88 @@
+"""Stage 3's gather rounds: which bucket every rank gathers when (pure: data in, data out).
+
+Reads the layout and the modules' waits (prefetch.plan_forward_waits), talks to no process group; the
+sharded store (store.py) walks the rounds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from shardopt.layout import Layout
+from shardopt.prefetch import ForwardWait
+
+
+# Note [Stage-3 schedule]
+# -----------------------
+# At stage 3 a bucket's full parameters exist only while gathered. Which rank
+# runs which module can depend on the data (a branch, an MoE expert no token
+# reached), but every collective of a process group must be issued in the same
+# order on every rank. So module hooks never decide which gather comes next:
+# every rank walks one fixed schedule per pass and a hook only moves the walk
+# forward to the bucket it needs, then waits.
+#   forward round   the non-persistent buckets in the order the forward is
+#                   expected to need them (the gather order of Note [Gathering
+#                   in the next forward]: modules in registration order);
+#   backward round  the same buckets reversed, except that the root module's
+#                   own buckets (a head and final norm run after its stack)
+#                   come first.
+# A hook that needs bucket b issues every gather of the round up to b (plus
+# `prefetch` more, while fewer than `max_live` buckets are gathered), waits
+# for b, and uses it. A rank that skips a module merely issues that module's
+# gathers when a later module moves the walk past them; whatever the walk has
+# not reached when the pass ends (the root's forward returns, the backward's
+# final callback) is issued then, so each round is the whole schedule on every
+# rank and the next round starts in step. Releases are local and need no
+# agreement: in forward, a bucket is freed once every outermost module that
+# waits for it (not nested in another that does) has returned (`users`), or
+# when the forward ends; in backward, once all of its
+# parameters have their gradient, or when the backward ends. So the walk
+# never asks "is it free?" of a bucket that was gathered when its round began
+# (the seam a forward keeps for its backward): a rank that ran every module has
+# freed it once its gradients were in, one that skipped a module still holds
+# it, and a gather issued by the first alone would hang both. Such a bucket is
+# walked past; needed after it was freed, it takes the extra gather below.
+# The cost of never hanging is that a skipped module's bucket still crosses
+# the link. The limit: a module that needs a bucket *again* after it was freed
+# in the same pass (a module called twice, far apart) gets one extra gather,
+# issued after the rest of the round; that keeps ranks in step only if every
+# rank does it, as it does when the reuse is structural (weight sharing by
+# calling a module twice) rather than data-dependent.
+@dataclasses.dataclass(frozen=True)
+class Stage3Schedule:
+    """Gather rounds of stage 3 (Note [Stage-3 schedule]); pure, the same on every rank."""
+
+    forward: tuple[int, ...]
+    """Non-persistent buckets in the order every forward gathers them."""
+    backward: tuple[int, ...]
+    """The same buckets in the order every backward gathers them."""
+    users: tuple[int, ...]
+    """Per bucket: how many modules' forwards wait for it, not counting a module whose parent's forward
+    encloses it (a forward frees it after the last). nn.MultiheadAttention reads out_proj's weight without
+    calling out_proj: only the enclosing module's return says that its buckets are done with."""
+
+
+def plan_stage3_schedule(layout: Layout, waits: Sequence[ForwardWait]) -> Stage3Schedule:
+    """The rounds for a model whose modules wait as `waits` says (plan_forward_waits).
+
+    Forward: buckets in the order modules first wait for them. Backward: first
+    the root module's own buckets: the root runs its own layers around its
+    stacks, and the ones after them (a final norm, an LM head tied to the
+    embedding) are the first a backward needs; then everything else in reverse
+    forward order.
+    """
+    order: list[int] = []
+    users = [0] * len(layout.buckets)
+    outer: list[int] = []
+    for w in waits:
+        for b in w.buckets:
+            users[b] += not w.covered
+            if b not in order:
+                order.append(b)
+            if w.name == "" and b not in outer:
+                outer.append(b)
+    order += [b.index for b in layout.buckets if b.index not in order]
+    forward = tuple(b for b in order if not layout.buckets[b].persistent)
+    backward = tuple(b for b in outer if not layout.buckets[b].persistent)
+    backward += tuple(b for b in reversed(forward) if b not in backward)
+    return Stage3Schedule(forward=forward, backward=backward, users=tuple(users))
