@@ -39,6 +39,9 @@ class ParamStore:
     waits_in_backward: bool
     """Whether backward may wait for a staging buffer (stage 3 never does: Note [Stage 3 never waits in
     backward] in csrc/comm/bucket_engine.cpp)."""
+    shared_gather = None
+    """The gather after a step through shared memory on one host (parallel/shared_flat.SharedGather) where
+    the store uses one (stages 1-2, Note [Gathering through shared memory]), else None."""
     holds_whole: bool
     """Whether the model holds every parameter whole between uses. Where not (stage 3: a parameter is an
     empty tensor between uses), code that reads weights outside a forward needs full_params(), and an
