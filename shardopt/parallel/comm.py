@@ -125,9 +125,10 @@ def all_reduce(tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
             return
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as e:
-        msg = (f"shardopt: the {what} all-reduce failed on rank {dist.get_rank()}: {e}\nA peer rank has probably "
-               f"exited, crashed, lost its link, or is not running the same sequence of backward()/step() calls; "
-               f"see the other ranks' logs.")
+        # One line: launchers and log collectors keep the first line of an error (the cause follows the symptom).
+        msg = (f"shardopt: the {what} all-reduce failed on rank {dist.get_rank()}: {str(e).strip()} -- a peer rank "
+               f"has probably exited, crashed, lost its link, or is not running the same sequence of "
+               f"backward()/step() calls; see the other ranks' logs.")
         try:
             err = type(e)(msg)
         except Exception:  # noqa: BLE001 - an error type that takes no message
