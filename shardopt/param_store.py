@@ -9,8 +9,8 @@ use them:
               stage 1 also keeps full-size gradients in a flat buffer until the step.
   stage 3     each rank holds only its chunk of every bucket; a bucket's full parameters exist only
               while a module uses them (zero3/: the sharded store, its schedule, its module hooks).
-ShardedOptimizer's constructor picks the store once (`store_for`); from then on nothing asks which stage
-it is: the optimizer, ShardedDDP, the gradient sync and the publisher ask the store, and both stores
+ShardedOptimizer's constructor picks the store once (its one comparison of the stage); from then on
+nothing asks which stage it is: the optimizer, ShardedDDP, the gradient sync and the publisher ask the store, and both stores
 answer the same questions (the interface below). Planning the layout is the store's too: stage 3 cuts
 buckets at parameter boundaries and keeps tiny parameters gathered (Note [Stage-3 buckets hold whole
 parameters] in layout.py), stages 1-2 cut anywhere. So a new kind of store (parameters offloaded to the
@@ -58,8 +58,10 @@ class ParamStore:
     def attach(self, waits) -> None:
         """ShardedDDP knows the modules now (prefetch.plan_forward_waits)."""
 
-    def adopt(self, module: torch.nn.Module, param_init_fn=None) -> None:
-        """A ShardedDDP takes `module`: give it values where it has none (a meta-device model)."""
+    def adopt(self, module: torch.nn.Module, param_init_fn=None) -> bool:
+        """A ShardedDDP takes `module`: give it values where it has none (a meta-device model); returns whether
+        it did (the masters then take them)."""
+        return False
 
     def broadcast(self, src: int, group) -> None:
         """Rank 0's values of the managed parameters everywhere (at wrap time, as DDP does)."""
