@@ -14,8 +14,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from shardopt import _ext
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.optimizer import ShardedOptimizer
-from shardopt.prefetch import plan_forward_waits, plan_gather_order
-from shardopt.view import ModelWrapper
+from shardopt.prefetch import plan_gather_order
+from shardopt.view import ModelWrapper, let_go, wrapped_by
+from shardopt.weights.stream import init_for_pending, load_pending, pending_weights
 
 
 class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know it (Note [The optimizer's view])
@@ -38,8 +39,6 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
         if not isinstance(optimizer, ShardedOptimizer):
             raise TypeError(f"ShardedDDP needs a shardopt.ShardedOptimizer, got {type(optimizer).__name__}")
         store = optimizer.store
-        if store.adopt(module, param_init_fn):  # a meta-device model got its values (stage 3)
-            optimizer._load_master_from_model()
         self.module = module
         self.optimizer = optimizer
         self.broadcast_buffers = broadcast_buffers
@@ -71,7 +70,12 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
             + [f"buffer {n} {list(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
             + [f"broadcast_buffers={broadcast_buffers}"],
             "model's parameters and buffers", group)
-        waits = plan_forward_waits(module, optimizer._index, optimizer.layout)
+        pending = pending_weights(module)
+        if pending is not None and param_init_fn is None:
+            param_init_fn = init_for_pending(module)  # the file gives the values (shardopt.from_pretrained)
+        if store.adopt(module, param_init_fn):  # a meta-device model got its values (stage 3)
+            optimizer._load_master_from_model()
+        waits = store.forward_waits(module, optimizer._index, optimizer.layout)
         optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)), waits)
 
         # Rank 0's initial values everywhere, like DDP: the managed parameters as their store holds them (the
@@ -101,6 +105,9 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
             handles += self._install_gather_waits(waits)
             _wait_in_named_parameters(module, optimizer)
         self._orphans = [True]  # cleared by detach(), which gives the module its whole weights
+        wrapped_by(module, self)  # view.wrapper_of: load_weights / save_weights take the module too
+        if pending is not None:
+            load_pending(self, pending)  # a model shardopt.from_pretrained built: its weights, each rank its part
         self._finalizer = weakref.finalize(self, _detach, handles, optimizer, module, self._orphans)
 
     def detach(self) -> nn.Module:
@@ -113,6 +120,7 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
         """
         whole = self.optimizer.store.whole_copies()
         self._orphans[0] = False
+        let_go(self.module, self)
         self._finalizer()
         if whole is not None:
             with torch.no_grad():
@@ -391,6 +399,7 @@ def _wait_in_named_parameters(module: nn.Module, optimizer) -> None:
 def _detach(handles, optimizer, module, orphans) -> None:
     for h in handles:
         h.remove()
+    let_go(module)
     if _WAITING_MODULES.pop(module, None) is not None:
         module.__dict__.pop("named_parameters", None)
     optimizer._detach_model()

@@ -57,6 +57,7 @@ class FlatStore(ParamStore):
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
         self.chunks = [self.flat_param[slice(*b.chunk(rank))] for b in layout.buckets]
+        self.members, self.every_chunk = params, self.chunks  # frozen parameters stay whole at stages 1-2
         # Where each parameter must stay (Note [Parameters stay in the flat buffer] in optimizer.py).
         self._ptrs = [p.data_ptr() for p in params]
         # Stage 1: the params' .grad are views of one flat buffer; stage 2 keeps only this rank's chunks.

@@ -328,6 +328,23 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
                   nodes=nodes)
 
 
+def append_layout(first: Layout, second: Layout) -> Layout:
+    """`second`'s parameters and buckets after `first`'s, as one layout: their indices, groups and offsets
+    shifted past `first`'s (stage 3 shards frozen parameters in buckets after the trainable ones: Note
+    [Frozen parameters at stage 3] in zero3/store.py). `first`'s buckets and chunks are unchanged."""
+    if (first.world_size, first.nodes, first.whole_params) != (second.world_size, second.nodes, second.whole_params):
+        raise ValueError("append_layout: the layouts differ in world size, nodes or whole_params")
+    n_params, n_buckets, at = len(first.params), len(first.buckets), first.total_numel
+    groups = 1 + max((p.group for p in first.params), default=-1)
+    params = tuple(dataclasses.replace(p, index=p.index + n_params, offset=p.offset + at, group=p.group + groups)
+                   for p in second.params)
+    buckets = tuple(dataclasses.replace(b, index=b.index + n_buckets, start=b.start + at, group=b.group + groups,
+                                        params=tuple(i + n_params for i in b.params)) for b in second.buckets)
+    spans = tuple(dataclasses.replace(s, bucket=s.bucket + n_buckets) for s in second.gather_spans)
+    return dataclasses.replace(first, params=first.params + params, buckets=first.buckets + buckets,
+                               gather_spans=first.gather_spans + spans, total_numel=at + second.total_numel)
+
+
 def plan_launch_order(layout: Layout, positions: Sequence[int]) -> tuple[int, ...]:
     """Bucket indices in the order every rank launches their reduce-scatters.
 

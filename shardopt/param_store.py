@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from shardopt.layout import Layout
+from shardopt.prefetch import plan_forward_waits
 
 
 class ParamStore:
@@ -48,6 +49,15 @@ class ParamStore:
     in-place edit outside it does nothing, so it is refused where seen (Note [Weights edited in place] in
     optimizer.py)."""
 
+    members: list
+    """Every parameter the store holds: the optimizer's first (members[j] is layout.params[j]), then at stage 3
+    the frozen ones it shards (Note [Frozen parameters at stage 3] in zero3/store.py)."""
+    every_chunk: list
+    """This rank's chunk of every bucket of `layout` (the optimizer's `chunks`, then stage 3's frozen ones)."""
+    layout: Layout
+    """The layout of `members` (the optimizer's, then stage 3's frozen buckets after it)."""
+    rank: int
+
     @classmethod
     def plan(cls, names: list, world_size: int, config, sizes: tuple[int, int], replicas: int,
              nodes: int, params: list) -> Layout:
@@ -57,6 +67,11 @@ class ParamStore:
     # -------------------------------------------------------------- life cycle
     def attach(self, waits) -> None:
         """ShardedDDP knows the modules now (prefetch.plan_forward_waits)."""
+
+    def forward_waits(self, module: torch.nn.Module, index: dict, layout: Layout) -> list:
+        """The buckets each module's forward waits for (prefetch.plan_forward_waits over the optimizer's
+        parameters, `index`: id -> position in `layout`; stage 3 adds its frozen buckets)."""
+        return plan_forward_waits(module, index, layout)
 
     def adopt(self, module: torch.nn.Module, param_init_fn=None) -> bool:
         """A ShardedDDP takes `module`: give it values where it has none (a meta-device model); returns whether
@@ -108,6 +123,34 @@ class ParamStore:
     def gathered(self, writeback: bool = True) -> contextlib.AbstractContextManager:
         """Every parameter whole on this rank inside the block (a collective); full_params()."""
         return contextlib.nullcontext()
+
+    # ------------------------------------------------------ weights in and out
+    def local_parts(self, index: int) -> list:
+        """Where this rank holds member `index` between steps: [(lo, hi, view)], its flattened elements
+        [lo, hi) in this rank's chunks, the views writable. A load writes them and the optimizer publishes
+        (Note [Weights streamed in and out] in weights/stream.py)."""
+        if getattr(self, "_holding", None) is None:
+            self._holding = [[] for _ in self.layout.params]
+            for b in self.layout.buckets:
+                for i in b.params:
+                    self._holding[i].append(b.index)
+        slot, out = self.layout.params[index], []
+        for b in self._holding[index]:
+            bucket = self.layout.buckets[b]
+            cs, ce = bucket.chunk(self.rank)
+            s, e = max(cs, slot.offset), min(ce, slot.end)
+            if s < e:
+                out.append((s - slot.offset, e - slot.offset, self.every_chunk[b][s - cs:e - cs]))
+        return out
+
+    def stream(self, indices):
+        """Members `indices` whole, (index, value) one after the other; at stage 3 gathered bucket by bucket
+        (each value a copy), a collective every rank iterates to its end."""
+        for i in indices:
+            yield i, self.members[i].detach()
+
+    def after_load(self) -> None:
+        """A load wrote local_parts() and the optimizer published: what else the model must take."""
 
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds now (memory_stats()["params"])."""

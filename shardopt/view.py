@@ -30,6 +30,8 @@ import it (tests/test_imports.py: no room below the engine imports ShardedOptimi
 """
 from __future__ import annotations
 
+import weakref
+
 
 def _forward(name: str, doc: str) -> property:
     """A read-only property reading the optimizer's attribute `name` at each access."""
@@ -65,6 +67,7 @@ class OptimizerView:
     loss_scaler = _forward("loss_scaler", "The LossScaler, or None.")
     onebit = _forward("onebit", "OneBitAdam's OneBitStep (onebit.py), or None.")
     engine = _forward("engine", "The bucket engine, or None until a ShardedDDP attaches.")
+    store = _forward("store", "The parameter store (param_store.ParamStore: members, local_parts, stream).")
 
     # ------------------------------------------------------------------ where
     sharding = _forward("sharding", "The resolved groups (Note [Hybrid sharding] in mesh_plan.py).")
@@ -98,6 +101,10 @@ class OptimizerView:
         """Every rank's master chunks into the model (a collective): after a load wrote the masters."""
         self._opt._publish_params()
 
+    def load_master_from_model(self) -> None:
+        """The master chunks take the model's values (after a load wrote the store's local parts)."""
+        self._opt._load_master_from_model()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """ShardedOptimizer.zero_grad: gradients accumulated before a load belong to other weights."""
         self._opt.zero_grad(set_to_none)
@@ -116,6 +123,30 @@ class ModelWrapper:
     """Marker base of shardopt.ShardedDDP (Note [The optimizer's view]): `module` is the model it wraps,
     `optimizer` the ShardedOptimizer it feeds. Rooms below the engine ask isinstance(m, ModelWrapper)
     instead of importing ShardedDDP."""
+
+
+_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def wrapped_by(module, wrapper) -> None:
+    """ShardedDDP `wrapper` took `module`."""
+    _WRAPPERS[module] = weakref.ref(wrapper)
+
+
+def let_go(module, wrapper=None) -> None:
+    """`wrapper` let go of `module` (detach()); None: a wrapper was dropped, so forget a dead entry only (a
+    newer wrapper may have taken the module meanwhile)."""
+    ref = _WRAPPERS.get(module)
+    if ref is not None and ref() is wrapper:
+        del _WRAPPERS[module]
+
+
+def wrapper_of(model):
+    """The live ShardedDDP of `model` (itself if it is one), or None: for calls that take either."""
+    if isinstance(model, ModelWrapper):
+        return model
+    ref = _WRAPPERS.get(model) if model is not None else None
+    return ref() if ref is not None else None
 
 
 def view_of(optimizer) -> OptimizerView:

@@ -329,12 +329,15 @@ def _whole_weights(rank, world_size):
         lazy = StackNet()
     opt = shardopt.ShardedOptimizer(lazy.parameters(), optim=torch.optim.AdamW, stage=3, reduce_bucket_size=300)
     wrapper = shardopt.ShardedDDP(lazy, opt)
-    out = {"total": opt.layout.total_numel * 4, "peak_at_build": opt.store.peak_live}
+    # Trainable and frozen parameters (StackNet has a frozen layer: sharded too, Note [Frozen parameters at
+    # stage 3]); the store's layout holds both once the wrapper took the module.
+    out = {"total": opt.store.layout.total_numel * 4, "trainable": opt.layout.total_numel * 4,
+           "peak_at_build": opt.store.peak_live}
     # A meta-device model built shard by shard gets the values an eager build gets (same seed).
     sd = wrapper.module.state_dict()                      # whole, copies (a collective)
     out["state_dict vs eager"] = [k for k, v in eager.state_dict().items() if not torch.equal(v, sd[k])]
     out["freed after state_dict"] = opt.store.live_bytes()
-    out["between uses"] = [tuple(p.shape) for p in lazy.parameters() if p.requires_grad]
+    out["between uses"] = [tuple(p.shape) for p in lazy.parameters()]  # frozen ones too
     # load_state_dict writes every rank's chunk; full_params(writeback) too (an EMA-style write).
     new = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
     wrapper.module.load_state_dict(new)
@@ -371,7 +374,8 @@ def test_meta_init_state_dicts_and_full_params():
         assert out["after load"] == [], out["after load"]
         assert out["writeback"] and out["no writeback"]
         assert out["param_init_fn"]
-        # Between steps a rank holds its chunks only: a half of the padded model at 2 ranks.
+        # Between steps a rank holds its chunks only: a half of the padded model at 2 ranks, frozen layer included.
+        assert out["total"] > out["trainable"], out
         assert out["stats"]["params"] == out["total"] // 2, out["stats"]
 
 

@@ -60,7 +60,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardopt.checkpoint.save_load import _agree_or_undo, _check_pair, _unwrap, describe_model
+from shardopt.checkpoint.save_load import _agree_or_undo, _check_pair, _unwrap, describe_model, other_values, put_other
 from shardopt.checkpoint.source import PARAM
 from shardopt.checkpoint.files import CheckpointError
 from shardopt.checkpoint.pieces import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
@@ -227,9 +227,14 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     # Only what this rank holds (Note [How ZeRO-1/2 state is described to DCP]).
     masters = {j: sharded(j, [opt.piece_params[i] for _, _, i in mine[j]]) for j in mine}
     model_sd = {}
+    # Frozen parameters stage 3 shards (Note [Frozen parameters at stage 3]): whole copies here, as FSDP2's full
+    # state dict holds them (gathered bucket by bucket, but each rank keeps every copy until DCP writes).
+    held = {k: v.clone() for k, v in other_values(opt, info) if k in info.held}
     for k, v in module.state_dict(keep_vars=True).items():
         j = index.get(id(v))
-        if j is None:
+        if k in held:
+            model_sd[k] = held[k]
+        elif j is None:
             model_sd[k] = v.detach()
         elif j in masters:
             model_sd[k] = masters[j]
@@ -326,8 +331,8 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
             others = {}
             for k, (t, _) in info.others.items():
                 v = model_state_dict[k]
-                if tuple(v.shape) != tuple(t.shape):
-                    raise CheckpointError(f"{k!r}: shape {tuple(v.shape)} in the state dict, {tuple(t.shape)} here")
+                if tuple(v.shape) != info.shapes[k]:
+                    raise CheckpointError(f"{k!r}: shape {tuple(v.shape)} in the state dict, {info.shapes[k]} here")
                 others[k] = v
         if optim_state_dict is not None:
             hyper = _install_optim(opt, info, optim_state_dict, swap)
@@ -342,13 +347,14 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
             if values.data_ptr() != opt.piece_params[i].data_ptr():
                 opt.piece_params[i].copy_(values)
         for k, v in (others or {}).items():
-            info.others[k][0].copy_(v)
+            put_other(opt, info, k, v)
     forget_consolidated(opt)
     opt.zero_grad()
     if hyper is not None and opt.onebit is not None:
         from shardopt.checkpoint.optim_state import onebit_after_load
         onebit_after_load(opt, optim_state_dict.get("onebit"), "set_state_dict", "DCP state dict")
     opt.publish_params()
+    opt.store.after_load()
 
 
 def _install_optim(opt, info, sd: dict, swap: InnerStateSwap) -> list:

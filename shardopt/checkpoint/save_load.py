@@ -86,6 +86,12 @@ class ModelInfo:
     """Per optimizer param group: the names of its parameters (None if not in the model)."""
     keys: tuple[str, ...]
     """The model's state_dict keys, in order."""
+    held: dict = dataclasses.field(default_factory=dict)
+    """Name -> store member index, for the `others` the parameter store holds sharded (stage 3's frozen
+    parameters: Note [Frozen parameters at stage 3] in zero3/store.py): an empty tensor here between uses,
+    read with other_values() and written with put_other()."""
+    shapes: dict = dataclasses.field(default_factory=dict)
+    """Name -> shape of every `others` entry (a held one's from the store's layout)."""
 
 
 def _unwrap(model) -> nn.Module:
@@ -139,8 +145,36 @@ def describe_model(module: nn.Module, opt) -> ModelInfo:
         others[k] = (v, "frozen" if isinstance(v, nn.Parameter) else "buffer")
     group_names = tuple(tuple(by_id[id(p)][0] if id(p) in by_id else None for p in g["params"])
                         for g in opt.param_groups)
+    members = {id(p): i for i, p in enumerate(opt.store.members)}
+    held = {k: members[id(t)] for k, (t, _) in others.items() if id(t) in members}
+    shapes = {k: tuple(opt.store.layout.params[held[k]].shape) if k in held else tuple(t.shape)
+              for k, (t, _) in others.items()}
     return ModelInfo(names=tuple(names), aliases={k: list(v) for k, v in aliases.items()}, others=others,
-                     group_names=group_names, keys=tuple(state))
+                     group_names=group_names, keys=tuple(state), held=held, shapes=shapes)
+
+
+def other_values(opt, info: ModelInfo):
+    """(name, value) of every `others` entry, the held ones gathered bucket by bucket (a collective: every
+    rank walks it to its end); a value is valid until the next."""
+    held = {i: k for k, i in info.held.items()}
+    for i, value in opt.store.stream(sorted(held)):
+        yield held[i], value
+    for k, (t, _) in info.others.items():
+        if k not in info.held:
+            yield k, t
+
+
+@torch.no_grad()
+def put_other(opt, info: ModelInfo, name: str, values: torch.Tensor) -> None:
+    """A loaded frozen parameter or buffer into the model: a held one's parts of this rank (then
+    opt.store.after_load(), once the optimizer published)."""
+    i = info.held.get(name)
+    if i is None:
+        info.others[name][0].copy_(values)
+        return
+    flat = values.reshape(-1)
+    for lo, hi, view in opt.store.local_parts(i):
+        view.copy_(flat[lo:hi])
 
 
 # ----------------------------------------------------------- rank agreement
@@ -227,11 +261,34 @@ def _write_rank_file(partial: str, opt, info: ModelInfo) -> tuple[str, dict, lis
     return name, entry, sorted(steps)
 
 
-def _write_rank0_files(partial: str, info: ModelInfo, extra) -> dict:
-    """Frozen parameters, buffers and `extra`: what only rank 0 writes."""
-    w = RecordWriter(os.path.join(partial, MODEL_FILE))
-    model_state = {k: {"kind": kind, "tensor": w.add(t)} for k, (t, kind) in info.others.items()}
-    out = {"model_state": model_state, "files": {MODEL_FILE: w.close()}, "extra": None}
+def _write_model_state(partial: str, opt, info: ModelInfo) -> dict | None:
+    """Frozen parameters and buffers, written by rank 0; every rank walks other_values() with it (the frozen
+    parameters stage 3 shards are gathered bucket by bucket), whatever happens to rank 0's writes."""
+    w = error = None
+    if opt.rank == 0:
+        try:
+            w = RecordWriter(os.path.join(partial, MODEL_FILE))
+        except Exception as e:  # noqa: BLE001 - raised after the walk
+            error = e
+    model_state = {}
+    for k, t in other_values(opt, info):
+        if w is not None and error is None:
+            try:
+                model_state[k] = {"kind": info.others[k][1], "tensor": w.add(t)}
+            except Exception as e:  # noqa: BLE001 - the other ranks are still gathering: keep walking
+                error = e
+    if error is not None:
+        if w is not None:
+            w.abort()
+        raise error
+    if w is None:
+        return None
+    return {"model_state": {k: model_state[k] for k in info.others}, "files": {MODEL_FILE: w.close()}}
+
+
+def _write_rank0_files(partial: str, written: dict, extra) -> dict:
+    """The model state written (_write_model_state) and `extra`: what only rank 0 writes."""
+    out = {"model_state": written["model_state"], "files": dict(written["files"]), "extra": None}
     if extra is not None:
         buf = io.BytesIO()
         torch.save(extra, buf)
@@ -332,8 +389,12 @@ def _save(path: str, model, opt, extra, tag: str | None, share=None) -> str:
         others = share(partial) if share is not None else {}
         name, entry, steps = _write_rank_file(partial, opt, info)
         mine = {"files": {name: entry, **others}, "steps": steps}
-        if opt.rank == 0:
-            mine["rank0"] = _write_rank0_files(partial, info, extra)
+    except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
+        mine = {"error": f"rank {opt.rank}: {type(e).__name__}: {e}"}
+    try:
+        written = _write_model_state(partial, opt, info)  # every rank walks it (stage 3 gathers frozen buckets)
+        if opt.rank == 0 and "error" not in mine:
+            mine["rank0"] = _write_rank0_files(partial, written, extra)
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
         mine = {"error": f"rank {opt.rank}: {type(e).__name__}: {e}"}
     everyone = [mine]
@@ -486,7 +547,7 @@ def _mismatch(src: Source, info: ModelInfo, opt) -> str | None:
     saved = {n: ("trainable", tuple(v["shape"])) for n, v in src.params.items()}
     saved.update(src.model_state)
     here = {n: ("trainable", tuple(s.shape)) for n, s in zip(info.names, opt.layout.params)}
-    here.update({n: (kind, tuple(t.shape)) for n, (t, kind) in info.others.items()})
+    here.update({n: (kind, info.shapes[n]) for n, (t, kind) in info.others.items()})
 
     def some(xs):
         xs = sorted(xs)
@@ -588,7 +649,7 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
         for i, values in staged.masters.items():
             opt.piece_params[i].copy_(values)
         for name, values in staged.others.items():
-            info.others[name][0].copy_(values)
+            put_other(opt, info, name, values)
     scaler = opt.loss_scaler
     if scaler is not None and staged.scaler is not None:
         scaler.load_state_dict(staged.scaler)
@@ -598,4 +659,5 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
     if opt.onebit is not None:
         opt.onebit.after_load(staged.onebit)  # steps taken: from the loaded optimizer state
     opt.publish_params()
+    opt.store.after_load()
     return staged.extra

@@ -64,8 +64,9 @@ model outside training steps, and what changes for it:
     that calls model.generate() on every rank passes it too.
   * save_model() (also called for every `checkpoint-N` folder) would have rank
     0 alone read model.state_dict(), which at stage 3 is a collective. Here
-    every rank gathers the whole weights (opt.full_params) and rank 0 writes
-    them with save_pretrained, as DeepSpeed's
+    the weights are streamed bucket by bucket into the Hugging Face layout
+    save_pretrained writes (shardopt.save_weights: no rank ever holds the whole
+    model; a PEFT model writes its adapters as PEFT does), as DeepSpeed's
     stage3_gather_16bit_weights_on_model_save does: `gather_weights_on_save`,
     true by default, and the config key's value (DeepSpeed's default false)
     when a DeepSpeed config is given. False: save_model() writes shardopt's
@@ -90,6 +91,8 @@ from shardopt.deepspeed_config import translate
 from shardopt.integrations.hf_config import check_scheduler, deepspeed_lr_lambda, resolve_auto, split_config
 from shardopt.elementwise import check_elementwise
 from shardopt.optimizer import ShardedOptimizer
+from shardopt.weights.names import peft_adapters
+from shardopt.weights.stream import save_weights
 
 try:
     import transformers
@@ -284,6 +287,16 @@ class ShardedTrainer(Trainer):
             return None
         return opt
 
+    def _save_adapters(self, opt, output_dir: str) -> None:
+        """A PEFT model at stage 3: its adapters (the trainable parameters, small) gathered, written as PEFT
+        writes them (adapter_model.safetensors + adapter_config.json, which PeftModel.from_pretrained loads)."""
+        view = opt.view
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        state = {names[id(view.store.members[i])]: value
+                 for i, value in view.store.stream(range(len(view.params))) if id(view.store.members[i]) in names}
+        if self.args.should_save:
+            self.model.save_pretrained(output_dir, state_dict=state)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """As Trainer.save_model; at stage 3 every rank must call it (Note [ShardedTrainer at stage 3])."""
         opt = self._stage3()
@@ -291,12 +304,15 @@ class ShardedTrainer(Trainer):
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if self.gather_weights_on_save:
-            with opt.full_params(writeback=False):
-                if self.args.should_save:
-                    # Inside full_params the parameters are whole on every rank: rank 0 reads them without a
-                    # collective, and without copies (keep_vars; tied weights stay one tensor).
-                    state = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
-                    self._save(output_dir, state_dict=state)
+            # Streamed, bucket by bucket: no rank holds the whole model (Note [Weights streamed in and out]).
+            if peft_adapters(self.model) is not None:
+                self._save_adapters(opt, output_dir)
+            else:
+                save_weights(self.model_wrapped, output_dir)
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
         elif _internal_call:
             # A checkpoint folder: its shardopt/ sub-folder (written next) holds the weights.
             if self.args.should_save and hasattr(self.model, "config"):

@@ -68,11 +68,22 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
     def needer(buckets):
         return lambda mod, args: shard.need(buckets)
 
+    def frozen_needer(buckets, frozen):  # Note [Frozen parameters at stage 3] in store.py
+        def hook(mod, args, kwargs):
+            shard.need(buckets)
+            if torch.is_grad_enabled():
+                return shard.after_backward(frozen, args, kwargs)
+        return hook
+
     def reporter(buckets):
         return lambda mod, args, out: shard.forward_done(id(mod), buckets)
 
     for w in waits:
-        handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
+        frozen = tuple(b for b in w.buckets if shard.frozen_bucket(b))
+        if frozen and not w.covered:
+            handles.append(w.module.register_forward_pre_hook(frozen_needer(w.buckets, frozen), with_kwargs=True))
+        else:
+            handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
         if not w.covered:  # its parent's return reports these buckets (prefetch.ForwardWait.covered)
             handles.append(w.module.register_forward_hook(reporter(w.buckets)))
 

@@ -50,10 +50,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from shardopt.layout import Layout, plan_layout
+from shardopt.layout import Layout, append_layout, plan_layout
 from shardopt.param_store import ParamStore
 from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
+from shardopt.prefetch import plan_forward_waits
 from shardopt.zero3 import hooks
 from shardopt.zero3.schedule import Stage3Schedule, plan_stage3_schedule
 
@@ -90,6 +91,21 @@ class _Round:
         self.users = list(users)         # forward: modules still to run per bucket
         self.ran: set[int] = set()       # forward: ids of the modules that ran (first call counts)
         self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a module's inputs; its backward (the module's input gradients are done) tells the
+    store (Note [Frozen parameters at stage 3])."""
+
+    @staticmethod
+    def forward(ctx, store, buckets, *inputs):
+        ctx.store, ctx.buckets = store, buckets
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.store.backward_done(ctx.buckets)
+        return (None, None) + grads
 
 
 class ShardedStore(ParamStore):
@@ -134,29 +150,24 @@ class ShardedStore(ParamStore):
             self.node_group, self.across_group = two_level_groups(nodes, process_group)
         else:
             self.group = copy_group(process_group) if self.world_size > 1 else process_group
-        # Where this rank's chunk lies inside each bucket (Bucket.chunk knows the node-aware order).
-        self._lo = [b.chunk(rank)[0] - b.start for b in layout.buckets]
-        offsets = layout.chunk_offsets()
-        self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
-        self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
-        # Full storage of every bucket, allocated only while gathered: empty from the start, so that not
-        # even construction holds the whole model.
-        self.views: list = [torch.empty(s.shape, dtype=self.dtype, device=self.device) if not s.numel else None
-                            for s in layout.params]
-        self.bucket_params: list[list[int]] = [[] for _ in layout.buckets]
-        self._bucket_of_param: list[list[int]] = [[] for _ in params]  # whole parameters: one bucket each
-        self.full, self._comm = [], []
-        for b in layout.buckets:  # one at a time: the views are made, then the storage goes
-            full = torch.empty(b.numel, dtype=self.dtype, device=self.device)
-            self.full.append(full)
-            self._comm.append(torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                full.untyped_storage(), 0, (b.numel,)))
-            self._views_of(b)
-            full.untyped_storage().resize_(0)
-        self._bucket_of_storage = {f.untyped_storage()._cdata: b for b, f in enumerate(self.full)}
-        self.placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.members = list(params)  # every parameter held: the trainable ones, then frozen ones (adopt)
+        self.trainable_buckets = len(layout.buckets)  # buckets from here on hold frozen parameters
+        self.persistence_threshold = config.param_persistence_threshold
+        self._empty: dict = {}  # dtype -> the one empty tensor freed parameters of that dtype hold
+        self.placeholder = self._empty_of(self.dtype)
         self._empty_storage = self.placeholder.untyped_storage()._cdata
-        self.state = [FREE] * len(layout.buckets)
+        self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
+        offsets = layout.chunk_offsets()
+        self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
+        self.every_chunk = list(self.chunks)  # every bucket's, frozen ones included (chunks: the optimizer's)
+        self.frozen_shard_bytes = 0
+        self.views: list = []
+        self._lo, self.full, self._comm, self.state, self.owed = [], [], [], [], []
+        self.bucket_params: list[list[int]] = []
+        self._bucket_of_param: list[list[int]] = []  # whole parameters: one bucket each
+        self._bucket_of_storage: dict = {}
+        self._add_buckets(layout.buckets, self.dtype)
+        self.held: set = set()  # frozen buckets some forward used with no input needing a gradient
         self.handles: dict[int, object] = {}
         self.schedule: Stage3Schedule | None = None  # set when ShardedDDP attaches (it knows the modules)
         self._seam: frozenset = frozenset()  # Note [The seam between forward and backward]
@@ -165,43 +176,69 @@ class ShardedStore(ParamStore):
         self.num_gathers = 0
         self.live = 0  # bytes of full storage held now
         self.peak_live = 0  # the most `live` has been since construction (or reset_peak())
-        self._shard_from_params(world_group)
+        self._world = world_group
+        self.on_meta = None  # set by the first values taken
+        self._shard_values(range(len(params)), layout.buckets)
         self.reset_peak()
 
-    def _views_of(self, bucket) -> None:
-        """Every parameter of `bucket` as a view of its full storage (made while that storage exists)."""
-        full = self.full[bucket.index]
-        for i in bucket.params:
-            slot = self.layout.params[i]
-            s = slot.offset - bucket.start
-            self.views[i] = full[s:s + slot.numel].view(slot.shape)
-            self.bucket_params[bucket.index].append(i)
-            self._bucket_of_param[i].append(bucket.index)
+    def _empty_of(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._empty:
+            self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return self._empty[dtype]
+
+    def _add_buckets(self, buckets, dtype: torch.dtype) -> None:
+        """Storage for `buckets` (of self.layout), of `dtype`: each parameter a view of its bucket's full
+        storage, made while that storage exists; then the storage goes, so that not even construction holds
+        the whole model."""
+        for slot in self.layout.params[len(self.views):]:
+            self.views.append(torch.empty(slot.shape, dtype=dtype, device=self.device) if not slot.numel else None)
+            self._bucket_of_param.append([])
+        for b in buckets:
+            self._lo.append(b.chunk(self.rank)[0] - b.start)
+            full = torch.empty(b.numel, dtype=dtype, device=self.device)
+            self.full.append(full)
+            self._comm.append(torch.empty(0, dtype=dtype, device=self.device).set_(
+                full.untyped_storage(), 0, (b.numel,)))
+            self.bucket_params.append([])
+            for i in b.params:
+                slot = self.layout.params[i]
+                s = slot.offset - b.start
+                self.views[i] = full[s:s + slot.numel].view(slot.shape)
+                self.bucket_params[b.index].append(i)
+                self._bucket_of_param[i].append(b.index)
+            full.untyped_storage().resize_(0)
+            self._bucket_of_storage[full.untyped_storage()._cdata] = b.index
+            self.state.append(FREE)
+            self.owed.append(0)
 
     def _buckets_of(self, index: int) -> list:
         return self._bucket_of_param[index]
 
     # ------------------------------------------------------------ construction
     @torch.no_grad()
-    def _shard_from_params(self, world_group) -> None:
-        """Rank 0's values of every bucket (as DDP broadcasts them); this rank keeps its chunk.
+    def _shard_values(self, members: range, buckets) -> None:
+        """Rank 0's values of `buckets` (as DDP broadcasts them); this rank keeps its chunk.
 
-        Parameters on the meta device have no values yet: every bucket starts
+        Parameters on the meta device have no values yet: their buckets start
         freed and `materialize` fills them, bucket by bucket (Note [Meta-device
         models])."""
-        self._world = world_group
-        self.on_meta = any(p.is_meta for p in self.params)
+        params = [self.members[i] for i in members]
+        on_meta = [p.is_meta for p in params]
+        if any(on_meta) and not all(on_meta) or (params and self.on_meta is not None and on_meta[0] != self.on_meta):
+            raise ValueError("stage 3 found some parameters on the meta device and others not: build the whole "
+                             "model on the meta device (or none of it) before wrapping it")
+        self.on_meta = bool(on_meta) and on_meta[0]
         if self.on_meta:  # a meta tensor cannot take real storage through .data; its contents can be swapped
-            for i, p in enumerate(self.params):
-                torch.utils.swap_tensors(p, torch.nn.Parameter(self.placeholder, requires_grad=p.requires_grad))
-        for slot in self.layout.params:
-            if not slot.numel:  # in no bucket: it keeps a (empty) tensor of its own
-                self.params[slot.index].data = self.views[slot.index]
-        for b in self.layout.buckets if not self.on_meta else ():
+            for p in params:
+                torch.utils.swap_tensors(p, torch.nn.Parameter(self._empty_of(p.dtype), requires_grad=p.requires_grad))
+        for i in members:
+            if not self.layout.params[i].numel:  # in no bucket: it keeps a (empty) tensor of its own
+                self.members[i].data = self.views[i]
+        for b in buckets if not self.on_meta else ():
             self._allocate(b.index, views=False)
             self.full[b.index].zero_()  # padding
             for i in self.bucket_params[b.index]:
-                self.views[i].copy_(self.params[i].detach())
+                self.views[i].copy_(self.members[i].detach())
             self._show(b.index)
             self._publish_full(b.index)
 
@@ -211,7 +248,7 @@ class ShardedStore(ParamStore):
         if dist.get_world_size(self._world) > 1:
             dist.broadcast(full, dist.get_global_rank(self._world, 0), group=self._world)
         lo = self._lo[b]
-        self.chunks[b].copy_(full[lo:lo + bucket.chunk_numel])
+        self.every_chunk[b].copy_(full[lo:lo + bucket.chunk_numel])
         self.reshard(b)
 
     # Note [Meta-device models]
@@ -229,16 +266,18 @@ class ShardedStore(ParamStore):
     # param_init_fn(module), if given, replaces reset_parameters() (a model whose
     # own constructor re-initialises weights, as GPT-2's std 0.02, says so in it).
     # Parameters of modules without either start at zero (a warning names them):
-    # load a checkpoint into them. Frozen parameters and buffers are not sharded:
-    # they get real storage here and ShardedDDP broadcasts rank 0's.
+    # load a checkpoint into them (shardopt.load_weights). Frozen parameters are
+    # sharded like the rest (Note [Frozen parameters at stage 3]); buffers, and
+    # parameters the store does not hold (integer ones), get real storage here and
+    # ShardedDDP broadcasts rank 0's.
     @torch.no_grad()
     def materialize(self, model: torch.nn.Module, param_init_fn=None) -> None:
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = {id(p): i for i, p in enumerate(self.members)}
         left = [len(members) for members in self.bucket_params]
         done: set[int] = set()
         zeroed = []
         for name, mod in model.named_modules():
-            unsharded = False  # a frozen parameter or a buffer of this module was on the meta device
+            unsharded = False  # a buffer (or a parameter the store does not hold) was on the meta device
             for key, buf in list(mod._buffers.items()):
                 if buf is not None and buf.is_meta:
                     mod._buffers[key] = torch.zeros_like(buf, device=self.device)
@@ -258,11 +297,11 @@ class ShardedStore(ParamStore):
                     self.full[b].zero_()
             # Tied to a parameter an earlier module initialised: keep that value (in a scratch tensor if its
             # bucket is already published and freed).
-            kept = {i: self.params[i].detach().clone() if self.state[self._buckets_of(i)[0]] == LIVE
+            kept = {i: self.members[i].detach().clone() if self.state[self._buckets_of(i)[0]] == LIVE
                     else None for i in mine if i in done}
             for i, value in kept.items():
                 if value is None:
-                    self.params[i].data = torch.empty(self.views[i].shape, dtype=self.dtype, device=self.device)
+                    self.members[i].data = torch.empty_like(self.views[i])
             reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)  # MHA
             if param_init_fn is not None:
                 param_init_fn(mod)
@@ -273,7 +312,7 @@ class ShardedStore(ParamStore):
                            if p is not None and (id(p) not in index or index[id(p)] in fresh)]
             for i, value in kept.items():
                 if value is None:
-                    self.params[i].data = self.placeholder
+                    self.members[i].data = self._empty_of(self.views[i].dtype)
                 else:
                     self.views[i].copy_(value)
             done.update(fresh)
@@ -306,7 +345,7 @@ class ShardedStore(ParamStore):
 
     def _show(self, b: int) -> None:
         for i in self.bucket_params[b]:
-            self.params[i].data = self.views[i]
+            self.members[i].data = self.views[i]
 
     def start_gather(self, b: int) -> None:
         """Starts gathering bucket b into freshly allocated storage."""
@@ -319,9 +358,9 @@ class ShardedStore(ParamStore):
         """Starts every rank's chunk of bucket b into its full storage (through `_comm`): flat, or in two
         levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
         if self.nodes is not None:
-            return comm.start_two_level_all_gather(self.chunks[b], self._comm[b], self.node_group,
+            return comm.start_two_level_all_gather(self.every_chunk[b], self._comm[b], self.node_group,
                                                    self.across_group, impl=self.impl)
-        return comm.start_all_gather(self.chunks[b], self._comm[b], group=self.group, impl=self.impl)
+        return comm.start_all_gather(self.every_chunk[b], self._comm[b], group=self.group, impl=self.impl)
 
     def finish_gather(self, b: int) -> None:
         t0 = time.perf_counter()
@@ -335,8 +374,9 @@ class ShardedStore(ParamStore):
             self.finish_gather(b)  # never free memory a collective is still writing
         if self.state[b] == FREE or (self.layout.buckets[b].persistent and not even_persistent):
             return
+        empty = self._empty_of(self.full[b].dtype)
         for i in self.bucket_params[b]:
-            self.params[i].data = self.placeholder
+            self.members[i].data = empty
         self.full[b].untyped_storage().resize_(0)
         self.live -= self.full[b].numel() * self.full[b].element_size()
         self.state[b] = FREE
@@ -367,9 +407,12 @@ class ShardedStore(ParamStore):
         and backward])."""
         if self.round is None or self.round.kind is not Pass.FORWARD:
             return
-        self._finish_round_gathers()
         keep_all = grad_enabled and not self.reshard_after_forward
         seam = self._seam if grad_enabled else ()
+        if keep_all:
+            self._finish_round_gathers()
+        else:
+            self._drain_round(keep=seam)
         for b in range(len(self.full)):
             if keep_all or b in seam:
                 if self.state[b] == GATHERING:
@@ -382,7 +425,7 @@ class ShardedStore(ParamStore):
     def _begin_backward(self) -> None:
         order = self.schedule.backward if self.reshard_after_forward else ()
         self.round = self._new_round(Pass.BACKWARD, order)
-        self.round.pending = {b: len(self.bucket_params[b]) for b in order}
+        self.round.pending = {b: len(self.bucket_params[b]) for b in order if b < self.trainable_buckets}
         if torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -400,10 +443,24 @@ class ShardedStore(ParamStore):
             self.end_backward()
 
     def _close_round(self) -> None:
-        self._finish_round_gathers()
+        self._drain_round()
         for b in range(len(self.full)):
             self.reshard(b)
+        if self.round.kind is Pass.BACKWARD:
+            self._forget_owed()
         self.round = None
+
+    def _drain_round(self, keep=()) -> None:
+        """The round's gathers no module asked for (a skipped module's, a frozen layer's that no backward
+        reaches), each freed once it arrives unless in `keep`: at most one such bucket at a time, not the
+        rest of the model at once."""
+        r = self.round
+        while r.pos < len(r.order):
+            b = r.order[r.pos]
+            was_free = self.state[b] == FREE
+            self._issue_position()
+            if was_free and b not in keep:
+                self.reshard(b)
 
     def _finish_round_gathers(self) -> None:
         r = self.round
@@ -517,10 +574,90 @@ class ShardedStore(ParamStore):
 
     def adopt(self, module: torch.nn.Module, param_init_fn=None) -> bool:
         hooks.forget_orphan(module)  # a module whose last wrapper was dropped (Note [Orphaned stage-3 modules])
+        self._take_frozen(module)    # Note [Frozen parameters at stage 3]
         if not self.on_meta:
             return False
         self.materialize(module, param_init_fn)  # Note [Meta-device models]
         return True
+
+    # Note [Frozen parameters at stage 3]
+    # -----------------------------------
+    # A frozen parameter (requires_grad=False: a LoRA model's base, a frozen encoder) is most of the model
+    # exactly when the model does not fit, so stage 3 shards it like the trainable ones: the first
+    # ShardedDDP to take the module plans buckets for the frozen floating-point parameters it finds (one
+    # region per dtype, the same bucket size and persistence threshold) and appends them after the
+    # optimizer's buckets (layout.append_layout): the optimizer's layout, chunks, gradients and state
+    # are unchanged, and a frozen bucket has a chunk of the model's values here and nothing else (no
+    # gradient, no master, no optimizer state: 2 or 4 bytes x P/N at rest). The schedule walks them with
+    # the rest, so a forward gathers and frees them as it does trainable buckets. Backward is where they
+    # differ: a trainable bucket is freed once its parameters have their gradients, and a frozen one
+    # never gets any. So in a forward that will be differentiated, each module that waits for frozen
+    # buckets passes its inputs that need a gradient through `_AfterBackward`, an identity whose
+    # backward runs once the module's own backward has produced its input gradients - after the
+    # module's last read of its saved weights - and frees those buckets once every such call of the
+    # forward has come back (`owed`). A bucket that a module used with no input needing a gradient (the
+    # first layers of a model whose trainable adapters come later) is `held` and freed when the backward
+    # ends, as is whatever the walk gathered that no backward asked for (`_drain_round`, one at a time).
+    def _take_frozen(self, module: torch.nn.Module) -> None:
+        held = {id(p) for p in self.members}
+        frozen: dict = {}  # dtype -> [(name, parameter)], each parameter once (tied ones under their first name)
+        for name, p in module.named_parameters():
+            if id(p) not in held and not p.requires_grad and p.is_floating_point():
+                frozen.setdefault(p.dtype, []).append((name, p))
+        if not frozen:
+            return
+        first_param, first_bucket = len(self.members), len(self.full)
+        for dtype, named in frozen.items():
+            start = len(self.layout.params)
+            part = plan_layout([[(name, tuple(p.shape)) for name, p in named]], self.layout.world_size,
+                               self.layout.bucket_numel, self.layout.bucket_numel, whole_params=True,
+                               persistent=frozenset(i for i, (_, p) in enumerate(named)
+                                                    if p.numel() <= self.persistence_threshold),
+                               nodes=self.layout.nodes)
+            self.layout = append_layout(self.layout, part)
+            self.members += [p for _, p in named]
+            new = self.layout.buckets[len(self.full):]
+            for b in new:
+                chunk = torch.empty(b.chunk_numel, dtype=dtype, device=self.device)
+                self.every_chunk.append(chunk)
+                self.frozen_shard_bytes += chunk.numel() * chunk.element_size()
+            self._add_buckets(new, dtype)
+            assert len(self.layout.params) == start + len(named)
+        self._shard_values(range(first_param, len(self.members)), self.layout.buckets[first_bucket:])
+
+    def frozen_bucket(self, b: int) -> bool:
+        return b >= self.trainable_buckets
+
+    def after_backward(self, buckets: tuple, args: tuple, kwargs: dict):
+        """A module's forward pre-hook, in a forward that will be differentiated: its inputs that need a
+        gradient pass through _AfterBackward, which frees `buckets` (frozen) once the module's backward is
+        done (Note [Frozen parameters at stage 3]). Returns the new (args, kwargs), or None if no input
+        needs a gradient (the buckets are then held until the backward ends)."""
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        at = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            self.held.update(buckets)
+            return None
+        outs = _AfterBackward.apply(self, buckets, *(leaves[k] for k in at))
+        for k, out in zip(at, outs):
+            leaves[k] = out
+        for b in buckets:
+            self.owed[b] += 1
+        return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+    def backward_done(self, buckets: tuple) -> None:
+        for b in buckets:
+            self.owed[b] -= 1
+            if self.owed[b] <= 0 and b not in self.held and self.round is not None \
+                    and self.round.kind is Pass.BACKWARD:
+                self.reshard(b)
+
+    def _forget_owed(self) -> None:
+        self.owed = [0] * len(self.owed)
+        self.held.clear()
+
+    def forward_waits(self, module, index, layout) -> list:
+        return plan_forward_waits(module, {id(p): i for i, p in enumerate(self.members)}, self.layout)
 
     def install_hooks(self, wrapper_ref, module, optimizer, waits) -> list:
         return hooks.install(self, wrapper_ref, module, optimizer, waits)
@@ -531,7 +668,11 @@ class ShardedStore(ParamStore):
 
     def whole_copies(self) -> list:
         with self.gathered(writeback=False), torch.no_grad():
-            return [p.detach().clone() for p in self.params]
+            copies = [p.detach().clone() for p in self.members]
+        trainable = len(self.params)
+        for p, value in zip(self.members[trainable:], copies[trainable:]):
+            p.data = value  # frozen parameters keep their whole value too (ShardedDDP.detach sets the others)
+        return copies[:trainable]
 
     def publish(self, defer: bool) -> None:
         self.refresh_persistent()  # the next forward gathers the rest as it uses them
@@ -540,7 +681,7 @@ class ShardedStore(ParamStore):
         return not self.in_place(index)
 
     def param_bytes(self) -> int:
-        return self.shard.numel() * self.shard.element_size() + self.live
+        return self.shard.numel() * self.shard.element_size() + self.frozen_shard_bytes + self.live
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a bucket's full storage (memory that a free gives back)."""
@@ -583,17 +724,46 @@ class ShardedStore(ParamStore):
             for b in was_free:
                 self.reshard(b)
 
+    def stream(self, indices):
+        by_bucket: dict = {}
+        for i in indices:
+            if self.layout.params[i].numel:
+                by_bucket.setdefault(self._bucket_of_param[i][0], []).append(i)
+            else:
+                yield i, self.views[i]
+        if by_bucket and self.round is not None:
+            raise RuntimeError("weights streamed inside a forward or backward pass: do it between steps")
+        for b in sorted(by_bucket):
+            was_free = self.state[b] == FREE
+            if was_free:
+                self.start_gather(b)
+            if self.state[b] == GATHERING:
+                self.finish_gather(b)
+            try:
+                for i in by_bucket[b]:
+                    # A copy: a consumer that hands the bytes to numpy (a file writer) pins their storage, and
+                    # the bucket's must be freed again.
+                    yield i, self.views[i].clone()
+            finally:
+                if was_free:
+                    self.reshard(b)
+
+    def after_load(self) -> None:
+        self.refresh_persistent(frozen=True)  # a frozen persistent bucket's chunks were written too
+
     @torch.no_grad()
     def take_chunks(self) -> None:
         """This rank's chunk of every gathered bucket from the full parameters (after they were written)."""
         for b in self.layout.buckets:
             if self.state[b.index] == LIVE:
                 lo = self._lo[b.index]
-                self.chunks[b.index].copy_(self.full[b.index][lo:lo + b.chunk_numel])
+                self.every_chunk[b.index].copy_(self.full[b.index][lo:lo + b.chunk_numel])
 
-    def refresh_persistent(self) -> None:
-        """After a step: the persistent buckets take every rank's updated chunk (as stage 2 publishes)."""
-        keep = [b.index for b in self.layout.buckets if b.persistent]
+    def refresh_persistent(self, frozen: bool = False) -> None:
+        """After a step: the persistent buckets take every rank's updated chunk (as stage 2 publishes); the
+        frozen ones only after a load (a step does not change them)."""
+        upto = len(self.full) if frozen else self.trainable_buckets
+        keep = [b.index for b in self.layout.buckets[:upto] if b.persistent]
         for b in keep:
             self.handles[b] = self._launch_gather(b)
             self.state[b] = GATHERING

@@ -1,0 +1,261 @@
+"""Pretrained weights in and whole weights out (shardopt.load_weights / save_weights / from_pretrained), and
+frozen parameters sharded at stage 3 (a PEFT LoRA model): parity with plain PyTorch from the same folder.
+
+The models are real transformers classes built from small configs (no download): LlamaForCausalLM
+(untied head, rotary buffers computed in __init__) and GPT2LMHeadModel (its head tied to the embedding,
+written once). The "pretrained" folder is save_pretrained's own output, sharded by a small
+max_shard_size so that the index and several files are read.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from tests.dist_harness import run_ranks
+
+transformers = pytest.importorskip("transformers")  # a test dependency (setup.py [test]); here for the message
+from safetensors.torch import load_file  # noqa: E402
+
+STEPS, LR, BSZ, SEQ = 3, 1e-3, 2, 8
+
+
+def _config(arch: str):
+    if arch == "llama":
+        return transformers.LlamaConfig(vocab_size=96, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=False)
+    return transformers.GPT2Config(vocab_size=96, n_embd=40, n_layer=2, n_head=4, n_positions=32,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: the same math
+
+
+def _class(arch: str):
+    return transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 96, (BSZ, SEQ), generator=g)
+
+
+def _pretrained(tmp_path, arch: str) -> str:
+    folder = os.path.join(tmp_path, f"pretrained-{arch}")
+    if not os.path.isdir(folder):
+        torch.manual_seed(7)
+        _class(arch)(_config(arch)).save_pretrained(folder, max_shard_size="60KB")
+    return folder
+
+
+def _reference(folder: str, arch: str, world: int, lora: bool = False):
+    """Plain PyTorch: from_pretrained, the ranks' batches averaged (DDP's gradient), torch.optim.AdamW."""
+    torch.manual_seed(0)
+    model = _class(arch).from_pretrained(folder)
+    if lora:
+        model = _lora(model)
+        _same_adapters(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for r in range(world):
+            ids = _batch(step, r)
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / world).backward()
+            total += loss.item() / world
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)  # the adapters' initialisation, the same in every process
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
+
+
+@torch.no_grad()
+def _same_adapters(model):
+    """LoRA A matrices of known values (each process initialises its own with its own random stream)."""
+    for name, p in model.named_parameters():
+        if "lora_A" in name:
+            g = torch.Generator().manual_seed(sum(map(ord, name)))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _journey(rank, world, folder, arch, stage, out, meta):
+    """Load -> train -> save, as a user of a model too big for one rank does it."""
+    import shardopt
+
+    torch.manual_seed(100 + rank)  # different random values everywhere: the load must replace them
+    model = shardopt.from_pretrained(_class(arch), folder) if meta else _class(arch)(_config(arch))
+    opt = shardopt.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=stage,
+                                    reduce_bucket_size=3000)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    if not meta:
+        shardopt.load_weights(wrapper, folder)
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(step, rank)
+        loss = wrapper(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    shardopt.save_weights(model, out, max_shard_size="50KB")
+    peak = opt.store.peak_live if opt.params_sharded else None
+    return losses, peak
+
+
+CASES = [  # (arch, stage, world, meta): every stage, world sizes 1-4, both architectures
+    ("llama", 3, 2, True),
+    ("gpt2", 3, 3, True),
+    ("gpt2", 2, 2, False),
+    ("llama", 1, 1, False),
+    ("llama", 3, 4, True),
+]
+
+
+@pytest.mark.parametrize("arch,stage,world,meta", CASES)
+def test_load_train_save_matches_plain_pytorch(tmp_path, arch, stage, world, meta):
+    folder = _pretrained(tmp_path, arch)
+    out = os.path.join(tmp_path, "saved")
+    results = run_ranks(_journey, world, folder, arch, stage, out, meta, timeout=300)
+    ref_losses, ref_state = _reference(folder, arch, world)
+    losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    # The folder is transformers': from_pretrained reads it with nothing missing or unexpected.
+    again, info = _class(arch).from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # several shards written
+    saved = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(out, f)))
+    if arch == "gpt2":
+        assert "lm_head.weight" not in saved  # tied to the embedding: written once, as transformers does
+    for k, v in again.state_dict().items():
+        ref = ref_state[k]
+        # AdamW moves each weight by up to lr a step; where a gradient is near zero its normalised update
+        # m / (sqrt(v) + eps) turns on the last bits of the summed gradient, whose order differs between a
+        # reduce-scatter and one process's sum (seen: 1.4e-6 after 3 steps). A real fault moves weights by
+        # whole steps (lr), 500 times this bar.
+        assert torch.allclose(v, ref, rtol=1e-5, atol=2e-3 * LR * STEPS), (k, (v - ref).abs().max().item())
+
+
+def _lora_journey(rank, world, folder, stage):
+    import shardopt
+
+    model = _lora(shardopt.from_pretrained(transformers.LlamaForCausalLM, folder)) if stage == 3 \
+        else _lora(transformers.LlamaForCausalLM.from_pretrained(folder))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = shardopt.ShardedOptimizer(trainable, torch.optim.AdamW, lr=LR, stage=stage, reduce_bucket_size=3000)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    out = {"frozen_shard": opt.memory_stats()["params"]}
+    with opt.full_params(writeback=False):  # PEFT's initialisation on the meta-built model: B zero, A not
+        out["init"] = [(n, bool(p.abs().sum() > 0)) for n, p in model.named_parameters() if "lora_" in n]
+    with opt.full_params():
+        _same_adapters(model)
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(step, rank)
+        loss = wrapper(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out["losses"] = losses
+    with opt.full_params(writeback=False):
+        out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_lora_on_a_sharded_base_matches_plain_peft(tmp_path):
+    """PEFT LoRA at stage 3 with the base sharded 1/N: the plain PEFT run's losses and adapters, the base
+    bit for bit unchanged."""
+    folder = _pretrained(tmp_path, "llama")
+    world = 2
+    results = run_ranks(_lora_journey, world, folder, 3, timeout=300)
+    ref_losses, ref_state = _reference(folder, "llama", world, lora=True)
+    losses = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    base = load_file(os.path.join(folder, "model.safetensors")) if os.path.exists(
+        os.path.join(folder, "model.safetensors")) else {}
+    for f in os.listdir(folder):
+        if f.endswith(".safetensors"):
+            base.update(load_file(os.path.join(folder, f)))
+    state = results[0]["state"]
+    assert all(nonzero == ("lora_A" in n) for n, nonzero in results[0]["init"]), results[0]["init"]
+    adapters = [k for k in state if "lora_" in k]
+    assert adapters
+    for k, v in state.items():
+        assert torch.allclose(v, ref_state[k], rtol=1e-5, atol=2e-3 * LR * STEPS), (k, (v - ref_state[k]).abs().max().item())
+        if "lora_" not in k:
+            name = k.replace("base_model.model.", "").replace(".base_layer.", ".")
+            assert torch.equal(v, base[name]), k  # the frozen base: bit for bit what the folder holds
+    # Sharded: each rank holds about half of the base (frozen) plus half of the adapters, not the base whole.
+    whole = sum(v.numel() * v.element_size() for v in base.values())
+    assert all(r["frozen_shard"] < 0.6 * whole for r in results), ([r["frozen_shard"] for r in results], whole)
+
+
+def _bad_inputs(rank, world, folders):
+    """Each bad source refused on every rank, naming the problem, with the model's values unchanged; then a
+    good load still works (the ranks stayed in step)."""
+    import shardopt
+
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(_config("llama"))
+    opt = shardopt.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=3, reduce_bucket_size=3000)
+    wrapper = shardopt.ShardedDDP(model, opt)
+
+    def values():
+        with opt.full_params(writeback=False):
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+    before = values()
+    out = {}
+    for what, folder in folders.items():
+        try:
+            shardopt.load_weights(wrapper, folder)
+            out[what] = "loaded"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[what] = f"{type(e).__name__}: {e}"
+        after = values()
+        out[what + " unchanged"] = all(torch.equal(after[k], v) for k, v in before.items())
+    shardopt.load_weights(wrapper, folders["good"])
+    out["good values"] = values()
+    return out
+
+
+def test_bad_sources_are_refused_on_every_rank_and_change_nothing(tmp_path):
+    import shutil
+
+    good = _pretrained(tmp_path, "llama")
+    other = _pretrained(tmp_path, "gpt2")                       # another architecture
+    wider = os.path.join(tmp_path, "wider")                     # the same names, other shapes
+    config = _config("llama")
+    config.intermediate_size = 80
+    transformers.LlamaForCausalLM(config).save_pretrained(wider)
+    truncated = os.path.join(tmp_path, "truncated")
+    shutil.copytree(good, truncated)
+    shard = sorted(f for f in os.listdir(truncated) if f.endswith(".safetensors"))[-1]
+    with open(os.path.join(truncated, shard), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(truncated, shard)) - 100)
+    missing = os.path.join(tmp_path, "missing")
+    shutil.copytree(good, missing)
+    os.remove(os.path.join(missing, shard))
+    folders = {"other": other, "wider": wider, "truncated": truncated, "missing": missing, "good": good}
+    results = run_ranks(_bad_inputs, 2, {k: v for k, v in folders.items()}, timeout=300)
+    expected = {"other": "missing from the file", "wider": "of another shape", "truncated": "truncated",
+                "missing": "missing"}
+    for out in results:
+        for what, words in expected.items():
+            assert words in out[what] and out[what + " unchanged"], (what, out[what])
+        assert "mlp.up_proj.weight" in out["wider"]               # names the key
+        assert shard in out["truncated"] and shard in out["missing"]  # names the file
+        assert out["good"] == "loaded" and out["good unchanged"] is False
+    reference = transformers.LlamaForCausalLM.from_pretrained(good).state_dict()
+    assert all(torch.equal(results[0]["good values"][k], v) for k, v in reference.items())
