@@ -195,7 +195,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
                                [slot.offset for slot in self.layout.params], self.process_group,
                                self.world_size, lambda: self.grads.had_grad(),
-                               [slot.shape for slot in self.layout.params], device=self.shard_grad.device)
+                               [slot.shape for slot in self.layout.params], device=self.shard_grad.device,
+                               resting=[self.store.resting_shape(i) for i in range(len(self._params))])
         self.grads = GradSync(self._params, self.store.resting_grads, self.shard_grad, grad_shard,
                               self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase,
                               loss_scaled=self.loss_scaler is not None)

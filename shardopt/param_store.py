@@ -152,6 +152,10 @@ class ParamStore:
     def after_load(self) -> None:
         """A load wrote local_parts() and the optimizer published: what else the model must take."""
 
+    def resting_shape(self, index: int) -> tuple:
+        """Parameter `index`'s shape between uses (what its p.grad's stand-in must match)."""
+        return tuple(self.layout.params[index].shape)
+
     def param_bytes(self) -> int:
         """Bytes of parameters this rank holds now (memory_stats()["params"])."""
         raise NotImplementedError

@@ -68,9 +68,9 @@ class ShardedGrad(torch.Tensor):
     """The `.grad` of a managed parameter once its gradient is reduced (Note [Sharded p.grad])."""
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, shard: "GradShard", index: int):
-        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
-                                                requires_grad=False)
+    def __new__(cls, param: torch.Tensor, shard: "GradShard", index: int, shape=None):
+        t = torch.Tensor._make_wrapper_subclass(cls, param.shape if shape is None else shape, dtype=param.dtype,
+                                                device=param.device, requires_grad=False)
         t._shard = weakref.ref(shard)
         t._index = index
         return t
@@ -326,12 +326,13 @@ class GradShard:
     """Operations on this rank's gradient shard for ShardedGrad, on lists of parameters (and its reconciling)."""
 
     def __init__(self, params, pieces, piece_grads, param_offsets, process_group, world_size: int, had_grad,
-                 shapes=None, *, device):
+                 shapes=None, *, device, resting=None):
         """had_grad(): per parameter, whether DDP would hold a gradient tensor for it now. shapes: the
         parameters' own shapes (at stage 3 a parameter is empty between uses, and so is its p.grad's
         stand-in, which must match it; full() still gives the whole gradient). device: the gradient
         shard's, the same on every rank (a rank whose chunks hold only padding has no pieces to ask), where
-        the norms live."""
+        the norms live. resting: per parameter, its shape between uses (the store's resting_shape: a stage-3
+        parameter of a persistent bucket is whole even where a meta model has no values yet), else its own."""
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else [tuple(p.shape) for p in params]
         self.process_group = process_group
         self._had_grad = had_grad
@@ -363,7 +364,7 @@ class GradShard:
         self._nonempty_param = self._piece_param[nonempty]
         # The whole gradient shard, the pieces' storage (GradSync hands it over); None: pieces only.
         self.flat: torch.Tensor | None = None
-        self.handles = [ShardedGrad(p, self, i) for i, p in enumerate(params)]
+        self.handles = [ShardedGrad(p, self, i, None if resting is None else resting[i]) for i, p in enumerate(params)]
         self.every = range(len(params))  # the list of every parameter, in order (known by identity: _select)
         self.set_model_order(list(self.every))
         self.index_of = {id(h): i for i, h in enumerate(self.handles)}  # handle -> parameter index

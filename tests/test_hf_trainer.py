@@ -484,3 +484,55 @@ def test_example_trains_without_warnings_of_its_own(tmp_path):
     assert result["mode"] == "shardopt" and result["final_loss"] > 0 and len(result["peak_rss_MiB_per_rank"]) == 2
     for text in ("bos_token_id", "eos_token_id", "Model config"):
         assert text not in proc.stderr, proc.stderr[-3000:]
+
+
+# ------------------------------------------------- a model too big for one rank
+def _from_pretrained_journey(rank, world_size, tmp, folder, meta, lora):
+    """ShardedTrainer at stage 3 on a pretrained model: built whole by transformers (today's path) or on the
+    meta device by shardopt.from_pretrained (each rank reads its shards), optionally LoRA on it; save_model."""
+    import shardopt
+
+    _env(rank, world_size)
+    model = shardopt.from_pretrained(transformers.GPT2LMHeadModel, folder) if meta \
+        else transformers.GPT2LMHeadModel.from_pretrained(folder)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                                 fan_in_fan_out=True))
+    name = f"{'meta' if meta else 'whole'}-{'lora' if lora else 'full'}"
+    logs, weights, trainer = _fit(True, _args(os.path.join(tmp, name), max_steps=3), model=model,
+                                  shardopt_kwargs=STAGE3)
+    trainer.save_model(os.path.join(tmp, name, "saved"))
+    return logs, weights, trainer._sharded()[1].memory_stats()["params"]
+
+
+def test_trainer_fine_tunes_a_pretrained_model_no_rank_holds(tmp_path):
+    """The documented Trainer path for a model too big for one rank: shardopt.from_pretrained (one line for
+    from_pretrained) trains as the whole-built model does, save_model's folder is transformers' own, and a
+    LoRA model on the sharded base saves the adapter PEFT loads."""
+    from peft import PeftModel
+
+    folder = str(tmp_path / "pretrained")
+    torch.manual_seed(3)
+    tiny_gpt2().save_pretrained(folder)
+    whole = run_ranks(_from_pretrained_journey, 2, str(tmp_path), folder, False, False, timeout=400)[0]
+    meta = run_ranks(_from_pretrained_journey, 2, str(tmp_path), folder, True, False, timeout=400)[0]
+    failures = _compare(whole, meta, 1e-6, "from_pretrained on meta vs whole")
+    assert not failures, "\n".join(failures)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "meta-full" / "saved"))
+    assert all(torch.equal(p, meta[1][n]) for n, p in saved.named_parameters())
+    lora = run_ranks(_from_pretrained_journey, 2, str(tmp_path), folder, True, True, timeout=400)[0]
+    adapter = tmp_path / "meta-lora" / "saved"
+    assert (adapter / "adapter_model.safetensors").exists() and not (adapter / "model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(folder), str(adapter))
+    got = dict(loaded.named_parameters())
+    trained = {n: w for n, w in lora[1].items() if "lora_" in n}
+    assert trained and all(torch.equal(got[n], w) for n, w in trained.items()), sorted(trained)[:4]
+    # The base stays the folder's, bit for bit, and each rank held about half of the model between steps.
+    base = transformers.GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    assert all(torch.equal(w, base[n.replace("base_model.model.", "").replace(".base_layer", "")])
+               for n, w in lora[1].items() if "lora_" not in n)
+    total = sum(v.numel() * v.element_size() for v in base.values())
+    assert lora[2] < 0.6 * total, (lora[2], total)

@@ -287,6 +287,11 @@ class ShardedTrainer(Trainer):
             return None
         return opt
 
+    def _move_model_to_device(self, model, device):
+        if any(p.is_meta for p in model.parameters()):
+            return  # built on the meta device (shardopt.from_pretrained): ShardedDDP materialises it shard by shard
+        super()._move_model_to_device(model, device)
+
     def _save_adapters(self, opt, output_dir: str) -> None:
         """A PEFT model at stage 3: its adapters (the trainable parameters, small) gathered, written as PEFT
         writes them (adapter_model.safetensors + adapter_config.json, which PeftModel.from_pretrained loads)."""

@@ -680,6 +680,11 @@ class ShardedStore(ParamStore):
     def moved(self, index: int) -> bool:
         return not self.in_place(index)
 
+    def resting_shape(self, index: int) -> tuple:
+        slot = self.layout.params[index]
+        whole = not slot.numel or self.layout.buckets[self._bucket_of_param[index][0]].persistent
+        return tuple(slot.shape) if whole else (0,)
+
     def param_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size() + self.frozen_shard_bytes + self.live
 
