@@ -135,6 +135,7 @@ def _extension():
 # get_module_size_with_ties and unwrap_model(keep_torch_compile=)), though 5.0 itself asks for >=1.1.0.
 # Note [One ShardedTrainer for every transformers 5.x].
 TRANSFORMERS = ["transformers>=5.0.0", "accelerate>=1.3.0"]
+PEFT = "peft>=0.18.0"                   # LoRA on a sharded base (tests/test_weights.py, test_hf_trainer.py)
 LIGHTNING = "lightning>=2.6.0"          # the strategy uses some of its internals: developed against 2.6
 DEEPSPEED = "deepspeed>=0.19.0,<0.20"   # checkpoint formats as 0.19 writes them
 
@@ -153,8 +154,8 @@ setup(
     # interop: DeepSpeed, whose ZeRO-1/2/3 checkpoints load_checkpoint reads (without it too); the
     # tests resume real DeepSpeed runs. Its install pulls no torch when torch is already there (pin it).
     extras_require={"lightning": [LIGHTNING], "bench": ["matplotlib"], "interop": [DEEPSPEED],
-                    "transformers": TRANSFORMERS,
-                    "test": ["pytest>=7", "pytest-timeout", LIGHTNING, "matplotlib", DEEPSPEED] + TRANSFORMERS},
+                    "transformers": TRANSFORMERS, "peft": [PEFT],
+                    "test": ["pytest>=7", "pytest-timeout", LIGHTNING, "matplotlib", DEEPSPEED, PEFT] + TRANSFORMERS},
     entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
