@@ -259,3 +259,55 @@ def test_bad_sources_are_refused_on_every_rank_and_change_nothing(tmp_path):
         assert out["good"] == "loaded" and out["good unchanged"] is False
     reference = transformers.LlamaForCausalLM.from_pretrained(good).state_dict()
     assert all(torch.equal(results[0]["good values"][k], v) for k, v in reference.items())
+
+
+def _finer_and_single_files(rank, world, folder, single, torch_file):
+    """A bf16 model loading fp32 weights keeps them as its fp32 masters (the model holds their rounding), at
+    stages 2 and 3; one safetensors file and one torch state-dict file load as the folder does."""
+    import shardopt
+    from shardopt.weights.hf_files import open_weights
+
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(9)
+        model = transformers.LlamaForCausalLM(_config("llama")).to(torch.bfloat16)
+        opt = shardopt.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=stage,
+                                        reduce_bucket_size=3000)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        shardopt.load_weights(model, folder)  # the bare module: its wrapper is found
+        names = {id(p): n for n, p in model.named_parameters()}
+        src = open_weights(folder)
+        worst = 0.0
+        for pc, master in zip(opt.view.pieces, opt.view.piece_params):
+            name = names[id(opt.view.params[pc.param])]
+            at = opt.layout.params[pc.param].offset
+            want = src.read(name, pc.start - at, pc.end - at)
+            assert master.dtype == torch.float32 and want.dtype == torch.float32
+            worst = max(worst, (master - want).abs().max().item())
+        with opt.full_params(writeback=False):
+            rounded = all(torch.equal(p, src.read(n).view(p.shape).to(torch.bfloat16))
+                          for n, p in model.named_parameters())
+        out[stage] = (worst, rounded)
+        for what, path in (("single", single), ("torch", torch_file)):
+            shardopt.load_weights(wrapper, path)
+            with opt.full_params(writeback=False):
+                out[(stage, what)] = all(torch.equal(p, src.read(n).view(p.shape).to(torch.bfloat16))
+                                         for n, p in model.named_parameters())
+        src.close()
+    return out
+
+
+def test_fp32_weights_into_a_bf16_model_keep_fp32_masters(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = _pretrained(tmp_path, "llama")
+    whole = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    single = os.path.join(tmp_path, "one.safetensors")
+    save_file({k: v.contiguous() for k, v in whole.items()}, single)
+    torch_file = os.path.join(tmp_path, "state.pt")
+    torch.save(whole, torch_file)
+    for out in run_ranks(_finer_and_single_files, 2, folder, single, torch_file, timeout=300):
+        for stage in (2, 3):
+            worst, rounded = out[stage]
+            assert worst == 0.0 and rounded, (stage, worst, rounded)  # masters: the file's fp32 bits exactly
+            assert out[(stage, "single")] and out[(stage, "torch")], out
