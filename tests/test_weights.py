@@ -86,6 +86,19 @@ def _same_adapters(model):
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
+def _train(wrapper, opt, rank) -> list:
+    """STEPS steps on this rank's batches; the losses."""
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(step, rank)
+        loss = wrapper(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _journey(rank, world, folder, arch, stage, out, meta):
     """Load -> train -> save, as a user of a model too big for one rank does it."""
     import shardopt
@@ -97,14 +110,7 @@ def _journey(rank, world, folder, arch, stage, out, meta):
     wrapper = shardopt.ShardedDDP(model, opt)
     if not meta:
         shardopt.load_weights(wrapper, folder)
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step, rank)
-        loss = wrapper(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(wrapper, opt, rank)
     shardopt.save_weights(model, out, max_shard_size="50KB")
     peak = opt.store.peak_live if opt.params_sharded else None
     return losses, peak
@@ -159,15 +165,7 @@ def _lora_journey(rank, world, folder, stage):
         out["init"] = [(n, bool(p.abs().sum() > 0)) for n, p in model.named_parameters() if "lora_" in n]
     with opt.full_params():
         _same_adapters(model)
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step, rank)
-        loss = wrapper(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    out["losses"] = losses
+    out["losses"] = _train(wrapper, opt, rank)
     with opt.full_params(writeback=False):
         out["state"] = {k: v.clone() for k, v in model.state_dict().items()}
     return out

@@ -65,6 +65,7 @@ from shardopt.checkpoint.files import (LATEST, MANIFEST, CheckpointError, Record
 from shardopt.checkpoint.pieces import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
 from shardopt.checkpoint.optim_state import forget_consolidated
 from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
+from shardopt.parallel.consistency import first_failure
 from shardopt.view import ModelWrapper, OptimizerView, view_of
 
 MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
@@ -180,18 +181,9 @@ def put_other(opt, info: ModelInfo, name: str, values: torch.Tensor) -> None:
 # ----------------------------------------------------------- rank agreement
 def _agree(opt, error: BaseException | None) -> None:
     """Raises on every rank if `error` is set on any rank (so no rank goes on into a collective alone)."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    world = dist.get_world_size(opt.world_group)  # every replica too (Note [Hybrid sharding])
-    if world > 1:
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine, group=opt.world_group)
-    else:
-        everyone = [mine]
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    failed = first_failure(error, opt.world_group)  # every replica too (Note [Hybrid sharding])
     if failed:
-        r, m = failed[0]
+        r, m = failed
         raise CheckpointError(f"rank {r} failed, so every rank stops (nothing was changed here): {m}")
 
 

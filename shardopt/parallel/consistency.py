@@ -33,3 +33,17 @@ def check_same_across_ranks(lines: Sequence[str], what: str, group) -> None:
         f"shardopt: ranks disagree on the {what}: rank {rank} vs rank {ref}: {diff}. Every rank must "
         "build the same model (same parameters, order, shapes and dtypes) and the same optimizer "
         "configuration before wrapping it.")
+
+
+def first_failure(error: BaseException | None, group) -> tuple[int, str] | None:
+    """Every rank learns of every rank's error (a collective): raises `error` on its own rank; else returns
+    (rank, "Type: message") of the first rank that failed, or None. So no rank goes on into a collective that
+    a failed peer will never join."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    everyone = [mine]
+    if group is not None and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise error
+    return next(((r, m) for r, m in enumerate(everyone) if m is not None), None)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardopt.parallel.consistency import first_failure
 from shardopt.view import view_of, wrapper_of
 from shardopt.weights.hf_files import WeightWriter, open_weights
 from shardopt.weights.names import (LoadPlan, is_adapter_name, match, model_tensors, peft_adapters,
@@ -73,16 +74,9 @@ class _Model:
 
 def _agree(group, error: BaseException | None, what: str) -> None:
     """Raises on every rank if `error` is set on any (so that no rank goes on into a collective alone)."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    everyone = [mine]
-    if group is not None and dist.get_world_size(group) > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    failed = first_failure(error, group)
     if failed:
-        r, m = failed[0]
+        r, m = failed
         raise WeightsError(f"{what} failed on rank {r}, so every rank stops: {m}")
 
 
