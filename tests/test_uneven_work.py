@@ -83,3 +83,38 @@ def test_ranks_in_different_passes_fail_at_once_naming_them():
         assert seconds < 10, (rank, seconds)
         assert "rank 0 started a training forward" in message and "rank 1 started the optimizer step" in message, \
             message
+
+
+def _generate(rank, world_size, synced):
+    import shardopt
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                     bos_token_id=0, eos_token_id=63)
+    model = transformers.GPT2LMHeadModel(config)
+    plain = transformers.GPT2LMHeadModel(config)
+    plain.load_state_dict(model.state_dict())
+    opt = shardopt.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=3, reduce_bucket_size=4000)
+    wrapper = shardopt.ShardedDDP(model, opt)  # kept: its hooks gather for the bare model's generate()
+    prompt = torch.tensor([[1 + rank, 2, 3]])
+    new = 3 + 5 * rank  # ranks generate different numbers of tokens: different numbers of forwards
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=63)
+    ours = model.generate(prompt, synced_gpus=synced, **kwargs)
+    # A training step follows (as in RLHF): the rank that is done shadows the other's forwards while starting it.
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    wrapper(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    same = torch.equal(ours, plain.generate(prompt, **kwargs))
+    del wrapper
+    return same, ours.shape[1]
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_generate_at_stage_3_with_and_without_synced_gpus(synced):
+    """generate() on the bare stage-3 model, ranks producing different lengths, then a training step: plain
+    generate()'s tokens, with synced_gpus (the ranks that are done keep running forwards) and without (a rank
+    that is done shadows the others' forwards when it starts its next pass)."""
+    results = run_ranks(_generate, 2, synced, timeout=200)
+    assert [r[1] for r in results] == [6, 11]
+    assert all(same for same, _ in results), results
