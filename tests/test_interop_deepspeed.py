@@ -318,6 +318,18 @@ def test_convert_reads_deepspeed(ds_root, tmp_path, name):
         assert torch.equal(conv["model"][k], ref[name]["model"][k]), k
     assert [g["weight_decay"] for g in opt.param_groups] == [WD, 0.0]
 
+    # A folder (zero_to_fp32's job), streamed one partition at a time: the same weights, each tensor once.
+    from safetensors.torch import load_file
+
+    folder = str(tmp_path / "ds")
+    assert shardopt.tools.cli.main(["convert", os.path.join(root, name), folder, "--max-shard-size", "400"]) == 0
+    weights = {}
+    for f in os.listdir(folder):
+        weights.update(load_file(os.path.join(folder, f)) if f.endswith(".safetensors") else {})
+    assert weights.keys() == conv["model"].keys() and len(os.listdir(folder)) > 2  # several files and the index
+    for k, v in conv["model"].items():
+        assert v.dtype == weights[k].dtype and torch.equal(weights[k], v), k
+
 
 def _edited_copy(root, tmp, how):
     """A copy of the fp32 checkpoint (ZeRO-2, or ZeRO-3 for zero3_*), edited so that it cannot be mapped."""

@@ -304,6 +304,78 @@ def test_stage3_matches_lightning_ddp(tmp_path):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
+def _in_spill_file(t):
+    """Whether tensor t's memory is pages of the strategy's scratch file (Note [Weights-only saves at stage 3])."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= t.data_ptr() < hi:
+                return len(parts) > 5 and ".shardopt-spill-" in parts[5]
+    return False
+
+
+def _weights_only_at_stage3(rank, world_size, root):
+    """trainer.save_checkpoint(weights_only=True) during a stage-3 fit: what each rank gathers, what rank 0's
+    dict is made of, and what the file holds."""
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    seen = {}
+    path = os.path.join(root, "weights.ckpt")
+
+    class SaveWeights(pl.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            store = trainer.optimizers[0].store
+            store.reset_peak()
+            before = store.live_bytes()
+            trainer.save_checkpoint(path, weights_only=True)
+            seen["gathered"] = store.peak_live - before
+            sizes = [f.numel() * f.element_size() for f, b in zip(store.full, store.layout.buckets) if not b.persistent]
+            seen["bucket"], seen["buckets"] = max(sizes), sum(sizes)
+
+    def spy(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and "state_dict" in obj:
+            state = obj["state_dict"]
+            seen["in memory"] = [k for k, v in state.items() if v.numel() and not _in_spill_file(v)]
+            seen["into"] = f  # a file, not Lightning's in-memory buffer of the whole file
+        return real_save(obj, f, *args, **kwargs)
+
+    model = AwkwardModule("adamw", "step", same_data_split=True)
+    trainer = _trainer(world_size, ShardedStrategy(stage=3, reduce_bucket_size=300, param_persistence_threshold=30),
+                       callbacks=[SaveWeights()])
+    real_save, torch.save = torch.save, spy
+    try:
+        trainer.fit(model, _loader(SAMPLES))
+    finally:
+        torch.save = real_save
+    fails = []
+    if len(seen.get("in memory", ())) if rank == 0 else "in memory" in seen:
+        fails.append(f"rank {rank} wrote {seen.get('in memory')} from memory (rank 0 only, from its scratch file)")
+    if rank == 0 and not isinstance(seen["into"], (str, os.PathLike)):
+        fails.append(f"torch.save wrote into {type(seen['into']).__name__}, not the file")
+    if not 0 < seen["gathered"] <= seen["bucket"] < seen["buckets"]:
+        fails.append(f"gathered {seen['gathered']} bytes at once for the save; one bucket is at most "
+                     f"{seen['bucket']}, all of them {seen['buckets']}")
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    final = model.state_dict()  # after fit: whole weights again, a plain module
+    if saved.keys() != final.keys() or any(not torch.equal(saved[k], v) for k, v in final.items()):
+        fails.append("the weights-only file is not the trained weights")
+    if saved["net.head.weight"].data_ptr() != saved["net.emb.weight"].data_ptr():
+        fails.append("the tied weight was written twice")
+    return fails
+
+
+def test_stage3_weights_only_save_gathers_one_bucket_at_a_time(tmp_path):
+    """A weights-only save at stage 3 streams the weights onto rank 0 (Note [Weights-only saves at stage 3]):
+    no rank gathers more than one bucket, rank 0's dict is the scratch file's pages, and the file is
+    Lightning's usual one with the trained weights, the tied weight once."""
+    from dist_harness import run_ranks
+
+    for rank, fails in enumerate(run_ranks(_weights_only_at_stage3, 2, str(tmp_path), timeout=300)):
+        assert not fails, f"rank {rank}:\n" + "\n".join(fails)
+
+
 # ------------------------------------------------------- construction errors
 def test_registry_precision_and_bad_options():
     """Name registered, Lightning's precision plugins replaced by ours, bad input refused at Trainer(...)."""

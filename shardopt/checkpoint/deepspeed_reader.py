@@ -432,6 +432,28 @@ class DeepSpeedSource(Source):
     def model_tensor(self, name: str) -> torch.Tensor:
         return self.meta["module"][name]
 
+    def masters(self, name: str):
+        for lo, hi, r, slot, at in self._frags.get(name, ()):  # views of the memory-mapped partitions
+            yield lo, hi, self._flat[r][slot].narrow(0, at, hi - lo)
+
+    def state_dict_names(self) -> list:
+        shared = self.meta.get("shared_params") or {}
+        out = []
+        for k, v in self.meta["module"].items():
+            name = shared.get(k, k)
+            if name in self.params or name in self.model_state:
+                out.append((k, name))
+            elif torch.is_tensor(v):
+                raise CheckpointError(f"{self.directory}: the saved module has {k!r}, which is neither a parameter "
+                                      "nor a buffer of the checkpoint's records")
+        return out
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        return self.meta["module"][name].dtype  # at ZeRO-3 an empty tensor of the parameter's dtype
+
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32  # DeepSpeed keeps fp32 masters whatever the model's dtype
+
     def extra(self):
         """What else DeepSpeed saved, for the caller: client_state keys, counters, its scheduler's state."""
         m = self.meta

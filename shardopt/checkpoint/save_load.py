@@ -61,7 +61,7 @@ from torch import nn
 from shardopt.checkpoint import hop_residual
 from shardopt.checkpoint.files import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
                               atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
-                              read_manifest, to_json)
+                              parse_dtype, read_manifest, to_json)
 from shardopt.checkpoint.pieces import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
 from shardopt.checkpoint.optim_state import forget_consolidated
 from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
@@ -501,6 +501,24 @@ class NativeSource(Source):
 
     def model_tensor(self, name: str) -> torch.Tensor:
         return self._reader.read(MODEL_FILE, self.body["model_state"][name]["tensor"])
+
+    def masters(self, name: str):
+        for file, p in self._saved.get(name, ()):  # sorted by start; read one by one, not cached
+            yield p["start"], p["end"], self._reader.read(file, p["param"])
+
+    def state_dict_names(self) -> list:
+        primary = {alias: n for part in ("params", "model_state") for n, v in self.body[part].items()
+                   for alias in [n, *v["aliases"]]}
+        return [(k, primary[k]) for k in self.body["state_dict_keys"]]
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        if name in self.params:
+            return parse_dtype(self.body["dtypes"]["model"])
+        return parse_dtype(self.body["model_state"][name]["tensor"]["dtype"])
+
+    def master_dtype(self) -> torch.dtype | None:
+        master = self.body["dtypes"]["master"]
+        return parse_dtype(master) if master is not None else None
 
     def extra(self):
         return read_extra(self._reader, self.body, self.weights_only)

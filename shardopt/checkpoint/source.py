@@ -46,6 +46,26 @@ class Source:
     def model_tensor(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    # What a conversion to whole weights reads (checkpoint/hf_convert.py): one piece at a time.
+    def masters(self, name: str):
+        """(lo, hi, values): the saved master values of elements [lo, hi) of trainable parameter `name`,
+        in element order, each read when the iteration reaches it and kept by nobody here (not `chunks`,
+        which reads the optimizer state too)."""
+        raise NotImplementedError
+
+    def state_dict_names(self) -> list:
+        """(state-dict key, the name in `params` or `model_state` it is) for every key of the saved model's
+        state dict, in its order: tied weights are several keys of one name."""
+        raise NotImplementedError
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        """The dtype the model held `name` in (a trainable parameter's masters may be finer)."""
+        raise NotImplementedError
+
+    def master_dtype(self) -> torch.dtype | None:
+        """The dtype of the saved master values (None: nothing saved)."""
+        raise NotImplementedError
+
     def extra(self):
         return None
 

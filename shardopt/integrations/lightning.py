@@ -29,8 +29,9 @@ rank (Lightning gives every rank as many batches). Lightning reads the
 weights on every rank before each save (lightning_module_state_dict): at stage
 3 that returns nothing, since the sharded checkpoint holds the weights; a
 weights-only save (ModelCheckpoint(save_weights_only=True)) gathers them in
-save_checkpoint, where every rank is, and rank 0 writes the usual file. When
-fit ends the module gets its whole weights back on every rank
+save_checkpoint, where every rank is, bucket by bucket onto rank 0 only, which
+writes the usual file (Note [Weights-only saves at stage 3]). When fit ends
+the module gets its whole weights back on every rank
 (ShardedDDP.detach(), a collective at teardown), so what follows fit (reading
 model.state_dict() on rank 0, validate/test/predict, a new fit of a copy) sees
 a plain module, as after DDP; the price is the whole model on every rank from
@@ -55,6 +56,7 @@ from torch import nn
 
 try:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -69,6 +71,7 @@ import shardopt
 from shardopt.config import ShardConfig
 from shardopt.ddp import ShardedDDP
 from shardopt.optimizer import ShardedOptimizer
+from shardopt.weights.rank0 import state_dict_on_rank0, torch_save_atomic
 
 # Arguments of ShardedOptimizer the strategy fills in itself.
 _OWN_OPTIMIZER_ARGS = ("params", "optim", "process_group")
@@ -313,6 +316,34 @@ def _average_in_own_dtypes(trainer: "pl.Trainer", module: nn.Module) -> None:
             average.update_parameters = lambda model, _a=average: update(_a, _InDtypesOf(model, _a.module))
 
 
+# Note [Weights-only saves at stage 3]
+# ------------------------------------
+# ModelCheckpoint(save_weights_only=True) (or trainer.save_checkpoint(path, weights_only=True)) during a
+# stage-3 fit: Lightning's file is one torch.save pickle of a dict whose "state_dict" holds every tensor
+# (load_from_checkpoint and torch.load read it so), and its API hands the strategy that dict to write through
+# its CheckpointIO. So a whole state-dict object must exist on the rank that writes; what can be streamed is:
+#   * the gather: every rank walks the parameters bucket by bucket (as save_weights does: Note [A state dict
+#     on rank 0, streamed and spilled] in shardopt/weights/rank0.py), and only rank 0 keeps the values. Other
+#     ranks hold one bucket beyond their shard (this used to be module.state_dict(), which gathers every
+#     bucket at once and copies the whole model, on every rank);
+#   * rank 0's copy: each value goes into an unlinked scratch file beside the checkpoint and is mapped back,
+#     so the dict's tensors are file pages (read in as torch.save reads them, droppable), not anonymous
+#     memory;
+#   * the file: with Lightning's default TorchCheckpointIO and a local path, torch.save writes the file
+#     directly (temporary name, fsync, rename: as atomic as Lightning's own), because TorchCheckpointIO's
+#     _atomic_save serialises the whole checkpoint into an in-memory BytesIO and then copies it out
+#     (getvalue): twice the model in memory. A custom CheckpointIO (or a remote path, or storage_options)
+#     gets the dict as Lightning gives it and holds what it holds.
+# What cannot be streamed: the dict itself (one pickle, written by whoever Lightning's API names), and the
+# model's size of disk for the scratch file while the save runs. A folder of whole weights that no rank holds
+# at all is shardopt.save_weights(trainer.strategy.model, "folder") on every rank, or `shardopt convert` of
+# the sharded checkpoint.
+def _plain_local_path(filepath) -> str | None:
+    """`filepath` if it names a local file without a protocol (the strategy writes those itself), else None."""
+    path = os.fspath(filepath)
+    return path if isinstance(path, str) and "://" not in path else None
+
+
 # Modules ShardedDDP has hooked: its gradient hooks stay while that wrapper
 # lives, and the finished Trainer may still hold it, so a second wrap would
 # reduce every gradient twice (see _setup_model).
@@ -524,8 +555,7 @@ class ShardedStrategy(DDPStrategy):
         """
         if "optimizer_states" not in checkpoint or not self.optimizers:
             if self._stage3_attached() and not checkpoint.get("state_dict"):
-                # A weights-only save during a stage-3 fit: every rank is here; rank 0 writes whole weights.
-                checkpoint["state_dict"] = self.lightning_module.state_dict()
+                return self._save_weights_only(checkpoint, filepath, storage_options)
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError("ShardedStrategy writes shardopt's checkpoint format and takes no storage_options")
@@ -539,6 +569,20 @@ class ShardedStrategy(DDPStrategy):
             for entry in older:
                 if entry != os.path.basename(os.path.normpath(saved)):
                     shutil.rmtree(os.path.join(filepath, entry), ignore_errors=True)
+
+    def _save_weights_only(self, checkpoint: dict, filepath, storage_options: Any) -> None:
+        """A weights-only save during a stage-3 fit (every rank is here): Note [Weights-only saves at stage 3]."""
+        local = _plain_local_path(filepath)
+        folder = os.path.dirname(os.path.abspath(local)) if local is not None else None
+        # The scratch file beside the checkpoint (its disk), else in the system's temporary folder.
+        state = state_dict_on_rank0(self.model, folder if folder is not None and os.path.isdir(folder) else None)
+        if not self.is_global_zero:
+            return
+        checkpoint["state_dict"] = state
+        if local is not None and storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO:
+            torch_save_atomic(checkpoint, local)  # TorchCheckpointIO's file, without its in-memory copy
+        else:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         """Reads a sharded checkpoint directory (saved at any world size), or a plain Lightning checkpoint file."""

@@ -327,10 +327,13 @@ class ShardedTrainer(Trainer):
             path = os.path.join(output_dir, CHECKPOINT_SUBDIR)
             save_checkpoint(path, self.model_wrapped, opt)
             if self.args.should_save:
+                if hasattr(self.model, "config"):  # beside the checkpoint, where `shardopt convert` finds it
+                    self.model.config.save_pretrained(output_dir)
                 warnings.warn(f"save_model() wrote shardopt's sharded checkpoint to {path}, not whole weights, "
                               "because gather_weights_on_save is False (the DeepSpeed config's "
                               "stage3_gather_16bit_weights_on_model_save is false or absent): `python -m shardopt "
-                              f"convert {path} model.pt` gives whole weights; set the key to true (or "
+                              f"convert {path} {output_dir}/whole/` writes whole weights as a Hugging Face folder, "
+                              "streamed; set the key to true (or "
                               "ShardedTrainer(gather_weights_on_save=True)) to write them here", stacklevel=2)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))

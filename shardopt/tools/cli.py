@@ -8,8 +8,9 @@
     tune      times the `module:factory` model over a grid of reduce/allgather bucket sizes (stage 3:
               reduce sizes, the unit of gathering too) at the current world size; prints a table,
               writes a PNG, recommends sizes as a config snippet.
-    convert   a checkpoint directory (shardopt.save_checkpoint) -> one torch file: model weights and a
-              torch.optim state dict (shardopt/checkpoint/convert.py).
+    convert   a checkpoint directory (shardopt.save_checkpoint, or DeepSpeed's) -> its whole weights as a
+              Hugging Face safetensors folder, streamed (OUT a folder), or one torch file with model weights
+              and a torch.optim state dict (OUT a .pt file) (shardopt/checkpoint/convert.py).
     bench     runs scenarios of the source tree's benchmarks/ and writes a dated markdown report with
               charts.
     gpu-check on a machine with GPUs: the CUDA kernels, parity with DDP on NCCL, syncs, time and memory,
