@@ -27,22 +27,7 @@ import torch
 
 from shardopt.checkpoint.files import fsync_dir
 from shardopt.weights.hf_files import _bytes_of, _flat, _pwrite_all
-from shardopt.weights.stream import _agree, _Model
-
-
-def whole_values(m: _Model):
-    """(id of the model's tensor, its whole value) for every tensor of `m` once: the store's members gathered
-    bucket by bucket (a collective: every rank walks it to its end; each value valid until the next), then
-    buffers and unmanaged tensors as they are."""
-    if m.opt is not None:
-        m.opt.wait_params()
-    if m.store is not None:
-        indices = [m.member_of[id(v)] for v in m.values if id(v) in m.member_of]
-        for i, value in m.store.stream(indices):
-            yield id(m.store.members[i]), value
-    for v in m.values:
-        if id(v) not in m.member_of:
-            yield id(v), v.detach()
+from shardopt.weights.stream import _agree, _Model, whole_values
 
 
 class Spill:

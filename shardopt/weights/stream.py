@@ -158,6 +158,21 @@ def _masters_from_file(m: _Model, src, plan: LoadPlan) -> None:
 
 
 # ---------------------------------------------------------------------- out
+def whole_values(m: _Model):
+    """(id of the model's tensor, its whole value) for every tensor of `m` once: the store's members gathered
+    bucket by bucket (a collective: every rank walks it to its end; at stage 3 each value a copy), then
+    buffers and unmanaged tensors as they are."""
+    if m.opt is not None:
+        m.opt.wait_params()
+    if m.store is not None:
+        indices = [m.member_of[id(v)] for v in m.values if id(v) in m.member_of]
+        for i, value in m.store.stream(indices):
+            yield id(m.store.members[i]), value
+    for v in m.values:
+        if id(v) not in m.member_of:
+            yield id(v), v.detach()
+
+
 def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> str:
     """Writes a model's whole weights as a Hugging Face folder at `dest` on every rank (a collective).
 
@@ -170,8 +185,6 @@ def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> s
     """
     m = _Model(model)
     dest = os.fspath(dest)
-    if m.opt is not None:
-        m.opt.wait_params()
     writer = error = None
     if m.rank == 0:
         try:
@@ -191,13 +204,8 @@ def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> s
             except Exception as e:  # noqa: BLE001 - the other ranks are still gathering: keep walking
                 error = e
 
-    indices = [m.member_of[id(v)] for v in m.values if id(v) in m.member_of]
-    if m.store is not None:
-        for i, value in m.store.stream(indices):  # a collective: every rank walks it to its end
-            write(value, name_of[id(m.store.members[i])])
-    for v in m.values:
-        if id(v) not in m.member_of:
-            write(v, name_of[id(v)])
+    for key, value in whole_values(m):  # a collective: every rank walks it to its end
+        write(value, name_of[key])
     if writer is not None:
         try:
             if error is None:
