@@ -22,6 +22,8 @@ from shardopt.reference import adam_step_reference
 # vectors + a 15-element tail), 100k (several threads' worth of work).
 SIZES = [0, 1, 7, 8, 15, 16, 17, 1023, 100_000]
 STEPS = 55
+# Run again under every other variant this CPU runs (tests/test_isa_variants.py).
+pytestmark = pytest.mark.isa_kernels
 
 
 def make_params(sizes, seed=0):

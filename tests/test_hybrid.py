@@ -133,6 +133,8 @@ def test_two_level_link_bytes_arithmetic():
 
 
 # ------------------------------------------------------------------ the int8 codec
+# The two int8 codec tests run again under every other SIMD variant (tests/test_isa_variants.py).
+@pytest.mark.isa_kernels
 def test_int8_codec_matches_reference_and_its_error_bound():
     import shardopt  # noqa: F401 - loads the extension
     from shardopt import _ext
@@ -222,6 +224,7 @@ def _hop_runs(rank, world_size):
     return out
 
 
+@pytest.mark.isa_kernels
 def test_replica_all_reduce_exact_compressed_and_error_feedback():
     for rank, failures in enumerate(run_ranks(_hop_runs, 3, timeout=120)):
         assert not failures, f"rank {rank}: " + "\n".join(failures)

@@ -19,6 +19,8 @@ from shardopt.reference import (int8_block_decode_reference, int8_block_encode_r
                                 int8_encode_feedback_reference)
 
 SUPPORTED = shardopt.cpu_features()["supported"]
+# Run again under every other variant this CPU runs (tests/test_isa_variants.py).
+pytestmark = pytest.mark.isa_kernels
 BLOCK = 256
 # 70_001: more than one task of at::parallel_for (128 blocks each) and a short last block.
 SIZES = [0, 1, 7, 255, 256, 257, 1000, 4096 + 3, 70_001]

@@ -690,12 +690,16 @@ def _one_rank(rank, world_size, stage=2, offload="none"):
         adamw.zero_grad()
         diffs.append(max((p - q).abs().max().item() for p, q in zip(weights(model, opt), ref.parameters())))
     assert opt.onebit.compressing
-    return diffs
+    return diffs, shardopt.cpu_features()["active"]
 
 
-@pytest.mark.parametrize("stage,offload", [(2, "none"), (3, "cpu")])
+# The offload case runs the fused CPU Adam: again under every other SIMD variant (tests/test_isa_variants.py).
+@pytest.mark.parametrize("stage,offload", [(2, "none"), pytest.param(3, "cpu", marks=pytest.mark.isa_kernels)])
 def test_one_rank_is_adam_with_a_frozen_variance(stage, offload):
-    diffs = run_ranks(_one_rank, 1, stage, offload)[0]
+    from shardopt import cpu_features
+
+    diffs, isa = run_ranks(_one_rank, 1, stage, offload)[0]
+    assert isa == cpu_features()["active"]  # the rank ran this process's SIMD variant
     print(f"\nmax |OneBitAdam - frozen-variance Adam| per step: {['%.1e' % d for d in diffs]}")
     # The warm-up bit for bit (the fused kernel against its reference with offload); then the parity bar: the
     # same operations up to rounding order (the momentum goes through the exchange's units, m / d, and back).

@@ -132,6 +132,7 @@ def test_stage3_matches_ddp(world_size):
         assert len({res[cfg][1] for res in results}) == 1, f"{cfg}: gathers per rank differ"
 
 
+@pytest.mark.isa_kernels  # the offload case steps CPUAdam: again under every other SIMD variant (test_isa_variants.py)
 def test_activation_checkpointing_and_offload_match_ddp():
     configs = [dict(optim="adamw", checkpoint=True, accum="no_sync"), dict(optim="adamw", offload="cpu"),
                dict(optim="sgd", checkpoint=True, reshard=False)]
