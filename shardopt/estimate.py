@@ -192,8 +192,10 @@ class MemoryEstimate:
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
-def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
-    """Memory per rank for trainable parameters `shapes` (one param group) under `cfg`."""
+def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> MemoryEstimate:
+    """Memory per rank for trainable parameters `shapes` (one param group) under `cfg`; `frozen`: the frozen
+    parameters (frozen_shapes), which stage 3 shards too (Note [Frozen parameters at stage 3] in
+    zero3/store.py) and stages 1-2 leave whole in the model (not counted: not the optimizer's)."""
     total = sum(math.prod(s) for _, s in shapes)
     if total == 0:
         raise ValueError("the model has no trainable parameters")
@@ -232,7 +234,9 @@ def estimate(shapes: Shapes, cfg: EstimateConfig) -> MemoryEstimate:
     params, gathered = layout.total_numel * pbytes, 0
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
-        params = shard * pbytes + gathered
+        held = plan_layout([list(frozen)], shards, layout.bucket_numel, layout.bucket_numel, whole_params=True,
+                           nodes=nodes).shard_numel() if frozen else 0  # as the store plans them
+        params = (shard + held) * pbytes + gathered
     onebit = _onebit.state_bytes(shard, shards, replicas) if cfg.optimizer == "onebit" else None
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight,
@@ -271,6 +275,12 @@ def count_shapes(n: int, largest: int = 4096 * 4096) -> list[tuple[str, tuple[in
 def trainable_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of each trainable parameter, tied ones once, in registration order."""
     return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def frozen_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each frozen floating-point parameter, tied ones once, in registration order."""
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()
+            if not p.requires_grad and p.is_floating_point()]
 
 
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:

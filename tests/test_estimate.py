@@ -6,7 +6,7 @@ import torch
 
 from dist_harness import run_ranks
 from models import AwkwardNet, batch
-from shardopt.estimate import EstimateConfig, estimate, estimate_ddp, meta_model, trainable_shapes
+from shardopt.estimate import EstimateConfig, estimate, estimate_ddp, frozen_shapes, meta_model, trainable_shapes
 from shardopt.tools.gpt import num_params, small_model
 
 TOLERANCE = 0.10
@@ -31,6 +31,7 @@ def _measure(rank, world_size):
             torch.manual_seed(0)
             model = factory().to(dtype)
             shapes = trainable_shapes(model)  # before stage 3 empties the parameters between uses
+            frozen = frozen_shapes(model)     # AwkwardNet's frozen layer: sharded at stage 3 too
             if "-nodes" in name:
                 os.environ["LOCAL_WORLD_SIZE"] = "1"
             extra = {"inter_node_param_dtype": torch.bfloat16} if name.endswith("-bf16p") else {}
@@ -46,7 +47,7 @@ def _measure(rank, world_size):
                 out_ = wrapper(example_batch())
             out_.float().pow(2).mean().backward()
             opt.step()
-            out.append((name, rbs, stage, shapes, opt.memory_stats(), dtype, offload))
+            out.append((name, rbs, stage, (shapes, frozen), opt.memory_stats(), dtype, offload))
     return out
 
 
@@ -59,8 +60,9 @@ def test_estimate_matches_memory_stats(world_size):
         nodes = dict(shards=1, node_aware=True) if "-nodes" in name else {}
         if name.endswith("-bf16p"):
             nodes["inter_node_param_dtype"] = "bfloat16"
-        est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, reduce_bucket_size=rbs,
-                                              param_dtype=dtype, offload=offload, device="cpu", **nodes))
+        est = estimate(shapes[0], EstimateConfig(world_size=world_size, stage=stage, reduce_bucket_size=rbs,
+                                                 param_dtype=dtype, offload=offload, device="cpu", **nodes),
+                       frozen=shapes[1])
         predicted = est.as_stats()
         # Stage 3 between steps holds its chunks only; the estimate adds the peak of gathered buckets. Node-aware:
         # the node chunks of buckets being reduced exist only in backward.

@@ -125,9 +125,9 @@ def _estimate(args) -> int:
 
     if ":" in args.model:
         model = est.meta_model(args.model)
-        shapes = est.trainable_shapes(model)
+        shapes, frozen = est.trainable_shapes(model), est.frozen_shapes(model)
     else:
-        shapes = est.count_shapes(parse_count(args.model))
+        shapes, frozen = est.count_shapes(parse_count(args.model)), []
     n = sum(math.prod(s) for _, s in shapes)
     dtype = est.DTYPES[args.dtype]
     rows = []
@@ -144,7 +144,7 @@ def _estimate(args) -> int:
                                          shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype,
                                          node_aware=args.node_aware,
                                          inter_node_param_dtype=args.inter_node_param_dtype)
-                rows.append((cfg, est.estimate(shapes, cfg)))
+                rows.append((cfg, est.estimate(shapes, cfg, frozen)))
     print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
     return 0
 
