@@ -68,15 +68,21 @@ def plan_stage3_schedule(layout: Layout, waits: Sequence[ForwardWait]) -> Stage3
     Forward: buckets in the order modules first wait for them. Backward: first
     the root module's own buckets: the root runs its own layers around its
     stacks, and the ones after them (a final norm, an LM head tied to the
-    embedding) are the first a backward needs; then everything else in reverse
-    forward order.
+    embedding) are the first a backward needs; then everything else in the
+    reverse order of the modules that use it last (for a bucket one module
+    uses, reverse forward order). Ordered by first use instead, a bucket every
+    layer uses came last, and the first backward module that asked for it
+    issued every gather before it at once: most of a LoRA model's frozen base
+    (benchmarks/results/2026-11-28-weights-memory.md).
     """
     order: list[int] = []
     users = [0] * len(layout.buckets)
     outer: list[int] = []
-    for w in waits:
+    last: dict[int, int] = {}  # bucket -> the last wait (in module order) that uses it
+    for k, w in enumerate(waits):
         for b in w.buckets:
             users[b] += not w.covered
+            last[b] = k
             if b not in order:
                 order.append(b)
             if w.name == "" and b not in outer:
@@ -84,5 +90,8 @@ def plan_stage3_schedule(layout: Layout, waits: Sequence[ForwardWait]) -> Stage3
     order += [b.index for b in layout.buckets if b.index not in order]
     forward = tuple(b for b in order if not layout.buckets[b].persistent)
     backward = tuple(b for b in outer if not layout.buckets[b].persistent)
-    backward += tuple(b for b in reversed(forward) if b not in backward)
+    # Backward reaches a bucket at its last user in forward: a bucket shared by every layer (a LoRA model's
+    # adapters, packed into one or two small buckets) comes first, not after the whole base (Note above).
+    rank = {b: i for i, b in enumerate(forward)}
+    backward += tuple(sorted((b for b in forward if b not in backward), key=lambda b: (-last.get(b, -1), -rank[b])))
     return Stage3Schedule(forward=forward, backward=backward, users=tuple(users))
