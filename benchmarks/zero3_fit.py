@@ -45,16 +45,47 @@ from shardopt.cluster.ranks import RankFailure, run_ranks  # noqa: E402
 CGROUP = "/sys/fs/cgroup/memory"
 
 
-def _train(rank, world_size, variant, layers, dim, cap_mib, token):
-    import shardopt
-    from shardopt.tools.gpt import GPT, GPTConfig, init_weights, synthetic_batch
-
-    group = os.path.join(CGROUP, f"shardopt-fit-{token}-{rank}")
+# The cap, shared with benchmarks/weights_memory.py: a rank joins a group of its own once it has imported
+# what it needs and set up its process group, so that only what it touches from then on is charged.
+def join_cgroup(name: str, cap_mib: int) -> str:
+    """Makes the cgroup-v1 memory group CGROUP/name capped at `cap_mib` MiB and moves this process into it;
+    returns its path. Remove it with remove_groups once the process has ended."""
+    group = os.path.join(CGROUP, name)
     os.makedirs(group, exist_ok=True)
     with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
         f.write(str(cap_mib << 20))
     with open(os.path.join(group, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
+    return group
+
+
+def charged_peak(group: str) -> int:
+    """The most bytes the group has been charged since it was made (or since reset_peak), page cache included."""
+    with open(os.path.join(group, "memory.max_usage_in_bytes")) as f:
+        return int(f.read())
+
+
+def reset_peak(group: str) -> None:
+    """Starts charged_peak afresh from the group's charge now."""
+    with open(os.path.join(group, "memory.max_usage_in_bytes"), "w") as f:
+        f.write("0")
+
+
+def remove_groups(prefix: str) -> None:
+    """Removes every group under CGROUP whose name starts with `prefix` (their processes must have ended)."""
+    for name in os.listdir(CGROUP):
+        if name.startswith(prefix):
+            try:
+                os.rmdir(os.path.join(CGROUP, name))
+            except OSError as e:
+                print(f"could not remove cgroup {name}: {e}", file=sys.stderr)
+
+
+def _train(rank, world_size, variant, layers, dim, cap_mib, token):
+    import shardopt
+    from shardopt.tools.gpt import GPT, GPTConfig, init_weights, synthetic_batch
+
+    group = join_cgroup(f"shardopt-fit-{token}-{rank}", cap_mib)
     cfg = GPTConfig(vocab=8192, dim=dim, layers=layers, heads=8, seq=128)
     torch.manual_seed(0)
     words = variant.split()
@@ -89,19 +120,11 @@ def _train(rank, world_size, variant, layers, dim, cap_mib, token):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    with open(os.path.join(group, "memory.max_usage_in_bytes")) as f:
-        used = int(f.read())
+    used = charged_peak(group)
     torch.distributed.barrier()
     return losses, used
 
 
-def _remove_groups(token):
-    for name in os.listdir(CGROUP):
-        if name.startswith(f"shardopt-fit-{token}-"):
-            try:
-                os.rmdir(os.path.join(CGROUP, name))
-            except OSError as e:
-                print(f"could not remove cgroup {name}: {e}", file=sys.stderr)
 
 
 def main():
@@ -126,9 +149,9 @@ def main():
                 killed = "exit code -9" in str(e)
                 rows.append((variant, "killed by the OOM killer (SIGKILL)" if killed else "failed",
                              str(e).strip().splitlines()[-1][:160]))
-            _remove_groups(token)
+            remove_groups(f"shardopt-fit-{token}-")
     finally:
-        _remove_groups(token)
+        remove_groups(f"shardopt-fit-{token}-")
     from shardopt.tools.gpt import GPT, GPTConfig
 
     with torch.device("meta"):
