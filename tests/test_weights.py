@@ -147,9 +147,10 @@ def test_load_train_save_matches_plain_pytorch(tmp_path, arch, stage, world, met
         ref = ref_state[k]
         # AdamW moves each weight by up to lr a step; where a gradient is near zero its normalised update
         # m / (sqrt(v) + eps) turns on the last bits of the summed gradient, whose order differs between a
-        # reduce-scatter and one process's sum (seen: 1.4e-6 after 3 steps). A real fault moves weights by
-        # whole steps (lr), 500 times this bar.
-        assert torch.allclose(v, ref, rtol=1e-5, atol=2e-3 * LR * STEPS), (k, (v - ref).abs().max().item())
+        # reduce-scatter and one process's sum (seen after 3 steps: 1.4e-6 with transformers 5.24, 7.2e-6 with
+        # 5.0.0, whose GPT-2 attention sums in another order). A real fault moves weights by whole steps (lr),
+        # 100 times this bar, and the losses above are held to 1e-5.
+        assert torch.allclose(v, ref, rtol=1e-5, atol=1e-2 * LR * STEPS), (k, (v - ref).abs().max().item())
 
 
 def _lora_journey(rank, world, folder, stage):
