@@ -77,7 +77,7 @@ TWIN_FACTOR = 3
 # step, as the last bits of two correct runs differ. shardopt must stay within TWIN_FACTOR times the twin's
 # distance from the reference, or the floor, whichever is larger. A lost or doubled rank, a wrong divisor
 # (with SGD), a parameter stepped that should not be or a stale one move the first step by far more than
-# an ulp's worth: checked by breaking shardopt's side on purpose (tests/README).
+# an ulp's worth: checked by breaking shardopt's side on purpose (tests/README, with the margins measured).
 
 
 def _bar(steps: int, twin_err: float, extra_ulps: float = 0) -> float:
