@@ -110,6 +110,16 @@ class ExactAdam:
                                     st.get("exp_avg_sq", z).clone())
 
     def _after(self, opt, args, kwargs):
+        # One thread: these are many small element-wise ops, and on a busy 2-core machine two OpenMP threads
+        # wait for each other at every one of them (the file took 3-10x longer).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._bound_step(opt)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _bound_step(self, opt):
         for g in opt.param_groups:
             lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
             l2 = 0.0 if self.adamw else wd
