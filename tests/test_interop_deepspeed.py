@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints resumed by shardopt at other world sizes and stages, against DeepSpeed.
 
-Real DeepSpeed (the `interop` extra) on CPU/gloo. One 2-rank DeepSpeed run per
+Real DeepSpeed (a test dependency: setup.py's `test` extra, and `interop`) on CPU/gloo. One 2-rank DeepSpeed run per
 setting (ZeRO-2 fp32 and bf16; ZeRO-1 fp32, and bf16 with fp32 gradient
 accumulation, which is DeepSpeed's BF16_Optimizer; ZeRO-3 fp32 and bf16)
 trains K steps on TinyNet, saves, then, for ZeRO-1/2, resumes its own
@@ -19,14 +19,13 @@ world size does not change the averaged gradient.
 import os
 import shutil
 
+import deepspeed  # a test dependency (setup.py's `test` extra): missing, this file fails, it is not skipped
 import pytest
 import torch
 from torch import nn
 
 from models import TinyNet
 from dist_harness import run_ranks
-
-deepspeed = pytest.importorskip("deepspeed", reason="pip install -e '.[interop]'")
 
 # Note [DeepSpeed before 0.19.8 races its own ZeRO-3 gathers on gloo]
 # DeepSpeed 0.19.0-0.19.7 gathers a group of parameters (here the ones it keeps whole on every rank,
@@ -60,12 +59,20 @@ def _groups(model):
     return [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _loss(model, step, rank, world_size, dtype):
+def _loss(model, step, rank, world_size, dtype, part=None, rotate=0):
+    """This rank's mean loss over its slice of the global batch; part=(i, k): over the i-th of k pieces of that
+    slice, weighted so that the k pieces' losses add up to the slice's; rotate: the batch's samples rolled by
+    this many places first (each rank's slice holds other samples; the global batch is the same)."""
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
+    x, y = x.roll(rotate, 0), y.roll(rotate, 0)
     n = GLOBAL_BATCH // world_size
     x, y = x[rank * n:(rank + 1) * n].to(dtype), y[rank * n:(rank + 1) * n]
-    return nn.functional.mse_loss(model(x).float(), y)
+    if part is None:
+        return nn.functional.mse_loss(model(x).float(), y)
+    i, k = part
+    lo, hi = i * n // k, (i + 1) * n // k
+    return nn.functional.mse_loss(model(x[lo:hi]).float(), y[lo:hi]) * ((hi - lo) / n)
 
 
 def _trainable(model):
@@ -224,23 +231,33 @@ def _shardopt_resume(rank, world_size, root, names, stage, buffer_dtypes):
     out = {}
     for name in names:
         dtype = _DS_RUNS[name][0]
-        model = _model(1, dtype)   # another seed: anything not restored shows
-        # The forward adds `shift` in the dtype DeepSpeed's run had it in, or the loss's gradient rounds
-        # otherwise: DeepSpeed 0.19.2 and later keep buffers in fp32 when they cast a model to bf16,
-        # 0.19.0 and 0.19.1 cast them too (module.bfloat16()).
-        model.shift.data = model.shift.to(buffer_dtypes[name])
-        opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, stage=stage,
-                                        reduce_bucket_size=150, reduce_dtype=dtype)
-        wrapper = shardopt.ShardedDDP(model, opt)
-        extra = shardopt.load_checkpoint(os.path.join(root, name), wrapper, opt)
-        loaded = _sharded_masters(model, opt)
-        for step in range(K, 2 * K):
-            _loss(wrapper, step, rank, world_size, dtype).backward()
-            opt.step()
-            opt.zero_grad()
-        out[name] = {"loaded": loaded, "resumed": _sharded_masters(model, opt), "extra": extra,
-                     "model": {k: v.clone() for k, v in model.state_dict().items()},
-                     "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+        # bf16 at another world size than DeepSpeed's also runs two twins: Note [The bf16 resume's bar].
+        for twin in (None, "halves", "rotated") if dtype == torch.bfloat16 and world_size != 2 else (None,):
+            model = _model(1, dtype)   # another seed: anything not restored shows
+            # The forward adds `shift` in the dtype DeepSpeed's run had it in, or the loss's gradient rounds
+            # otherwise: DeepSpeed 0.19.2 and later keep buffers in fp32 when they cast a model to bf16,
+            # 0.19.0 and 0.19.1 cast them too (module.bfloat16()).
+            model.shift.data = model.shift.to(buffer_dtypes[name])
+            opt = shardopt.ShardedOptimizer(_groups(model), optim=torch.optim.AdamW, lr=LR, stage=stage,
+                                            reduce_bucket_size=150, reduce_dtype=dtype)
+            wrapper = shardopt.ShardedDDP(model, opt)
+            extra = shardopt.load_checkpoint(os.path.join(root, name), wrapper, opt)
+            loaded = _sharded_masters(model, opt)
+            for step in range(K, 2 * K):
+                if twin == "halves":  # each rank's slice in two micro-batches
+                    with wrapper.no_sync():
+                        _loss(wrapper, step, rank, world_size, dtype, part=(0, 2)).backward()
+                    _loss(wrapper, step, rank, world_size, dtype, part=(1, 2)).backward()
+                else:
+                    _loss(wrapper, step, rank, world_size, dtype, rotate=int(twin == "rotated")).backward()
+                opt.step()
+                opt.zero_grad()
+            if twin:
+                out[name].setdefault("twins", []).append(_sharded_masters(model, opt))
+                continue
+            out[name] = {"loaded": loaded, "resumed": _sharded_masters(model, opt), "extra": extra,
+                         "model": {k: v.clone() for k, v in model.state_dict().items()},
+                         "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
     return out if rank == 0 else None
 
 
@@ -249,22 +266,37 @@ def _max_rel(a, b):
 
 
 # DeepSpeed runs the resume tests load, and how close the continued runs must end: fp32 sums in
-# another order. bf16: at DeepSpeed's world size (2) the same bf16 arithmetic, so 1e-5 (measured: equal);
-# at 1 or 3 ranks each rank's bf16 gradient sums over other samples and rounds elsewhere. Measured after
-# 3 steps at 3 ranks, weights / exp_avg / exp_avg_sq: 1.1e-3 / 5.1e-3 / 7.5e-3 against DeepSpeed 0.19.8,
-# 9.5e-4 / 6.0e-3 / 1.5e-2 against 0.19.0 (whose bf16 `shift` buffer rounds the loss once more). A
-# second moment is a square, so its relative error is twice its gradient's: its bar is twice the
-# others'. Anything not restored differs by far more: the resumed model starts from another seed, and
-# Adam moments rebuilt from zero would be 37-92% off DeepSpeed's after the 3 steps (measured, bf16).
+# another order, 1e-5. bf16 at DeepSpeed's world size (2): the same bf16 arithmetic, so 1e-5 too (measured:
+# equal); at 1 or 3 ranks, Note [The bf16 resume's bar].
 # "zero1-bf16" is DeepSpeed's BF16_Optimizer (its own file names and layout: padded partitions);
 # "zero3*" are ZeRO-3 folders (partitions per parameter, model states per rank).
-_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "zero1": 1e-5, "zero1-bf16": 1e-2, "zero3": 1e-5, "zero3-bf16": 1e-2}
+_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-5, "zero1": 1e-5, "zero1-bf16": 1e-5, "zero3": 1e-5, "zero3-bf16": 1e-5}
+TWIN_FACTOR = 3
+
+# Note [The bf16 resume's bar]
+# At 1 or 3 ranks each rank's bf16 gradient sums other samples than at DeepSpeed's 2 and rounds to bf16 (2^-8
+# apart) elsewhere; Adam's moments then carry those roundings (the second moment, a square, twice over), so
+# after 3 steps the weights / exp_avg / exp_avg_sq were 1.1e-3 / 5.1e-3 / 7.5e-3 (relative to each tensor's
+# largest) from DeepSpeed 0.19.8's at 3 ranks, and 9.5e-4 / 6.0e-3 / 1.5e-2 from 0.19.0's (whose bf16 `shift`
+# buffer rounds the loss once more). How far bf16 grouping alone moves this run is measured beside it, not
+# fixed from one machine's run: two twins of shardopt's run at the same world size whose bf16 gradient sums
+# group otherwise, as at another world size (the global batch the same): one takes each rank's slice in two
+# micro-batches (a rounded sum of two rounded halves), one rolls the batch by a sample (each rank sums other
+# samples). shardopt must end within TWIN_FACTOR times the farther twin's distance from itself (per tensor
+# kind, the largest over parameters), or the fp32 bar. A bug in what shardopt restores or steps is in its twins
+# too, so they stay within bf16 rounding of its run while it leaves DeepSpeed's: the resumed model starts from
+# another seed, Adam moments rebuilt from zero would be 37-92% off DeepSpeed's after the 3 steps, and a restored
+# exp_avg 5% small (in all three runs) fails at the weights already. Measured (2026-11-28, AVX2 and scalar
+# kernels alike): DeepSpeed ends at 0.23-0.58 of the bar from 0.19.8, 0.29-0.73 from 0.19.0.
 
 
-def _tolerance(name, world_size, key):
-    if world_size == 2:
-        return 1e-5
-    return _TOLERANCE[name] * (2 if key == "exp_avg_sq" else 1)
+def _tolerance(name, key, got):
+    """The bar for got[name]'s key (param, exp_avg, exp_avg_sq) against DeepSpeed's resumed run."""
+    twins = got[name].get("twins")
+    if not twins:
+        return _TOLERANCE[name]
+    return max(_TOLERANCE[name], TWIN_FACTOR * max(_max_rel(t[n][key], r[key]) for t in twins
+                                                   for n, r in got[name]["resumed"].items()))
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +319,9 @@ def test_shardopt_resumes_deepspeed(ds_root, world_size, stage):
             assert float(g["loaded"][n]["step"]) == r["step"] == K
         for n, want in r["resumed"].items():             # K more steps: DeepSpeed's own resume
             for k in ("param", "exp_avg", "exp_avg_sq"):
-                tol = _tolerance(name, world_size, k)
-                assert _max_rel(g["resumed"][n][k], want[k]) < tol, (name, n, k, _max_rel(g["resumed"][n][k], want[k]))
+                tol = _tolerance(name, k, got)
+                assert _max_rel(g["resumed"][n][k], want[k]) < tol, (name, n, k, _max_rel(g["resumed"][n][k], want[k]),
+                                                                     tol)
         for k in ("frozen.weight", "frozen.bias", "shift"):   # frozen parameters and buffers
             # (DeepSpeed 0.19.2+ keeps buffers in fp32 when it casts a model to bf16; ours is all bf16)
             assert torch.equal(g["model"][k], r["model"][k].to(g["model"][k].dtype)), (name, k)
@@ -462,11 +495,16 @@ def test_unmappable_deepspeed_checkpoints_are_refused(ds_root, tmp_path):
     assert errors["client_object, trusted"]["when"].year == 2020
 
 
-@pytest.mark.skipif(os.environ.get("SHARDOPT_TEST_DS_OFFLOAD") != "1",
-                    reason="DeepSpeed's CPU Adam is compiled on first use (about 5 minutes on 2 busy cores); "
-                           "set SHARDOPT_TEST_DS_OFFLOAD=1")
 def test_shardopt_resumes_deepspeed_offload(tmp_path):
-    """offload_optimizer: DeepSpeed's CPU Adam keeps an int step; loaded bitwise, continued within 1e-5."""
+    """offload_optimizer: DeepSpeed's CPU Adam keeps an int step; loaded bitwise, continued within 1e-5.
+
+    It ran only with SHARDOPT_TEST_DS_OFFLOAD=1 until 2026-11-28, for one reason: DeepSpeed builds its CPU Adam
+    op (csrc/adam/cpu_adam.cpp, -march=native) with the machine's C++ compiler the first time an engine uses
+    it, through torch.utils.cpp_extension into ~/.cache/torch_extensions/<python>_cpu/cpu_adam (or
+    $TORCH_EXTENSIONS_DIR). Measured on the 2-core AMD EPYC VM: 80 s for that build (its ninja log), once per
+    machine and DeepSpeed version; then this test takes 25-30 s (80-90 s with the machine busy). The compiler
+    is the one shardopt's own extension was built with, so it runs everywhere the suite does; the ranks'
+    deadline covers a first build."""
     root = str(tmp_path)
     ref = run_ranks(_deepspeed_runs, 2, root, ["offload"], timeout=1200)[0]["offload"]
     got = run_ranks(_shardopt_resume, 3, root, ["offload"], 2, {"offload": ref["model"]["shift"].dtype},

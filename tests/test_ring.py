@@ -271,7 +271,10 @@ def test_dead_peer_makes_wait_raise(how):
     assert elapsed < GROUP_TIMEOUT + 5, f"wait() took {elapsed:.1f}s, group timeout {GROUP_TIMEOUT}s"
     if how == "hangs":  # nothing tells rank 0 but the clock: the group's timeout must be the one used
         assert elapsed > GROUP_TIMEOUT * 0.9, f"gave up after {elapsed:.1f}s, before the group timeout"
-    assert later < 1.0, f"the op after the failure took {later:.1f}s to fail"
+    # Sticky: the next op fails at once, without waiting. One that waited would fail only when the group's
+    # timeout ran out (>= GROUP_TIMEOUT, as the hang above shows), so the bar sits just under that, not at a
+    # second: an op that raises in milliseconds can still be descheduled for a while on a busy 2-core machine.
+    assert later < GROUP_TIMEOUT * 0.9, f"the op after the failure took {later:.1f}s to fail"
 
 
 
