@@ -17,10 +17,11 @@ from shardopt.lr_schedules import WarmupLR
 from shardopt.onebit import OneBitAdam
 from shardopt.optimizer import ShardedOptimizer
 from shardopt.precision import LossScaleConfig
+from shardopt.view import wrapper_of
 from shardopt.weights import WeightsError, from_pretrained, load_weights, save_weights
 
 
 __all__ = ["CPUAdam", "CheckpointError", "LossScaleConfig", "OneBitAdam", "WarmupLR", "ShardConfig", "ShardedDDP", "ShardedOptimizer",
            "WeightsError", "cpu_features", "from_pretrained", "load_checkpoint", "load_weights", "register_elementwise_optimizer",
-           "save_checkpoint", "save_weights"]
+           "save_checkpoint", "save_weights", "wrapper_of"]
 __version__ = "0.1.0"

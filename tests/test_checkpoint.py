@@ -430,11 +430,25 @@ def _stage3_resume_and_save(rank, world_size, root, full_dicts):
     """Stage 3 at world size 3 loads the stage-2 checkpoint (and the whole state dicts), then saves its own."""
     import shardopt
 
+    from shardopt.checkpoint import save_load
+
     out = _resume(rank, world_size, root, 3, 300, full_dicts)
     model, opt, wrapper, sched = _build("sgd", seed=1, stage=3)
-    sched.load_state_dict(shardopt.load_checkpoint(os.path.join(root, "sgd"), wrapper, opt)["sched"])
+    kept, keep = {}, save_load.keep_other
+
+    def spy(opt, info, name, values):  # what the load keeps of the frozen parameters the store shards
+        parts = keep(opt, info, name, values)
+        if name in info.held:
+            kept[name] = (values.numel(), sum(p.numel() for p in parts))
+        return parts
+
+    save_load.keep_other = spy
+    try:
+        sched.load_state_dict(shardopt.load_checkpoint(os.path.join(root, "sgd"), wrapper, opt)["sched"])
+    finally:
+        save_load.keep_other = keep
     return out, shardopt.save_checkpoint(os.path.join(root, "stage3"), wrapper, opt,
-                                         extra={"sched": sched.state_dict()})
+                                         extra={"sched": sched.state_dict()}), kept
 
 
 def _stage1_from_stage3(rank, world_size, root):
@@ -453,8 +467,17 @@ def test_stage3_checkpoints_move_between_stages_and_world_sizes(reference, tmp_p
     for name in OPTIMS:
         shutil.copytree(os.path.join(ref_root, name), os.path.join(root, name))
     # Stage 2 at 2 ranks -> stage 3 at 3 ranks: what was saved is what is loaded, and training goes on.
-    got, saved = run_ranks(_stage3_resume_and_save, 3, root, {n: ref[n]["snap4"] for n in OPTIMS})[0]
+    results = run_ranks(_stage3_resume_and_save, 3, root, {n: ref[n]["snap4"] for n in OPTIMS})
+    got, saved, _ = results[0]
     _check_resumed(ref, got, 3)
+    # The frozen parameter, sharded at stage 3, is kept as each rank's parts only until the load applies it
+    # (not the whole value on every rank): every element on exactly one rank.
+    kept = [r[2] for r in results]
+    assert kept[0] and all(k.keys() == kept[0].keys() for k in kept), kept
+    for name, (whole, _) in kept[0].items():
+        assert sum(k[name][1] for k in kept) == whole, (name, kept)
+    largest = max(kept[0], key=lambda n: kept[0][n][0])  # frozen.weight, over 3 ranks' chunks
+    assert all(k[largest][1] < k[largest][0] for k in kept), kept
     # Stage 3 at 3 ranks -> stage 1 at 2 ranks, other buckets: the same state, the same continuation.
     loaded, snap8 = run_ranks(_stage1_from_stage3, 2, root)[0]
     assert _differences(ref["sgd"]["snap4"], loaded, rtol=0) == []

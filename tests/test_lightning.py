@@ -376,6 +376,57 @@ def test_stage3_weights_only_save_gathers_one_bucket_at_a_time(tmp_path):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
+
+def _stage3_kept_sharded(rank, world_size, root):
+    """whole_weights_after_fit=False: after fit the module stays sharded on every rank, and validate,
+    weights-only and full-params reads after fit give DDP's trained model."""
+    import shardopt
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    fails = []
+
+    def fit(strategy):
+        model = AwkwardModule("sgd", "warmup", same_data_split=True)
+        trainer = _trainer(world_size, strategy)
+        trainer.fit(model, _loader(SAMPLES))
+        trainer.validate(model, _loader(4 * BATCH))
+        return model, trainer
+
+    ref, _ = fit(DDPStrategy(find_unused_parameters=True))
+    model, trainer = fit(ShardedStrategy(stage=3, reduce_bucket_size=300, param_persistence_threshold=30,
+                                         whole_weights_after_fit=False))
+    wrapper = shardopt.wrapper_of(model)
+    resting = {n: p.numel() for n, p in model.named_parameters()}
+    if wrapper is None or not any(v == 0 for v in resting.values()):
+        fails.append(f"not sharded after fit: wrapper {wrapper}, elements held {resting}")
+    if not ref.val_losses or max(_rel_errors(ref.val_losses, model.val_losses)) > 1e-5:
+        fails.append(f"validate after fit: {model.val_losses} vs DDP's {ref.val_losses}")
+    path = os.path.join(root, "after.ckpt")
+    trainer.save_checkpoint(path, weights_only=True)  # streamed onto rank 0 (Note [Weights-only saves at stage 3])
+    with wrapper.optimizer.full_params():
+        whole = {k: v.clone() for k, v in model.state_dict().items()}
+    if {n: p.numel() for n, p in model.named_parameters()} != resting:
+        fails.append("reading the weights after fit left them gathered")
+    torch.distributed.barrier()
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    for what, got in (("full_params()", whole), ("the weights-only file", saved)):
+        for name, p in ref.state_dict().items():
+            if p.is_floating_point() and (p - got[name]).abs().max() > 1e-5 * p.abs().max().clamp_min(1.0):
+                fails.append(f"{what}: {name} differs from DDP's")
+    return fails
+
+
+def test_stage3_leaves_the_model_sharded_after_fit(tmp_path):
+    """ShardedStrategy(whole_weights_after_fit=False), for a model too big for one rank: fit ends with the
+    module sharded (its wrapper kept, shardopt.wrapper_of finds it); validate after fit, a weights-only save
+    and full_params() then give the weights and validation losses of Lightning's DDP within 1e-5."""
+    from dist_harness import run_ranks
+
+    for rank, fails in enumerate(run_ranks(_stage3_kept_sharded, 2, str(tmp_path), timeout=300)):
+        assert not fails, f"rank {rank}:\n" + "\n".join(fails)
+
+
 # ------------------------------------------------------- construction errors
 def test_registry_precision_and_bad_options():
     """Name registered, Lightning's precision plugins replaced by ours, bad input refused at Trainer(...)."""

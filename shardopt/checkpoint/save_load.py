@@ -165,16 +165,32 @@ def other_values(opt, info: ModelInfo):
             yield k, t
 
 
+def keep_other(opt, info: ModelInfo, name: str, values: torch.Tensor):
+    """What a load keeps of a frozen parameter or buffer it read, until put_other: the value, or for one the
+    store holds sharded (stage 3's frozen parameters) this rank's parts only, copied, so that the whole
+    value read goes at once and a load holds at most one whole frozen tensor beyond its shard."""
+    i = info.held.get(name)
+    if i is None:
+        return values
+    flat = values.reshape(-1)
+    return [flat[lo:hi].clone() for lo, hi, _ in opt.store.local_parts(i)]
+
+
 @torch.no_grad()
-def put_other(opt, info: ModelInfo, name: str, values: torch.Tensor) -> None:
-    """A loaded frozen parameter or buffer into the model: a held one's parts of this rank (then
-    opt.store.after_load(), once the optimizer published)."""
+def put_other(opt, info: ModelInfo, name: str, values) -> None:
+    """A loaded frozen parameter or buffer into the model: a held one's parts of this rank, from its whole
+    value or from what keep_other kept (then opt.store.after_load(), once the optimizer published)."""
     i = info.held.get(name)
     if i is None:
         info.others[name][0].copy_(values)
         return
+    parts = opt.store.local_parts(i)
+    if isinstance(values, list):
+        for (_, _, view), part in zip(parts, values, strict=True):
+            view.copy_(part)
+        return
     flat = values.reshape(-1)
-    for lo, hi, view in opt.store.local_parts(i):
+    for lo, hi, view in parts:
         view.copy_(flat[lo:hi])
 
 
@@ -610,7 +626,7 @@ def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
         slices, scalars = cut(src.chunks(name, a, b), a, b, f"parameter {name!r}")
         masters[i] = slices.pop(PARAM)
         states[i] = {**slices, **scalars}
-    others = {n: src.model_tensor(n) for n in src.model_state}
+    others = {n: keep_other(opt, info, n, src.model_tensor(n)) for n in src.model_state}
     extra = src.extra()
     residual = hop_residual.stage(src, opt)
     swap.apply(states, hyper)  # last: the only change, and undoable

@@ -36,6 +36,16 @@ the module gets its whole weights back on every rank
 model.state_dict() on rank 0, validate/test/predict, a new fit of a copy) sees
 a plain module, as after DDP; the price is the whole model on every rank from
 then on. A fit that raised leaves them sharded (empty), with a warning.
+
+A model too big for one rank cannot take that price:
+ShardedStrategy(whole_weights_after_fit=False) leaves the module sharded when
+fit ends, held by its wrapper (shardopt.wrapper_of(module)). What follows fit
+then runs as during it: validate/test/predict gather through the stage-3
+hooks on every rank; trainer.save_checkpoint(path, weights_only=True) streams
+onto rank 0 as above, trainer.save_checkpoint(path) writes the sharded
+checkpoint, and shardopt.save_weights(module, folder) writes the Hugging Face
+layout, all bucket by bucket; read single weights with `with
+shardopt.wrapper_of(module).optimizer.full_params(): ...` on every rank.
 """
 from __future__ import annotations
 
@@ -363,6 +373,10 @@ class ShardedStrategy(DDPStrategy):
         precision_plugin, process_group_backend, timeout, start_method:
             as Lightning's DDPStrategy ("popen" relaunches the script, "spawn"
             starts processes from the Trainer).
+        whole_weights_after_fit: at stage 3, whether fit's end gathers the
+            whole weights into the module on every rank (True: a plain module
+            afterwards, as after DDP) or leaves it sharded, for a model too big
+            for one rank (Note [Lightning at stage 3]).
         **more: further ShardedOptimizer options (num_staging_buffers,
             comm_impl, and whatever else the installed version has).
 
@@ -377,7 +391,8 @@ class ShardedStrategy(DDPStrategy):
                  broadcast_buffers: bool = True, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: str = "popen", config=None, **more: Any) -> None:
+                 start_method: str = "popen", config=None, whole_weights_after_fit: bool = True,
+                 **more: Any) -> None:
         options = dict(stage=stage, offload=offload, reduce_bucket_size=reduce_bucket_size,
                        allgather_bucket_size=allgather_bucket_size, overlap_comm=overlap_comm, **more)
         # A DeepSpeed config (as DeepSpeedStrategy(config=...) takes): its zero_optimization etc. win over
@@ -396,14 +411,17 @@ class ShardedStrategy(DDPStrategy):
         # Validate now (at Trainer construction) rather than after processes start.
         fields = {f.name for f in dataclasses.fields(ShardConfig)}
         ShardConfig(**{k: v for k, v in options.items() if k in fields})
-        if not isinstance(broadcast_buffers, bool):
-            raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        for name, value in (("broadcast_buffers", broadcast_buffers),
+                            ("whole_weights_after_fit", whole_weights_after_fit)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
         self.optimizer_options = options
         self.broadcast_buffers = broadcast_buffers
+        self.whole_weights_after_fit = whole_weights_after_fit
         self._restored_sharded = False  # the last load_checkpoint read shardopt's format
 
     # ---------------------------------------------------------- precision
@@ -441,6 +459,10 @@ class ShardedStrategy(DDPStrategy):
                 _refuse_weight_averaging(trainer)
             _average_in_own_dtypes(trainer, self.lightning_module)
             self.model = self._setup_model(self.model)
+        elif self._stage3_wrapper() is not None:
+            # The module stayed sharded after fit (whole_weights_after_fit=False): validate/test/predict steps
+            # go through its wrapper, as in fit, whose forward opens and closes each pass of gathers.
+            self.model = self._stage3_wrapper()
         else:
             _sync_module_states(self.model)  # no wrapper, so broadcast rank 0's weights as DDP does
         self.setup_precision_plugin()
@@ -522,12 +544,19 @@ class ShardedStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def _stage3_attached(self) -> bool:
-        return isinstance(self.model, ShardedDDP) and self.model.optimizer.params_sharded
+        return self._stage3_wrapper() is not None
+
+    def _stage3_wrapper(self) -> ShardedDDP | None:
+        """The stage-3 wrapper of the module: during fit, or kept after it (whole_weights_after_fit=False)."""
+        wrapper = self.model if isinstance(self.model, ShardedDDP) else shardopt.wrapper_of(self.lightning_module)
+        return wrapper if wrapper is not None and wrapper.optimizer.params_sharded else None
 
     def teardown(self) -> None:
         if isinstance(self.model, ShardedDDP):
             wrapper, self.model = self.model, self.lightning_module
-            if not wrapper.optimizer.params_sharded:
+            if self.lightning_module.__dict__.get("_shardopt_wrapper") is wrapper:
+                pass  # validate/test/predict after a fit that left the module sharded: it stays so
+            elif not wrapper.optimizer.params_sharded:
                 # Stages 1-2: Lightning's teardown moves the module to the CPU, gradients too, and a reduced
                 # p.grad is this rank's shard only (Note [Sharded p.grad]): it cannot move. The wrapper lets
                 # go of the module first (hooks off; those p.grad None), as DDP leaves a plain module. On a
@@ -538,8 +567,12 @@ class ShardedStrategy(DDPStrategy):
                 if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
                     warnings.warn("fit was interrupted: the LightningModule's parameters stay sharded (empty on "
                                   "every rank); load the last checkpoint to use them", UserWarning, stacklevel=2)
-                else:
+                elif self.whole_weights_after_fit:
                     wrapper.detach()  # whole weights again, on every rank (Note [Lightning at stage 3])
+                else:
+                    # Sharded from now on: the module keeps its wrapper alive (outside nn.Module's registry, so
+                    # it is no submodule), and shardopt.wrapper_of(module) finds it (Note [Lightning at stage 3]).
+                    self.lightning_module.__dict__["_shardopt_wrapper"] = wrapper
         super().teardown()
 
     # ---------------------------------------------------------- checkpoints
@@ -575,7 +608,7 @@ class ShardedStrategy(DDPStrategy):
         local = _plain_local_path(filepath)
         folder = os.path.dirname(os.path.abspath(local)) if local is not None else None
         # The scratch file beside the checkpoint (its disk), else in the system's temporary folder.
-        state = state_dict_on_rank0(self.model, folder if folder is not None and os.path.isdir(folder) else None)
+        state = state_dict_on_rank0(self._stage3_wrapper(), folder if folder is not None and os.path.isdir(folder) else None)
         if not self.is_global_zero:
             return
         checkpoint["state_dict"] = state
