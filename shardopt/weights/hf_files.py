@@ -177,7 +177,7 @@ def _pread_into(fd: int, buf, offset: int, path: str) -> None:
         done += got
 
 
-def _pwrite_all(fd: int, buf, offset: int) -> None:
+def pwrite_all(fd: int, buf, offset: int) -> None:
     """Writes all of `buf` at byte `offset` (pwrite may write less than asked)."""
     view = memoryview(buf).cast("B")
     done = 0
@@ -185,12 +185,12 @@ def _pwrite_all(fd: int, buf, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _bytes_of(t: torch.Tensor):
+def bytes_of(t: torch.Tensor):
     """The bytes of a 1-D tensor of stride 1 as a writable numpy array (no copy; any dtype, bf16 too)."""
     return t.view(torch.uint8).numpy()
 
 
-def _flat(values: torch.Tensor) -> torch.Tensor:
+def packed_flat(values: torch.Tensor) -> torch.Tensor:
     """The elements of `values`, row-major, as a 1-D CPU tensor of stride 1 (copied only if need be).
 
     Not `.contiguous()`: torch calls a one-element view of stride 2 contiguous, and it is not packed.
@@ -320,7 +320,7 @@ class _SafetensorsFile:
     def read(self, record: TensorRecord, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=record.dtype)
         if hi > lo:
-            _pread_into(self._fd, _bytes_of(out), record.offset + lo * record.dtype.itemsize, self.path)
+            _pread_into(self._fd, bytes_of(out), record.offset + lo * record.dtype.itemsize, self.path)
         return out
 
     def close(self) -> None:
@@ -757,7 +757,7 @@ class WeightWriter:
         """One file at its full size, its header written; its tensors' element 0 noted."""
         fd = os.open(os.path.join(self.partial, layout.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         self._fds.append(fd)
-        _pwrite_all(fd, layout.header, 0)
+        pwrite_all(fd, layout.header, 0)
         os.ftruncate(fd, layout.size)
         self._where.update({name: (fd, start) for name, start in layout.starts.items()})
 
@@ -775,7 +775,7 @@ class WeightWriter:
             got = dtype_name(values.dtype) if torch.is_tensor(values) else type(values).__name__
             raise TypeError(f"{name!r} is written as {dtype_name(entry.dtype)} but the values are {got}: "
                             "cast them first")
-        flat = _flat(values)
+        flat = packed_flat(values)
         hi = lo + flat.numel()
         if lo < 0 or hi > entry.numel:
             raise ValueError(f"elements [{lo}, {hi}) are outside {name!r}, which has {entry.numel}")
@@ -784,7 +784,7 @@ class WeightWriter:
             raise ValueError(f"elements [{twice[0]}, {twice[1]}) of {name!r} were written already")
         if hi > lo:
             fd, start = self._where[name]
-            _pwrite_all(fd, _bytes_of(flat), start + lo * entry.dtype.itemsize)
+            pwrite_all(fd, bytes_of(flat), start + lo * entry.dtype.itemsize)
             self._written[name].add(lo, hi)
 
     def _holes(self) -> dict:

@@ -26,8 +26,8 @@ import tempfile
 import torch
 
 from shardopt.checkpoint.files import fsync_dir
-from shardopt.weights.hf_files import _bytes_of, _flat, _pwrite_all
-from shardopt.weights.stream import _agree, _Model, whole_values
+from shardopt.weights.hf_files import bytes_of, packed_flat, pwrite_all
+from shardopt.weights.stream import agree, ModelParts, whole_values
 
 
 class Spill:
@@ -42,12 +42,12 @@ class Spill:
 
     def keep(self, value: torch.Tensor) -> torch.Tensor:
         """A copy of `value` (on the CPU) whose memory is pages of the scratch file."""
-        flat = _flat(value)
+        flat = packed_flat(value)
         nbytes = flat.numel() * flat.element_size()
         if nbytes == 0:
             return torch.empty(value.shape, dtype=value.dtype)
         at = self.end
-        _pwrite_all(self.file.fileno(), _bytes_of(flat), at)
+        pwrite_all(self.file.fileno(), bytes_of(flat), at)
         self.end = at + -(-nbytes // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY  # map offsets align
         pages = mmap.mmap(self.file.fileno(), nbytes, offset=at, access=mmap.ACCESS_COPY)
         return torch.frombuffer(pages, dtype=value.dtype).view(value.shape)  # the tensor keeps the mapping
@@ -62,7 +62,7 @@ def state_dict_on_rank0(model, spill_dir: str | None = None) -> dict | None:
     ranks; a collective. `model` is a ShardedDDP (or the module it wraps). The values are spilled to a scratch
     file in `spill_dir` (default: the system's temporary folder): Note [A state dict on rank 0, streamed and
     spilled]."""
-    m = _Model(model)
+    m = ModelParts(model)
     spill = error = None
     if m.rank == 0:
         try:
@@ -78,7 +78,7 @@ def state_dict_on_rank0(model, spill_dir: str | None = None) -> dict | None:
                 error = e
     if spill is not None:
         spill.close()
-    _agree(m.group, error, "gathering the state dict on rank 0")
+    agree(m.group, error, "gathering the state dict on rank 0")
     if m.rank != 0:
         return None
     return {k: kept[id(v)] for k, v in m.module.state_dict(keep_vars=True).items()}

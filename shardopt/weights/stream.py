@@ -44,7 +44,7 @@ class WeightsError(RuntimeError):
     """A load or save refused or failed (on some rank: every rank raises it)."""
 
 
-class _Model:
+class ModelParts:
     """The module, its optimizer's view and store (None without a ShardedDDP), and its tensors."""
 
     def __init__(self, model):
@@ -72,7 +72,7 @@ class _Model:
         return dist.get_rank(self.group) if self.group is not None else 0
 
 
-def _agree(group, error: BaseException | None, what: str) -> None:
+def agree(group, error: BaseException | None, what: str) -> None:
     """Raises on every rank if `error` is set on any (so that no rank goes on into a collective alone)."""
     failed = first_failure(error, group)
     if failed:
@@ -91,7 +91,7 @@ def load_weights(model, source, *, strict: bool = True) -> LoadPlan:
     takes its base model's checkpoint (Note [Weight names]). strict=False loads the keys that match and
     leaves the rest (the plan's missing / unexpected list them); mis-shaped keys are always refused.
     """
-    m = _Model(model)
+    m = ModelParts(model)
     plan = src = error = None
     try:
         src = open_weights(source)
@@ -104,10 +104,10 @@ def load_weights(model, source, *, strict: bool = True) -> LoadPlan:
         if plan.mismatched or strict:
             if problem := plan.problem(where):
                 raise WeightsError(problem)
-    except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on every rank
+    except Exception as e:  # noqa: BLE001 - handed to agree, which raises it on every rank
         error = e
     try:
-        _agree(m.group, error, "load_weights")
+        agree(m.group, error, "load_weights")
         if m.opt is not None:
             m.opt.wait_params()  # gathers in flight write the parameters too
         error = None
@@ -115,7 +115,7 @@ def load_weights(model, source, *, strict: bool = True) -> LoadPlan:
             _write_values(m, src, plan)
         except Exception as e:  # noqa: BLE001
             error = e
-        _agree(m.group, error, "load_weights (the model is partly loaded: load it again)")
+        agree(m.group, error, "load_weights (the model is partly loaded: load it again)")
         if m.opt is not None:
             _masters_from_file(m, src, plan)
             m.opt.publish_params()
@@ -127,7 +127,7 @@ def load_weights(model, source, *, strict: bool = True) -> LoadPlan:
 
 
 @torch.no_grad()
-def _write_values(m: _Model, src, plan: LoadPlan) -> None:
+def _write_values(m: ModelParts, src, plan: LoadPlan) -> None:
     """This rank's parts of every store member, and every other tensor whole, from the file."""
     for t, key, value in zip(m.tensors, plan.keys, m.values):
         if key is None:
@@ -141,7 +141,7 @@ def _write_values(m: _Model, src, plan: LoadPlan) -> None:
 
 
 @torch.no_grad()
-def _masters_from_file(m: _Model, src, plan: LoadPlan) -> None:
+def _masters_from_file(m: ModelParts, src, plan: LoadPlan) -> None:
     """The masters take the chunks just written; where the file holds more precision than the model, their
     own pieces straight from it (Note [A load of the values held] in loads.py)."""
     opt = m.opt
@@ -158,7 +158,7 @@ def _masters_from_file(m: _Model, src, plan: LoadPlan) -> None:
 
 
 # ---------------------------------------------------------------------- out
-def whole_values(m: _Model):
+def whole_values(m: ModelParts):
     """(id of the model's tensor, its whole value) for every tensor of `m` once: the store's members gathered
     bucket by bucket (a collective: every rank walks it to its end; at stage 3 each value a copy), then
     buffers and unmanaged tensors as they are."""
@@ -183,7 +183,7 @@ def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> s
     folder appears whole or not at all; an existing `dest` is replaced only once the new one is complete.
     Returns `dest`.
     """
-    m = _Model(model)
+    m = ModelParts(model)
     dest = os.fspath(dest)
     writer = error = None
     if m.rank == 0:
@@ -192,7 +192,7 @@ def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> s
             writer = WeightWriter(dest, entries, max_shard_size, extra_files=_config_files(m.module) if config else None)
         except Exception as e:  # noqa: BLE001
             error = e
-    _agree(m.group, error, "save_weights")
+    agree(m.group, error, "save_weights")
     name_of = {id(v): t.names[0] for t, v in zip(m.tensors, m.values)}
     error = None
 
@@ -214,7 +214,7 @@ def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> s
             error = e
         if error is not None:
             writer.abort()
-    _agree(m.group, error, f"save_weights to {dest}")
+    agree(m.group, error, f"save_weights to {dest}")
     return dest
 
 
