@@ -160,7 +160,12 @@ def _three_ranks(rank, world_size, root):
     model, wrapper, opt = _shardopt(0, stage=3)
     _train(wrapper, opt, range(K), rank, world_size)
     out["shardopt-3 saved"] = _shardopt_full(model, opt)
-    _save(os.path.join(root, "shardopt-3"), *shardopt.dcp.get_state_dict(wrapper, opt))
+    msd, osd = shardopt.dcp.get_state_dict(wrapper, opt)
+    # The frozen parameters, sharded at stage 3, go to DCP as this rank's chunks (boxes), not whole copies.
+    out["shardopt-3 frozen"] = {k: (type(msd[k]).__name__, sum(s.tensor.numel() for s in msd[k].local_shards()),
+                                    msd[k].size().numel()) if k in msd else None
+                                for k, p in model.named_parameters() if not p.requires_grad}
+    _save(os.path.join(root, "shardopt-3"), msd, osd)
     _train(wrapper, opt, range(K, 2 * K), rank, world_size)
     out["shardopt-3 own"] = _shardopt_full(model, opt)
 
@@ -171,7 +176,7 @@ def _three_ranks(rank, world_size, root):
     out["fsdp2 loaded"] = _fsdp2_full(model, opt)
     _train(model, opt, range(K, 2 * K), rank, world_size)
     out["fsdp2 continued"] = _fsdp2_full(model, opt)
-    return out if rank == 0 else None
+    return out if rank == 0 else {"shardopt-3 frozen": out["shardopt-3 frozen"]}
 
 
 def _fsdp2_from_stage3(rank, world_size, root):
@@ -210,7 +215,8 @@ def dcp_root(tmp_path_factory):
 def runs(dcp_root):
     root = dcp_root
     two = run_ranks(_two_ranks, 2, root, timeout=300)[0]
-    three = run_ranks(_three_ranks, 3, root, timeout=300)[0]
+    every = run_ranks(_three_ranks, 3, root, timeout=300)
+    three = dict(every[0], frozen=[r["shardopt-3 frozen"] for r in every])
     return two, three
 
 
@@ -229,6 +235,13 @@ def test_fsdp2_checkpoint_resumes_in_shardopt_stage3(runs):
 
 def test_shardopt_stage3_checkpoint_resumes_in_fsdp2(runs, dcp_root):
     _, three = runs
+    # Each rank hands DCP its part of the sharded frozen parameters (ShardedTensors of its chunks, or nothing
+    # where it holds none), every element on one rank only, not a whole copy on each (here rank 0's chunk
+    # holds them all: 30 elements are less than a stage-3 chunk).
+    for name, whole in (("frozen.weight", 25), ("frozen.bias", 5)):
+        held = [r[name] for r in three["frozen"] if r[name] is not None]
+        assert all(kind == "ShardedTensor" for kind, _, _ in held), three["frozen"]
+        assert sum(local for _, local, _ in held) == whole, three["frozen"]
     back = run_ranks(_fsdp2_from_stage3, 2, dcp_root, timeout=300)[0]
     assert _differences(three["shardopt-3 saved"], back["fsdp2 loaded"], 0) == []
     assert _differences(three["shardopt-3 own"], back["fsdp2 continued"], 1e-5) == []

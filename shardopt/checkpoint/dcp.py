@@ -35,8 +35,11 @@ element is written once by its owner; on load every box reads the overlap of
 whatever chunks were saved (FSDP2's row ranges, or another world size's
 boxes). The same goes for the trainable parameters in the model state dict:
 they are the fp32 *master* pieces (so a bf16 model loses no precision, and
-nothing is written twice), as boxes. Frozen parameters and buffers are the
-model's own (replicated) tensors; the step count, one per parameter and the
+nothing is written twice), as boxes. Frozen parameters that stage 3 shards
+(Note [Frozen parameters at stage 3] in zero3/store.py) are boxes of the store's
+own chunks, the same way (so no rank holds one whole, and DCP loads into them in
+place); other frozen parameters and buffers are the model's own (replicated)
+tensors; the step count, one per parameter and the
 same on every rank, is a plain 0-d tensor as in FSDP2's dicts.
 
 Each rank's dicts hold only the parameters it has pieces of (DCP merges every
@@ -60,7 +63,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardopt.checkpoint.save_load import _agree_or_undo, _check_pair, _unwrap, describe_model, other_values, put_other
+from shardopt.checkpoint.save_load import _agree_or_undo, _check_pair, _unwrap, describe_model, put_other
 from shardopt.checkpoint.source import PARAM
 from shardopt.checkpoint.files import CheckpointError
 from shardopt.checkpoint.pieces import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
@@ -161,6 +164,21 @@ class _Plan:
         return [(r, o, s) for r, a, b in self.ranges.get(j, ()) for o, s in range_to_boxes(shape, a, b)]
 
 
+def held_boxes(layout, i: int, world_size: int) -> list:
+    """Every rank's boxes [(rank, offsets, sizes)] of store member `i` (a frozen parameter stage 3 shards):
+    its elements in each rank's chunks of the buckets that hold it (pure, from the store's layout)."""
+    slot, out = layout.params[i], []
+    for bucket in layout.buckets:
+        if i not in bucket.params:
+            continue
+        for r in range(world_size):
+            cs, ce = bucket.chunk(r)
+            s, e = max(cs, slot.offset), min(ce, slot.end)
+            if s < e:
+                out += [(r, o, z) for o, z in range_to_boxes(slot.shape, s - slot.offset, e - slot.offset)]
+    return out
+
+
 def _local_views(shape, piece_tensors: list[tuple[int, int, torch.Tensor]]) -> list[torch.Tensor]:
     """This rank's pieces [(a, b, flat tensor)] as box-shaped views, in box order."""
     out = []
@@ -227,13 +245,12 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     # Only what this rank holds (Note [How ZeRO-1/2 state is described to DCP]).
     masters = {j: sharded(j, [opt.piece_params[i] for _, _, i in mine[j]]) for j in mine}
     model_sd = {}
-    # Frozen parameters stage 3 shards (Note [Frozen parameters at stage 3]): whole copies here, as FSDP2's full
-    # state dict holds them (gathered bucket by bucket, but each rank keeps every copy until DCP writes).
-    held = {k: v.clone() for k, v in other_values(opt, info) if k in info.held}
     for k, v in module.state_dict(keep_vars=True).items():
         j = index.get(id(v))
-        if k in held:
-            model_sd[k] = held[k]
+        if k in info.held:
+            held = _held_tensor(opt, info.held[k], group)
+            if held is not None:  # this rank holds some of it (a rank's dict has only what it holds)
+                model_sd[k] = held
         elif j is None:
             model_sd[k] = v.detach()
         elif j in masters:
@@ -262,6 +279,26 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     if opt.onebit is not None:  # Note [The step the variance froze at] in onebit.py
         optim_sd["onebit"] = opt.onebit.record()
     return model_sd, optim_sd
+
+
+def _held_tensor(opt, i: int, group):
+    """Store member i (a frozen parameter stage 3 shards) as a ShardedTensor of this rank's chunks, or None."""
+    store = opt.store
+    slot = store.layout.params[i]
+    local = _local_views(slot.shape, [(a, b, view) for a, b, view in store.local_parts(i)])
+    if not local:
+        return None
+    return _sharded_tensor(slot.shape, local[0].dtype, local[0].device,
+                           held_boxes(store.layout, i, opt.world_size), local, group)
+
+
+def _held_parts(opt, info, name: str, value) -> list:
+    """This rank's parts of a sharded frozen parameter from a state-dict value (ours or a whole tensor), for
+    put_other."""
+    i = info.held[name]
+    shape = opt.store.layout.params[i].shape
+    chunks = _chunks_of(value, name, PARAM, shape)
+    return [cut(chunks, a, b, f"frozen parameter {name!r}")[0][PARAM] for a, b, _ in opt.store.local_parts(i)]
 
 
 def _scalar(opt, j, k, sts):
@@ -322,18 +359,22 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
         info = describe_model(module, opt)
         if model_state_dict is not None:
             held = {info.names[pc.param] for pc in opt.pieces}
+            # A sharded frozen parameter is in the dict of the ranks that hold some of it.
+            holding = {k for k, i in info.held.items() if opt.store.local_parts(i)}
             missing = [k for k in held if k not in model_state_dict] + \
-                      [k for k in info.others if k not in model_state_dict]
+                      [k for k in info.others if k not in model_state_dict and (k not in info.held or k in holding)]
             if missing:
                 raise CheckpointError(f"model state dict lacks {', '.join(sorted(missing)[:10])}")
             masters = {i: _piece_values(opt, info, model_state_dict[info.names[pc.param]], info.names[pc.param],
                                         PARAM, i) for i, pc in enumerate(opt.pieces)}
             others = {}
             for k, (t, _) in info.others.items():
+                if k not in model_state_dict:
+                    continue  # a sharded frozen parameter this rank holds none of
                 v = model_state_dict[k]
-                if tuple(v.shape) != info.shapes[k]:
-                    raise CheckpointError(f"{k!r}: shape {tuple(v.shape)} in the state dict, {info.shapes[k]} here")
-                others[k] = v
+                if tuple(v.size()) != info.shapes[k]:
+                    raise CheckpointError(f"{k!r}: shape {tuple(v.size())} in the state dict, {info.shapes[k]} here")
+                others[k] = _held_parts(opt, info, k, v) if k in info.held else v
         if optim_state_dict is not None:
             hyper = _install_optim(opt, info, optim_state_dict, swap)
     except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
