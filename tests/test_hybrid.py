@@ -444,21 +444,20 @@ def test_hybrid_matches_single_process(world_size, shapes):
 
 # ------------------------------------------------------------------ compressed hops in training
 def _compressed(rank, world_size):
-    """bf16 and int8 hops on a 2 x 2 mesh: close to the exact run, replicas bit-equal (checked in
-    _train), and a step skipped for inf/nan forgets the int8 residual."""
+    """bf16 and int8 hops on a 2 x 2 mesh: bit for bit their plain-PyTorch simulation, SGD-momentum and
+    AdamW, stages 2 and 3; and a step skipped for inf/nan forgets the int8 residual."""
     import shardopt
 
     out = []
     for hop in (torch.bfloat16, "int8"):
-        for stage in (2, 3):
-            out += _train(rank, world_size, (2, 2), "adamw", stage, 1000, torch.float32, 0.5, False, False,
-                          hop=hop)
+        for optim_name in ("sgd", "adamw"):
+            for stage in (2, 3):
+                out += _hop_vs_reference(rank, world_size, hop, optim_name, stage)
     # Node-aware flat sharding: its gradient phase compressed; and exact with partial gather spans
     # (allgather_bucket_size below the chunk: the two-level gather's staged path), stages 1 and 2.
     for hop in (torch.bfloat16, "int8"):
-        for stage in (2, 3):
-            out += _train(rank, world_size, ("nodes", 2), "adamw", stage, 1000, torch.float32, 0.5, False, False,
-                          hop=hop)
+        for optim_name, stage in (("sgd", 2), ("adamw", 3)):
+            out += _hop_vs_reference(rank, world_size, hop, optim_name, stage, ("nodes", 2))
     for stage, gather in ((1, True), (2, False)):
         out += _train(rank, world_size, ("nodes", 2), "sgd", stage, 1000, torch.float32, 0.3, True, gather,
                       agbs=300)
@@ -488,6 +487,51 @@ def _compressed(rank, world_size):
         skipped = opt.last_step_skipped
         if skipped != (step == 1):
             out.append(f"step {step}: skipped={skipped}")
+    return out
+
+
+def _hop_vs_reference(rank, world_size, hop, optim_name, stage, shape=(2, 2), steps=6):
+    """Training on a 2 x 2 mesh (or node-aware over ("nodes", 2)) with a compressed hop against its plain-PyTorch simulation
+    (tests/hop_training_reference.py, Note [The hop's training reference]): every loss and every final
+    weight bit for bit. SGD-momentum passes the gradient's scale straight into the weights (Adam would
+    normalise a scale error away); AdamW's per-element normalisation magnifies a wrong tiny gradient."""
+    import shardopt
+    from hop_training_reference import HopTrainingReference
+
+    torch.manual_seed(0)
+    base = AwkwardNet()
+    model = copy.deepcopy(base)
+    cls, kw = _optim(optim_name)
+    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=1000,
+                                    inter_node_dtype=hop, **_where(shape, world_size), **kw)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    plain = copy.deepcopy(base)
+    groups = _param_groups(plain)
+    params = [p for g in groups for p in g["params"]]
+    ref = HopTrainingReference(params, cls(groups, **kw), opt.layout, 2, 2, hop)
+    what = f"{shape} hop={hop} {optim_name} stage {stage}"
+    out = []
+    for step in range(steps):
+        loss = _loss(wrapper, step, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        grads = []
+        for r in range(world_size):
+            plain.zero_grad(set_to_none=True)
+            ref_loss = _loss(plain, step, r)
+            ref_loss.backward()
+            if r == rank and loss.item() != ref_loss.item():
+                out.append(f"{what} step {step}: loss {loss.item()!r} vs reference {ref_loss.item()!r}")
+            grads.append([p.grad for p in params])
+        ref.step(grads)
+    opt.wait_params()
+    with opt.full_params(writeback=False):
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            if not torch.equal(p, q):
+                err = ((p - q).abs().max() / p.abs().max().clamp_min(1e-12)).item()
+                out.append(f"{what}: final {name} differs from the reference (relative {err:.2e})")
     return out
 
 
