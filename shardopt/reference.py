@@ -153,20 +153,19 @@ def onebit_encode_reference(x, block=1024):
         for f in part.tolist():
             acc += abs(f)
         scales[k] = torch.tensor(acc / part.numel(), dtype=torch.float64).float()
-    bits = torch.zeros(-(-n // 8), dtype=torch.uint8)
-    for i in range(n):
-        if x[i] >= 0:
-            bits[i // 8] |= 1 << (i % 8)
+    # element 8k+i in bit i of byte k (whole tensor ops: the same bits as setting them one by one)
+    ones = torch.zeros(-(-n // 8) * 8, dtype=torch.int32)
+    ones[:n] = (x >= 0).to(torch.int32)
+    bits = (ones.view(-1, 8) << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
     return scales, bits
 
 
 def onebit_decode_reference(scales, bits, n, block=1024):
     """Inverse of onebit_encode_reference, in fp32: +scale of the block where the bit is 1, else -scale."""
-    out = torch.empty(n, dtype=torch.float32)
-    for i in range(n):
-        s = scales[i // block]
-        out[i] = s if (int(bits[i // 8]) >> (i % 8)) & 1 else -s
-    return out
+    i = torch.arange(n)
+    s = scales[i // block]
+    one = (bits[i // 8].to(torch.int32) >> (i % 8)) & 1
+    return torch.where(one == 1, s, -s)
 
 
 def onebit_encode_feedback_reference(x, residual=None, block=1024):

@@ -225,8 +225,108 @@ def _exchanges(rank, world_size):
     return True
 
 
+def _flat_state(opt, model, shards):
+    """Every rank's view of the optimizer at the freeze, as whole flat vectors of the layout: the weights
+    (the model is whole at stage 2) and AdamW's exp_avg and exp_avg_sq, gathered from the owners of each
+    piece (rank r owns shard r % shards: a (R, K) mesh numbers ranks replica-major)."""
+    layout = opt.layout
+    p = torch.zeros(layout.total_numel)
+    for s, q in zip(layout.params, [q for q in model.parameters() if q.requires_grad]):
+        p[s.offset:s.end] = q.detach().reshape(-1)
+    mine = torch.zeros(2, layout.total_numel)
+    for pc, t in zip(opt.view.pieces, opt.view.piece_params):
+        st = opt.inner.state.get(t, {})
+        for i, key in enumerate(("exp_avg", "exp_avg_sq")):
+            if key in st:
+                mine[i, pc.start:pc.end] = st[key].reshape(-1)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    mv = torch.zeros(2, layout.total_numel)
+    for r, theirs in enumerate(every):
+        for pc in layout.pieces(r % shards):
+            mv[:, pc.start:pc.end] = theirs[:, pc.start:pc.end]
+    return p, mv[0], mv[1]
+
+
+def _onebit_vs_reference(rank, world_size, shape, freeze=3, steps=8):
+    """OneBitAdam at 4 ranks (flat, or a 2 x 2 mesh) against tests/onebit_training_reference.py (Note [The
+    1-bit training reference]): the warm-up against plain AdamW on the mean gradient (bit for bit on 2 x 2;
+    within 1e-5 of the weights' scale flat, whose 4-rank reduce-scatter sums in its own order), then from
+    shardopt's state at the freeze every loss and the final weights bit for bit."""
+    import shardopt
+    from hop_training_reference import HopTrainingReference
+    from onebit_training_reference import OneBitReference
+
+    torch.manual_seed(0)
+    base = AwkwardNet()
+    model = copy.deepcopy(base)
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, freeze_step=freeze,
+                                    reduce_bucket_size=300, **hp, **({"mesh": _mesh(shape)} if shape else {}))
+    ddp = shardopt.ShardedDDP(model, opt)
+    replicas, shards = shape or (1, world_size)
+    plain = copy.deepcopy(base)
+    params = [p for p in plain.parameters() if p.requires_grad]
+    warmup = HopTrainingReference(params, torch.optim.AdamW(params, **hp), opt.layout, replicas, shards, None)
+    ref, out, what = None, [], f"OneBitAdam {shape or 'flat'}"
+    bar = 0.0 if shape else 1e-5  # the warm-up's, relative to the largest |value| (the flat sums' order)
+
+    def close(a, b):
+        return ((a - b).abs().max() <= bar * b.abs().max()).item()
+
+    for step in range(1, steps + 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = _loss(ddp, step, rank)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        grads = []
+        for r in range(world_size):
+            plain.zero_grad(set_to_none=True)
+            ref_loss = _loss(plain, step, r)
+            ref_loss.backward()
+            if r == rank and not close(loss.detach(), ref_loss.detach()) if ref is None \
+                    else r == rank and loss.item() != ref_loss.item():
+                out.append(f"{what} step {step}: loss {loss.item()!r} vs reference {ref_loss.item()!r}")
+            grads.append([p.grad for p in params])
+        if ref is None:
+            warmup.step(grads)
+        else:
+            ref.step(grads)
+            with torch.no_grad():
+                for p, w in zip(params, ref.weights()):
+                    p.copy_(w)
+        if step == freeze:  # the warm-up checked, the compression stage starts from shardopt's bits
+            p_flat, m_flat, v_flat = _flat_state(opt, model, shards)
+            for s, p in zip(opt.layout.params, params):
+                st = warmup.optimizer.state.get(p, {})
+                for name, want, got in (("weights", p.detach(), p_flat), ("exp_avg", st.get("exp_avg"), m_flat),
+                                        ("exp_avg_sq", st.get("exp_avg_sq"), v_flat)):
+                    if want is not None and not close(got[s.offset:s.end], want.reshape(-1)):
+                        out.append(f"{what}: warm-up {name} of {s.name} differs from AdamW's")
+            ref = OneBitReference(opt.layout, replicas, shards, p_flat, m_flat, v_flat, freeze, **hp)
+            with torch.no_grad():
+                for p, w in zip(params, ref.weights()):
+                    p.copy_(w)
+    if opt.onebit.started_at != freeze + 1:
+        out.append(f"{what}: compression started at {opt.onebit.started_at}")
+    for s, p, q in zip(opt.layout.params, params, [q for q in model.parameters() if q.requires_grad]):
+        if not torch.equal(p, q):
+            err = ((p - q).abs().max() / p.abs().max()).item()
+            out.append(f"{what}: final {s.name} differs from the reference (relative {err:.2e})")
+    return out
+
+
+def _exchanges_and_training(rank, world_size):
+    _exchanges(rank, world_size)
+    return _onebit_vs_reference(rank, world_size, None) + _onebit_vs_reference(rank, world_size, (2, 2))
+
+
 def test_exchanges_match_references():
-    assert all(run_ranks(_exchanges, 4))
+    """The exchanges alone, and OneBitAdam's training at 4 ranks, flat and 2 x 2, against references."""
+    for rank, failures in enumerate(run_ranks(_exchanges_and_training, 4, timeout=300)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:8])
 
 
 def _loss(model, step, rank, branch=None):
@@ -306,7 +406,9 @@ def test_warmup_is_adamw_then_compression(shape, stage, offload, dtype):
     out = run_ranks(_train_pair, 4, shape, stage, offload, dtype, 12, 4)
     diffs, losses = out[0]
     assert diffs[0] == 0.0 and diffs[-1] > 0.0, diffs
-    # After the freeze the run stays near AdamW's: within 10% of the loss over the last 4 of 8 compressed
+    # After the freeze the run stays near AdamW's (a sanity check of what 1-bit Adam is for; its exact
+    # arithmetic at 4 ranks, flat and 2 x 2, is checked bit for bit by test_exchanges_match_references
+    # against tests/onebit_training_reference.py): within 10% of the loss over the last 4 of 8 compressed
     # steps (a freeze after 4 steps at lr 1e-2 is far earlier than 1-bit Adam is meant for; the 1% bar is
     # benchmarks/onebit_loss_curve.py's, on a GPT over 300 steps).
     a, b = sum(losses["adamw"][-4:]), sum(losses["onebit"][-4:])

@@ -414,7 +414,12 @@ def test_low_precision_stage3_matches_stage2(dtype):
     for rank, runs in enumerate(run_ranks(_low_precision, 2, dtype, timeout=300)):
         (l2, w2, s2, scale2), (l3, w3, s3, scale3) = runs[2], runs[3]
         assert scale2 == scale3
-        # The fp32 masters are what both step; the model's low-precision copies may round apart by an ulp.
+        # Low-precision stage 3 against plain PyTorch is test_mixed_precision.py's (AwkwardNet, bf16 AdamW and
+        # fp16 loss-scaled SGD: bit for bit at 2 ranks). This adds StackNet (blocks gathered on their own,
+        # experts one rank skips) under clipping, against stage 2: the global norm is summed over shards cut
+        # differently at the two stages (stage 3's buckets hold whole parameters), so the clip coefficients
+        # differ in their last bits, and a master near a rounding boundary then rounds into the model an ulp
+        # apart; these bars are measured, not derived (the fp32 masters are what both step).
         for a, b in zip(l2, l3):
             assert abs(a - b) <= 1e-2 * max(1.0, abs(a)), (rank, l2, l3)
         for a, b in zip(w2, w3):
