@@ -187,6 +187,8 @@ def test_reduce_scatter_starts_during_backward(overlap):
 # is stuck in its first bucket's collective, never reaches l1, and rank 1's wait for it times out.
 # Enough staging buffers for every bucket: with fewer, stage 2 waits for the oldest reduce-scatter to hand
 # its buffer back (overlap is bounded by num_staging_buffers, by design), which also needs rank 1.
+# Stage 3 (where overlap_comm=True is required) with reshard_after_forward=False: otherwise backward
+# gathers the parameters again, a collective rank 1 would have to join while held.
 _HOLD_SECONDS = 60  # rank 0's backward of a 6k-parameter model: milliseconds; generous on a loaded machine
 
 
@@ -211,7 +213,9 @@ class _HoldBackward(torch.autograd.Function):
 
 
 def _in_flight_when_backward_reaches_l1(rank, world_size, stage):
-    model, opt, wrapper = _build(stage=stage, rbs=300, num_staging_buffers=64, lr=0.1, momentum=0.9)
+    # Stage 3 keeps its gathered parameters to the end of backward: no all-gather there either.
+    more = dict(reshard_after_forward=False) if stage == 3 else {}
+    model, opt, wrapper = _build(stage=stage, rbs=300, num_staging_buffers=64, lr=0.1, momentum=0.9, **more)
     seen = {}
     store = dist.distributed_c10d._get_default_store()
 
@@ -229,7 +233,7 @@ def _in_flight_when_backward_reaches_l1(rank, world_size, stage):
     return seen["launched"], len(opt.layout.buckets)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_reduce_scatters_are_in_flight_while_backward_goes_on(stage):
     # Note [Overlap shown by holding a peer back]
     (in_flight, nbuckets), _ = run_ranks(_in_flight_when_backward_reaches_l1, 2, stage)
