@@ -153,9 +153,10 @@ setup(
     # matplotlib: the PNG charts of `shardopt tune` / `shardopt bench` (and their tests).
     # interop: DeepSpeed, whose ZeRO-1/2/3 checkpoints load_checkpoint reads (without it too); the
     # tests resume real DeepSpeed runs. Its install pulls no torch when torch is already there (pin it).
+    # cmake: tests/test_cpp.py builds and runs the C++ tests of csrc/tests/ with CMakeLists.txt.
     extras_require={"lightning": [LIGHTNING], "bench": ["matplotlib"], "interop": [DEEPSPEED],
                     "transformers": TRANSFORMERS, "peft": [PEFT],
-                    "test": ["pytest>=7", "pytest-timeout", LIGHTNING, "matplotlib", DEEPSPEED, PEFT] + TRANSFORMERS},
+                    "test": ["pytest>=7", "pytest-timeout", "cmake>=3.18", LIGHTNING, "matplotlib", DEEPSPEED, PEFT] + TRANSFORMERS},
     entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

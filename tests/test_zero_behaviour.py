@@ -175,6 +175,71 @@ def test_reduce_scatter_starts_during_backward(overlap):
     assert 0 < launched_before_l1 < nbuckets
 
 
+# Note [Overlap shown by holding a peer back]
+# -------------------------------------------
+# The test above counts launches, which overlap_comm=False makes too: it waits for each reduce-scatter
+# right after launching it. What overlap adds is that backward goes on while a reduce-scatter is still in
+# flight. To show that without a clock, rank 1 holds its whole backward (before any of its gradients or
+# collectives) until rank 0 says that its own backward reached l1 (registered early, so reached after
+# every later layer: their buckets have launched). A reduce-scatter needs both ranks, so nothing rank 0
+# launched can finish while rank 1 is held: every one counted then is in flight. Overlapping, rank 0 gets
+# to l1 and lets rank 1 go; waiting at each launch (overlap_comm=False, or a launch that blocks), rank 0
+# is stuck in its first bucket's collective, never reaches l1, and rank 1's wait for it times out.
+# Enough staging buffers for every bucket: with fewer, stage 2 waits for the oldest reduce-scatter to hand
+# its buffer back (overlap is bounded by num_staging_buffers, by design), which also needs rank 1.
+# Stage 3 (where overlap_comm=True is required) with reshard_after_forward=False: otherwise backward
+# gathers the parameters again, a collective rank 1 would have to join while held.
+_HOLD_SECONDS = 60  # rank 0's backward of a 6k-parameter model: milliseconds; generous on a loaded machine
+
+
+class _HoldBackward(torch.autograd.Function):
+    """Identity; its backward (the first node of the rank's backward) waits for rank 0 to reach l1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import datetime
+
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            store.wait(["rank0_reached_l1"], datetime.timedelta(seconds=_HOLD_SECONDS))
+        except Exception as e:  # noqa: BLE001 - the store's timeout error type differs across versions
+            raise AssertionError(f"rank 0 did not reach l1 within {_HOLD_SECONDS}s while rank 1 held its "
+                                 "backward: rank 0 waited for a reduce-scatter during backward") from e
+        return grad
+
+
+def _in_flight_when_backward_reaches_l1(rank, world_size, stage):
+    # Stage 3 keeps its gathered parameters to the end of backward: no all-gather there either.
+    more = dict(reshard_after_forward=False) if stage == 3 else {}
+    model, opt, wrapper = _build(stage=stage, rbs=300, num_staging_buffers=64, lr=0.1, momentum=0.9, **more)
+    seen = {}
+    store = dist.distributed_c10d._get_default_store()
+
+    def reached_l1(grad):
+        seen["launched"] = opt.engine.num_reduce_scatters
+        if rank == 0:
+            store.set("rank0_reached_l1", "1")
+
+    model.l1.weight.register_hook(reached_l1)
+    x, y = batch(0, rank)
+    out = wrapper(x, True)
+    if rank == 1:
+        out = _HoldBackward.apply(out)
+    nn.functional.cross_entropy(out.reshape(-1, 37), y.reshape(-1)).backward()
+    return seen["launched"], len(opt.layout.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reduce_scatters_are_in_flight_while_backward_goes_on(stage):
+    # Note [Overlap shown by holding a peer back]
+    (in_flight, nbuckets), _ = run_ranks(_in_flight_when_backward_reaches_l1, 2, stage)
+    assert 0 < in_flight < nbuckets  # launched by rank 0, none finished (rank 1 was held): all in flight
+
+
 # ------------------------------------------------------------ wrap-time sync
 def _broadcast_at_wrap(rank, world_size):
     import shardopt
