@@ -15,7 +15,11 @@ says which pass it starts (`Intent`), in one small all-gather on a group of its 
     gathers until every rank starts the same pass, with no padding by the user and no `synced_gpus`;
   - different otherwise (a training forward on one rank, the step on another): no rank can stand in for
     that, so every rank raises at once, naming what each one started (`describe`).
-The cost is one all-gather of one integer per pass. A LOOK pass right after a training forward, before its
+Backwards are not agreed on: a rank whose backward reaches none of the store's buckets (it skipped it, or
+its loss used none of them) walks that backward round in the step's `settle`, and a backward may run
+collectives (the end-of-backward all-reduce) that such a rank joins only from its step; an agreement
+inside backward would wait for it there. The forward before and the step after are agreed on, which
+keeps the rounds in order. The cost is one all-gather of two integers per forward and per step. A LOOK pass right after a training forward, before its
 backward, shadows correctly only if the shadowing rank holds the same buckets gathered (the seam): run
 such evaluation after the backward.
 """
@@ -31,12 +35,11 @@ class Intent(enum.IntEnum):
     """What a rank starts next (Note [Passes every rank agrees on])."""
     LOOK = 1      # a forward without gradients: other ranks may shadow it
     FORWARD = 2   # a forward that will be differentiated
-    BACKWARD = 3
     STEP = 4      # the optimizer step (after every backward round this rank owes)
 
 
 _WORDS = {Intent.LOOK: "a forward without gradients", Intent.FORWARD: "a training forward",
-          Intent.BACKWARD: "a backward", Intent.STEP: "the optimizer step"}
+          Intent.STEP: "the optimizer step"}
 
 
 def exchange(mine: Intent, count: int, group) -> list[tuple[Intent, int]]:

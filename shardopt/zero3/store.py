@@ -454,7 +454,8 @@ class ShardedStore(ParamStore):
         self.backwards_owed += int(grad_enabled)
 
     def _begin_backward(self) -> None:
-        self._start(Intent.BACKWARD)
+        # No agreement here (Note [Passes every rank agrees on]): a rank whose backward reached none of the
+        # store's buckets walks this round in settle(), after collectives its peers' backward runs first.
         order = self.schedule.backward if self.reshard_after_forward else ()
         self.round = self._new_round(Pass.BACKWARD, order)
         self.round.pending = {b: len(self.bucket_params[b]) for b in order if b < self.trainable_buckets}
