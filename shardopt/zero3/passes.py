@@ -16,12 +16,16 @@ says which pass it starts (`Intent`), in one small all-gather on a group of its 
   - different otherwise (a training forward on one rank, the step on another): no rank can stand in for
     that, so every rank raises at once, naming what each one started (`describe`).
 Backwards are not agreed on: a rank whose backward reaches none of the store's buckets (it skipped it, or
-its loss used none of them) walks that backward round in the step's `settle`, and a backward may run
-collectives (the end-of-backward all-reduce) that such a rank joins only from its step; an agreement
-inside backward would wait for it there. The forward before and the step after are agreed on, which
-keeps the rounds in order. The cost is one all-gather of two integers per forward and per step. A LOOK pass right after a training forward, before its
-backward, shadows correctly only if the shadowing rank holds the same buckets gathered (the seam): run
-such evaluation after the backward.
+its loss used none of them) walks that backward round in the step's `settle`, and a backward runs
+collectives (its reduce-scatters, the end-of-backward all-reduce) that such a rank joins only from its
+step; an agreement inside backward would wait for it there. So the step's agreement comes after this rank
+has joined every reduction of its peers' backwards (GradSync.finish's `at_step`) and before the step's own
+flags all-reduce, where a peer still running forwards without gradients (generation between backward and
+step) can be shadowed. The forward before and the step after are agreed on, which keeps the rounds in
+order. The cost is one all-gather of two integers per forward and per step, on a gloo group of host
+tensors (no device synchronisation). A LOOK pass right after a training forward, before its backward,
+shadows correctly only if the shadowing rank holds the same buckets gathered (the seam): run such
+evaluation after the backward.
 """
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ def exchange(mine: Intent, count: int, group) -> list[tuple[Intent, int]]:
     size = dist.get_world_size(group)
     out = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(out, torch.tensor([int(mine), count], dtype=torch.int64), group=group)
-    return [(Intent(int(t[0])), int(t[1])) for t in out]
+    # Host tensors on a gloo group of its own: read through numpy, no device to wait for (test_host_reads).
+    return [(Intent(int(a)), int(c)) for a, c in (t.numpy() for t in out)]
 
 
 def describe(everyone: list[tuple[Intent, int]], global_ranks: list[int]) -> str:

@@ -152,7 +152,7 @@ class ShardedStore(ParamStore):
         else:
             self.group = copy_group(process_group) if self.world_size > 1 else process_group
         # Which pass each rank starts next (Note [Passes every rank agrees on] in passes.py).
-        self.agree_group = copy_group(process_group) if self.world_size > 1 else None
+        self.agree_group = copy_group(process_group, backend="gloo") if self.world_size > 1 else None
         self.passes_started, self.last_intent = 0, None
         self.members = list(params)  # every parameter held: the trainable ones, then frozen ones (adopt)
         self.trainable_buckets = len(layout.buckets)  # buckets from here on hold frozen parameters
@@ -474,6 +474,11 @@ class ShardedStore(ParamStore):
         while self.backwards_owed:
             self._begin_backward()
             self.end_backward()
+
+    def start_step(self) -> None:
+        # Once this rank has joined its peers' backward reductions, not in settle(): a rank whose backward
+        # reached none of the store's buckets joins them from its step, after settle(), and a peer waiting
+        # there would wait for an agreement this rank has not reached (Note [Passes every rank agrees on]).
         self._start(Intent.STEP)
 
     def _close_round(self) -> None:
