@@ -26,7 +26,7 @@ def _batch(step: int, rank: int):
     return torch.randn(5, 33, generator=g), torch.randint(0, 5, (5,), generator=g)
 
 
-def _rollouts(rank, world_size, stage, extra_training_pass):
+def _rollouts(rank, world_size, stage, extra_training_pass, between=False):
     import shardopt
 
     model = _model()
@@ -35,12 +35,18 @@ def _rollouts(rank, world_size, stage, extra_training_pass):
     wrapper = shardopt.ShardedDDP(model, opt)
     start = time.monotonic()
     try:
-        for step in range(STEPS):
-            with torch.no_grad():  # rollouts: 1, 3, 5 ... forwards on ranks 0, 1, 2 ..., one more on odd steps
+        def rollouts():  # 1, 3, 5 ... forwards on ranks 0, 1, 2 ..., one more on odd steps
+            with torch.no_grad():
                 for _ in range(1 + 2 * rank + step % 2):
                     wrapper(torch.randn(3, 33))
+
+        for step in range(STEPS):
+            if not between:
+                rollouts()
             x, y = _batch(step, rank)
             nn.functional.cross_entropy(wrapper(x), y).backward()
+            if between:  # between backward and step: the rank that is done shadows them from its step
+                rollouts()
             if extra_training_pass and rank == 0 and step == 2:
                 nn.functional.cross_entropy(wrapper(x), y).backward()  # one rank trains on twice: irreconcilable
             opt.step()
@@ -64,9 +70,10 @@ def _reference(world_size):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("stage,world_size", [(1, 2), (2, 2), (3, 2), (3, 3)])
-def test_rollouts_of_different_lengths_match_plain_pytorch(stage, world_size):
-    results = run_ranks(_rollouts, world_size, stage, False, timeout=200)
+@pytest.mark.parametrize("stage,world_size,between", [(1, 2, False), (2, 2, False), (3, 2, False), (3, 3, False),
+                                                     (3, 2, True)])
+def test_rollouts_of_different_lengths_match_plain_pytorch(stage, world_size, between):
+    results = run_ranks(_rollouts, world_size, stage, False, between, timeout=200)
     reference = _reference(world_size)
     for status, _, state in results:
         assert status == "ok", state
