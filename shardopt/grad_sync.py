@@ -330,8 +330,10 @@ class GradSync:
         found.copy_((~torch.isfinite(self.shard_grad)).any().to(found.device, found.dtype).reshape(found.shape))
 
     # ----------------------------------------------------------------- step
-    def finish(self) -> torch.Tensor:
-        """Makes sure gradients are reduced and returns the global "got a gradient" flags."""
+    def finish(self, at_step=None) -> torch.Tensor:
+        """Makes sure gradients are reduced and returns the global "got a gradient" flags. `at_step()` runs
+        once this rank has joined every reduction of its peers' backwards, before the flags' own all-reduce
+        (stage 3's pass agreement: Note [Passes every rank agrees on] in zero3/passes.py)."""
         if self.global_used is not None:  # taken earlier this step (opt.clip_grad_norm, a norm read)
             if self.handles_out:
                 self._take_late_replacements()
@@ -344,6 +346,8 @@ class GradSync:
             # have, and wait for its share of every bucket: reduce zeros.
             self.end_backward(reached=False)
             self.backwards = 0
+        if at_step is not None:
+            at_step()
         if self.flags_at_end is not None:  # Note [The step's flags ride the end of backward]
             used, reached, found = self._flags_from_end()
         else:  # gradients on a device: one small all-reduce of the flags

@@ -524,7 +524,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _grads_and_rounds(self) -> torch.Tensor:
         """Gradients reduced, and at stage 3 every backward round walked (Note [Stage-3 schedule])."""
         self._settle_rounds()
-        return self.grads.finish()
+        return self.grads.finish(at_step=self.store.start_step)
 
     def _settle_rounds(self) -> None:
         """Stage 3: the backward rounds this rank owes, walked before any step's collective."""

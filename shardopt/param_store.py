@@ -100,6 +100,10 @@ class ParamStore:
     def settle(self) -> None:
         """Before any step's collective: what this rank owes its peers (stage 3's backward rounds)."""
 
+    def start_step(self) -> None:
+        """After the step's gradient collectives, before its update: every rank is at the step (stage 3's
+        pass agreement, Note [Passes every rank agrees on] in zero3/passes.py)."""
+
     def publish(self, defer: bool) -> None:
         """After a step: every rank's updated chunks into the model (a collective)."""
         raise NotImplementedError

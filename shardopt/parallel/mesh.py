@@ -143,10 +143,11 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
     return node, across
 
 
-def copy_group(group):
-    """A new process group of `group`'s ranks with `group`'s timeout (only those ranks call it)."""
+def copy_group(group, backend=None):
+    """A new process group of `group`'s ranks with `group`'s timeout (only those ranks call it); `backend`:
+    another backend than the default's (gloo for small host tensors beside an NCCL group)."""
     return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True,
-                          timeout=group_timeout(group))
+                          timeout=group_timeout(group), backend=backend)
 
 
 def group_timeout(group):

@@ -56,6 +56,7 @@ from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
 from shardopt.prefetch import plan_forward_waits
 from shardopt.zero3 import hooks
+from shardopt.zero3.passes import Intent, describe, exchange
 from shardopt.zero3.schedule import Stage3Schedule, plan_stage3_schedule
 
 
@@ -150,6 +151,9 @@ class ShardedStore(ParamStore):
             self.node_group, self.across_group = two_level_groups(nodes, process_group)
         else:
             self.group = copy_group(process_group) if self.world_size > 1 else process_group
+        # Which pass each rank starts next (Note [Passes every rank agrees on] in passes.py).
+        self.agree_group = copy_group(process_group, backend="gloo") if self.world_size > 1 else None
+        self.passes_started, self.last_intent = 0, None
         self.members = list(params)  # every parameter held: the trainable ones, then frozen ones (adopt)
         self.trainable_buckets = len(layout.buckets)  # buckets from here on hold frozen parameters
         self.persistence_threshold = config.param_persistence_threshold
@@ -393,7 +397,34 @@ class ShardedStore(ParamStore):
         """The root module's forward starts: a forward round (Note [Stage-3 schedule])."""
         if self.round is not None:  # a pass that never ended (an exception): close it as every rank does
             self._close_round()
+        self._start(Intent.FORWARD if torch.is_grad_enabled() else Intent.LOOK)
         self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
+
+    def _start(self, intent: Intent) -> None:
+        """Every rank starts the same pass: a rank whose peers start a forward without gradients walks its
+        gathers with them first (Note [Passes every rank agrees on] in passes.py)."""
+        if intent is Intent.STEP and self.last_intent is Intent.STEP:
+            return  # the step's rounds were settled already (clip_grad_norm, then step)
+        self.last_intent = intent
+        self.passes_started += 1
+        if self.agree_group is None:
+            return
+        while True:
+            everyone = exchange(intent, self.passes_started, self.agree_group)
+            if intent is Intent.LOOK or all(p is intent for p, _ in everyone):
+                return  # a forward without gradients goes ahead: the others shadow it
+            if any(p is Intent.LOOK for p, _ in everyone):
+                self.shadow_look()
+                continue
+            ranks = [dist.get_global_rank(self.agree_group, r) for r in range(len(everyone))]
+            raise RuntimeError(describe(everyone, ranks))
+
+    def shadow_look(self) -> None:
+        """The gathers of another rank's forward without gradients, each bucket freed as it arrives."""
+        for b in self.schedule.forward:
+            if self.state[b] == FREE:
+                self.start_gather(b)
+                self.reshard(b)
 
     def _new_round(self, kind: Pass, order: tuple) -> _Round:
         return _Round(kind, order, self.schedule.users, frozenset(b for b in order if self.state[b] != FREE))
@@ -423,6 +454,8 @@ class ShardedStore(ParamStore):
         self.backwards_owed += int(grad_enabled)
 
     def _begin_backward(self) -> None:
+        # No agreement here (Note [Passes every rank agrees on]): a rank whose backward reached none of the
+        # store's buckets walks this round in settle(), after collectives its peers' backward runs first.
         order = self.schedule.backward if self.reshard_after_forward else ()
         self.round = self._new_round(Pass.BACKWARD, order)
         self.round.pending = {b: len(self.bucket_params[b]) for b in order if b < self.trainable_buckets}
@@ -441,6 +474,12 @@ class ShardedStore(ParamStore):
         while self.backwards_owed:
             self._begin_backward()
             self.end_backward()
+
+    def start_step(self) -> None:
+        # Once this rank has joined its peers' backward reductions, not in settle(): a rank whose backward
+        # reached none of the store's buckets joins them from its step, after settle(), and a peer waiting
+        # there would wait for an agreement this rank has not reached (Note [Passes every rank agrees on]).
+        self._start(Intent.STEP)
 
     def _close_round(self) -> None:
         self._drain_round()
@@ -498,6 +537,7 @@ class ShardedStore(ParamStore):
             if in_backward:
                 self._begin_backward()
             else:  # a submodule called on its own, outside the root's forward
+                self._start(Intent.FORWARD if torch.is_grad_enabled() else Intent.LOOK)
                 self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
         r = self.round
         for b in buckets:
