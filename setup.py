@@ -154,6 +154,7 @@ TRANSFORMERS = ["transformers>=5.0.0", "accelerate>=1.3.0"]
 PEFT = "peft>=0.18.0"                   # LoRA on a sharded base (tests/test_weights.py, test_hf_trainer.py)
 LIGHTNING = "lightning>=2.6.0"          # the strategy uses some of its internals: developed against 2.6
 DEEPSPEED = "deepspeed>=0.19.0,<0.20"   # checkpoint formats as 0.19 writes them
+TRL = "trl>=1.16.0"                     # tests/test_trl.py; the only version tested so far (the floor is untested below)
 
 setup(
     name="shardopt",
@@ -171,7 +172,7 @@ setup(
     # tests resume real DeepSpeed runs. Its install pulls no torch when torch is already there (pin it).
     extras_require={"lightning": [LIGHTNING], "bench": ["matplotlib"], "interop": [DEEPSPEED],
                     "transformers": TRANSFORMERS, "peft": [PEFT],
-                    "test": ["pytest>=7", "pytest-timeout", LIGHTNING, "matplotlib", DEEPSPEED, PEFT] + TRANSFORMERS},
+                    "test": ["pytest>=7", "pytest-timeout", LIGHTNING, "matplotlib", DEEPSPEED, PEFT, TRL] + TRANSFORMERS},
     entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
