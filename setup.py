@@ -23,9 +23,31 @@ import sys
 from setuptools import find_packages, setup
 
 import torch
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+from build_support.cuda_plan import CudaPlanError, gather_inputs, plan  # noqa: E402
+
+
+def _plan_cuda():
+    """Decides the CUDA half before anything compiles (Note [CUDA architectures without a GPU] in
+    build_support/cuda_plan.py): sets CUDA_HOME and TORCH_CUDA_ARCH_LIST for torch's cpp_extension,
+    which must be imported after, and prints one line saying what it chose."""
+    try:
+        cuda = plan(gather_inputs(torch))
+    except CudaPlanError as e:
+        sys.exit(f"error: shardopt cannot build its CUDA half: {e}")
+    if cuda.message:
+        print(cuda.message, file=sys.stderr, flush=True)
+    if cuda.build_cuda:
+        os.environ["CUDA_HOME"] = cuda.cuda_home
+        if cuda.arch_list:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = cuda.arch_list
+    return cuda.build_cuda
+
+
+WITH_CUDA = _plan_cuda()
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 MACHINE = platform.machine().lower()
 IS_X86 = MACHINE in ("x86_64", "amd64")
 IS_ARM = MACHINE in ("aarch64", "arm64")
@@ -80,12 +102,6 @@ def _sources():
     return generic, isa, cuda
 
 
-def _with_cuda():
-    if os.environ.get("SHARDOPT_NO_CUDA") == "1":
-        return False
-    return torch.version.cuda is not None and CUDA_HOME is not None
-
-
 class BuildExt(BuildExtension):
     """BuildExtension that first compiles each ISA file with its own flags."""
 
@@ -115,7 +131,7 @@ def _extension():
     generic, isa, cuda = _sources()
     macros = [(f"SHARDOPT_HAVE_{name.upper()}", "1") for name in ISA_FLAGS]
     cxx = [CXX_STD] + COMMON_FLAGS + OPENMP_FLAGS
-    if _with_cuda():
+    if WITH_CUDA:
         macros.append(("SHARDOPT_WITH_CUDA", "1"))
         # No --use_fast_math: it makes division approximate and flushes
         # subnormal gradients to zero, and the kernels must match their references.
@@ -138,6 +154,7 @@ TRANSFORMERS = ["transformers>=5.0.0", "accelerate>=1.3.0"]
 PEFT = "peft>=0.18.0"                   # LoRA on a sharded base (tests/test_weights.py, test_hf_trainer.py)
 LIGHTNING = "lightning>=2.6.0"          # the strategy uses some of its internals: developed against 2.6
 DEEPSPEED = "deepspeed>=0.19.0,<0.20"   # checkpoint formats as 0.19 writes them
+TRL = "trl>=1.16.0"                     # tests/test_trl.py; the only version tested so far (the floor is untested below)
 
 setup(
     name="shardopt",
@@ -156,7 +173,7 @@ setup(
     # cmake: tests/test_cpp.py builds and runs the C++ tests of csrc/tests/ with CMakeLists.txt.
     extras_require={"lightning": [LIGHTNING], "bench": ["matplotlib"], "interop": [DEEPSPEED],
                     "transformers": TRANSFORMERS, "peft": [PEFT],
-                    "test": ["pytest>=7", "pytest-timeout", "cmake>=3.18", LIGHTNING, "matplotlib", DEEPSPEED, PEFT] + TRANSFORMERS},
+                    "test": ["pytest>=7", "pytest-timeout", "cmake>=3.18", LIGHTNING, "matplotlib", DEEPSPEED, PEFT, TRL] + TRANSFORMERS},
     entry_points={"console_scripts": ["shardopt=shardopt.tools.cli:main"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

@@ -28,6 +28,9 @@ def test_demo_launches_ranks_and_reports_loss_memory_and_time():
     assert "2 gloo ranks, ZeRO-1" in out
     assert re.search(r"ZeRO-1 \[#+\]\s+4/4 loss", out), out  # the progress bar reached the end
     assert "loss after 4 steps" in out and "largest difference over those steps" in out
+    # Every step's loss within the parity bar of DDP's, said so (Note [Demo learning rate]).
+    diff = float(re.search(r"largest difference over those steps ([0-9.e+-]+) \(relative; parity bar 1e-05\)", out)[1])
+    assert diff <= 1e-5 and "within the parity bar" in out, out
     assert "ZeRO-1 rank 1" in out and "DDP + AdamW (every rank)" in out and "median step time" in out
     # The ratio from turns in the same processes, with its range (Note [Demo step ratio]).
     assert re.search(r"ZeRO-1 / DDP: [0-9.]+x \(range [0-9.]+-[0-9.]+ over 1 rounds: the two take turns", out), out

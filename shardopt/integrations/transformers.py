@@ -103,6 +103,20 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 CHECKPOINT_SUBDIR = "shardopt"
 
+# Note [Trainers that generate during training]
+# -------------------------------------------
+# TRL's online trainers (GRPO, RLOO, PPO, online DPO and its relatives, GKD) call generate() inside the
+# training step, each rank on its own prompts, so the ranks' rollouts end after different numbers of
+# tokens: different numbers of forwards. At stage 3 every forward gathers parameters from every rank, so
+# the ranks would meet in mismatched collectives (wait, then time out: issue 56, ranks doing different
+# work, is not solved). DeepSpeed's way, gathering the whole model for generation (TRL's
+# ds3_gather_for_generation), is what stage 3 exists to avoid, and generate(synced_gpus=True) is not
+# something these trainers pass. So ShardedTrainer refuses them at stage 3 with several processes, at
+# construction, before any collective; stages 1 and 2 keep whole parameters on every rank and generate
+# as DDP does (untested here). Matched by class name, so TRL need not be installed.
+GENERATING_TRAINERS = frozenset({"GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer",
+                                 "NashMDTrainer", "GKDTrainer"})
+
 
 class ShardedTrainer(Trainer):
     """`transformers.Trainer` with a ShardedOptimizer + ShardedDDP in place of torch.optim + DDP.
@@ -134,6 +148,25 @@ class ShardedTrainer(Trainer):
         # Note [ShardedTrainer at stage 3]: what save_model() writes at stage 3.
         self.gather_weights_on_save = (gather_weights_on_save if gather_weights_on_save is not None
                                        else from_config if from_config is not None else True)
+        self._check_generation_in_training()
+
+    def _stage(self) -> int:
+        """The stage the optimizer will have: shardopt_kwargs', else the config's, else ShardedOptimizer's default."""
+        if "stage" in self._shardopt_kwargs:
+            return int(self._shardopt_kwargs["stage"])
+        if self._resolved is not None:
+            return int(translate(split_config(self._resolved)[0]).kwargs.get("stage", 2))
+        return 2
+
+    def _check_generation_in_training(self) -> None:
+        """Note [Trainers that generate during training]."""
+        generating = [c.__name__ for c in type(self).__mro__ if c.__name__ in GENERATING_TRAINERS]
+        if generating and self._stage() == 3 and self.args.world_size > 1:
+            raise ValueError(
+                f"ShardedTrainer at stage 3 cannot train {generating[0]} on {self.args.world_size} processes yet: it "
+                "generates rollouts during training, and ranks whose rollouts differ in length run different "
+                "numbers of forwards, each of which gathers parameters at stage 3 (the ranks would wait for each "
+                "other). Use stage 1 or 2 (shardopt_kwargs={'stage': 2}), or one process. docs/integrations.md, TRL")
 
     # ------------------------------------------------------------ validation
     def _check_arguments(self, optimizers) -> None:
