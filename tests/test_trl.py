@@ -161,8 +161,8 @@ def _grpo(rank, world_size, tmp, stage):
 
 
 def test_grpo_at_stage_3_is_refused_at_construction(tmp_path):
-    """Rollouts of different lengths per rank would have the ranks gather different numbers of times (issue 56):
-    refused by name at construction, before any collective, naming what works (Note [Trainers that generate
+    """Rollouts of different lengths per rank have the ranks gather different numbers of times; no generating
+    trainer has been run at stage 3 yet, so it is refused by name at construction, before any collective, naming what works (Note [Trainers that generate
     during training]); at stage 2 it is not refused."""
     for error in run_ranks(_grpo, 2, str(tmp_path), 3, timeout=120):
         assert error and "GRPOTrainer" in error and "stage 1 or 2" in error and "generates rollouts" in error, error

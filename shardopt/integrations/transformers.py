@@ -107,9 +107,11 @@ CHECKPOINT_SUBDIR = "shardopt"
 # -------------------------------------------
 # TRL's online trainers (GRPO, RLOO, PPO, online DPO and its relatives, GKD) call generate() inside the
 # training step, each rank on its own prompts, so the ranks' rollouts end after different numbers of
-# tokens: different numbers of forwards. At stage 3 every forward gathers parameters from every rank, so
-# the ranks would meet in mismatched collectives (wait, then time out: issue 56, ranks doing different
-# work, is not solved). DeepSpeed's way, gathering the whole model for generation (TRL's
+# tokens: different numbers of forwards. At stage 3 every forward gathers parameters from every rank;
+# stage 3 now agrees on forwards without gradients of different counts (Note [Passes every rank agrees
+# on] in zero3/passes.py: generate() at stage 3 is tested with and without synced_gpus), but none of
+# these trainers has been run at stage 3 yet (their reference models, reward models and vLLM paths
+# included), so they stay refused until they are. DeepSpeed's way, gathering the whole model for generation (TRL's
 # ds3_gather_for_generation), is what stage 3 exists to avoid, and generate(synced_gpus=True) is not
 # something these trainers pass. So ShardedTrainer refuses them at stage 3 with several processes, at
 # construction, before any collective; stages 1 and 2 keep whole parameters on every rank and generate
@@ -165,8 +167,8 @@ class ShardedTrainer(Trainer):
             raise ValueError(
                 f"ShardedTrainer at stage 3 cannot train {generating[0]} on {self.args.world_size} processes yet: it "
                 "generates rollouts during training, and ranks whose rollouts differ in length run different "
-                "numbers of forwards, each of which gathers parameters at stage 3 (the ranks would wait for each "
-                "other). Use stage 1 or 2 (shardopt_kwargs={'stage': 2}), or one process. docs/integrations.md, TRL")
+                "numbers of forwards, each of which gathers parameters at stage 3; such a trainer has not been "
+                "tested at stage 3 yet. Use stage 1 or 2 (shardopt_kwargs={'stage': 2}), or one process. docs/integrations.md, TRL")
 
     # ------------------------------------------------------------ validation
     def _check_arguments(self, optimizers) -> None:
