@@ -377,10 +377,10 @@ class ShardedStore(ParamStore):
     # the shard is held. What differs, and is handled where it shows: the
     # optimizer's buckets all lie in one storage (the shard), so a saved view
     # is told its bucket by offset (`_bucket_at`); full_params(writeback=False)
-    # puts the chunks back on exit, as dropping a gathered copy did; a write into
-    # a parameter inside a forward reaches the chunk (with several ranks it was
-    # lost at the free; the next step overwrites the chunk from the masters in
-    # both cases, so training is the same: tests/test_stage3.py).
+    # puts the chunks back on exit, as dropping a gathered copy did. One
+    # difference is left: a write into a parameter inside a forward (under
+    # no_grad) reaches the chunk here and so the training, as with DDP, where
+    # with several ranks it is lost when the bucket is freed.
     def _allocate(self, b: int, views: bool = True) -> None:
         """Bucket b's full storage exists again (its contents undefined); with `views`, its parameters are
         its views (a gather sets them when it is waited for, so nothing reads a bucket half written)."""
