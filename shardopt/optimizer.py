@@ -471,8 +471,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         in place (Note [Weights edited in place]): refused at stage 3; take_edits (at a step): into the masters."""
         # Every forward: C loops over the parameters when nothing moved (the usual case).
         if self.store.all_in_place():
-            if take_edits:
-                self._take_model_edits()
+            if take_edits or not self.store.holds_whole:  # stage 3 refuses an edit at every check
+                self._take_model_edits(names)
             return
         for i, p in enumerate(self._params):
             if self.store.moved(i) or p.dtype != self.dtype:

@@ -380,6 +380,54 @@ def test_meta_init_state_dicts_and_full_params():
         assert out["stats"]["params"] == out["total"] // 2, out["stats"]
 
 
+# ------------------------------------------------------------- one rank
+def _one_rank(rank, world_size):
+    """World size 1: the chunk is the whole bucket, so a gather is no copy (Note [One rank holds the whole
+    bucket] in zero3/store.py). Parity with DDP on every knob that changes the walk, the parameters inside a
+    forward living in this rank's chunks themselves, and full_params / state dicts as with several ranks."""
+    import shardopt
+
+    out = {"matrix": _matrix(rank, world_size, [CONFIGS[k] for k in (0, 3, 4, 5)])}
+    torch.manual_seed(0)
+    model = StackNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=3, reduce_bucket_size=300,
+                                    param_persistence_threshold=100)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    chunks = {c.untyped_storage()._cdata for c in opt.store.every_chunk}  # frozen buckets' chunks too
+    seen = []
+
+    def look(mod, args):
+        seen.extend(p.untyped_storage()._cdata in chunks for p in mod.parameters(recurse=False) if p.numel())
+
+    handles = [m.register_forward_pre_hook(look) for m in model.modules()]
+    for step in range(2):
+        x, y = batch(step, rank)
+        torch.nn.functional.cross_entropy(wrapper(x, expert_of(step, rank)).reshape(-1, VOCAB),
+                                          y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    for h in handles:
+        h.remove()
+    out["in the chunks"] = (len(seen), sum(seen))
+    out["bytes gathered"] = opt.store.peak_live
+    out["whole"] = _whole_weights(rank, world_size)
+    return out
+
+
+def test_one_rank_gathers_no_copy():
+    out = run_ranks(_one_rank, 1, timeout=300)[0]
+    for cfg, (failures, _) in out["matrix"].items():
+        assert not failures, f"{cfg}: " + "\n".join(failures)
+    n, inside = out["in the chunks"]
+    assert n > 0 and inside == n, out["in the chunks"]  # every parameter a forward used was its chunk
+    assert out["bytes gathered"] == 0                    # nothing held beyond the shard
+    whole = out["whole"]
+    assert whole["state_dict vs eager"] == [] and whole["after load"] == [], whole
+    assert whole["freed after state_dict"] == 0 and set(whole["between uses"]) == {(0,)}, whole
+    assert whole["writeback"] and whole["no writeback"] and whole["param_init_fn"], whole
+    assert whole["stats"]["params"] == whole["total"], whole["stats"]  # the whole model, nothing more
+
+
 # ------------------------------------------------------------- low precision
 def _low_precision(rank, world_size, dtype):
     """A bf16 / fp16 (loss-scaled) StackNet at stage 3 and at stage 2: the same master-weight math."""

@@ -42,8 +42,10 @@ gathered meanwhile.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
+import operator
 import time
 import warnings
 
@@ -58,6 +60,22 @@ from shardopt.prefetch import plan_forward_waits
 from shardopt.zero3 import hooks
 from shardopt.zero3.passes import Intent, describe, exchange
 from shardopt.zero3.schedule import Stage3Schedule, plan_stage3_schedule
+
+
+_STORAGE_CDATA = operator.attrgetter("_cdata")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+class _Gathered:
+    """The gather of a bucket that one rank holds whole: nothing to wait for."""
+
+    @staticmethod
+    def wait():
+        return None
+
+
+_NOTHING_TO_GATHER = _Gathered()
 
 
 class BucketState(str, enum.Enum):
@@ -163,6 +181,10 @@ class ShardedStore(ParamStore):
         self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
         offsets = layout.chunk_offsets()
         self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
+        # Note [One rank holds the whole bucket]: its buckets' full storage is its chunks, found by offset.
+        self.aliased = self.world_size == 1 and nodes is None
+        self._shard_storage = self.shard.untyped_storage()._cdata
+        self._chunk_starts = [offsets[b.index] for b in layout.buckets]
         self.every_chunk = list(self.chunks)  # every bucket's, frozen ones included (chunks: the optimizer's)
         self.frozen_shard_bytes = 0
         self.views: list = []
@@ -178,6 +200,7 @@ class ShardedStore(ParamStore):
         self.round: _Round | None = None
         self.backwards_owed = 0  # grad-enabled forwards whose backward round has not run on this rank
         self.num_gathers = 0
+        self._in_place_seen: list = []  # Note [Parameters in place, checked in C]
         self.live = 0  # bytes of full storage held now
         self.peak_live = 0  # the most `live` has been since construction (or reset_peak())
         self._world = world_group
@@ -199,10 +222,14 @@ class ShardedStore(ParamStore):
             self._bucket_of_param.append([])
         for b in buckets:
             self._lo.append(b.chunk(self.rank)[0] - b.start)
-            full = torch.empty(b.numel, dtype=dtype, device=self.device)
+            if self.aliased:  # Note [One rank holds the whole bucket]
+                assert b.chunk_numel == b.numel and self._lo[-1] == 0
+                full = self.every_chunk[b.index]
+            else:
+                full = torch.empty(b.numel, dtype=dtype, device=self.device)
             self.full.append(full)
             self._comm.append(torch.empty(0, dtype=dtype, device=self.device).set_(
-                full.untyped_storage(), 0, (b.numel,)))
+                full.untyped_storage(), full.storage_offset(), (b.numel,)))
             self.bucket_params.append([])
             for i in b.params:
                 slot = self.layout.params[i]
@@ -210,8 +237,9 @@ class ShardedStore(ParamStore):
                 self.views[i] = full[s:s + slot.numel].view(slot.shape)
                 self.bucket_params[b.index].append(i)
                 self._bucket_of_param[i].append(b.index)
-            full.untyped_storage().resize_(0)
-            self._bucket_of_storage[full.untyped_storage()._cdata] = b.index
+            if not self.aliased:
+                full.untyped_storage().resize_(0)
+            self._bucket_of_storage[full.untyped_storage()._cdata] = b.index  # the shard's: _bucket_at
             self.state.append(FREE)
             self.owed.append(0)
 
@@ -252,7 +280,8 @@ class ShardedStore(ParamStore):
         if dist.get_world_size(self._world) > 1:
             dist.broadcast(full, dist.get_global_rank(self._world, 0), group=self._world)
         lo = self._lo[b]
-        self.every_chunk[b].copy_(full[lo:lo + bucket.chunk_numel])
+        if not self.aliased:  # else the chunk is the bucket (Note [One rank holds the whole bucket])
+            self.every_chunk[b].copy_(full[lo:lo + bucket.chunk_numel])
         self.reshard(b)
 
     # Note [Meta-device models]
@@ -335,14 +364,36 @@ class ShardedStore(ParamStore):
         self.on_meta = False
 
     # ---------------------------------------------------------------- buckets
+    # Note [One rank holds the whole bucket]
+    # --------------------------------------
+    # With one rank in the shard group (world size 1, or a mesh whose shard
+    # dimension is 1) a bucket's chunk is the whole bucket: the gather was a copy
+    # of the chunk into fresh storage, and the free gave that storage back, two
+    # or three times per step (forward, backward, the seam), for memory the
+    # rank holds anyway. Measured on the CPU at 200 blocks it was about 5 ms of a
+    # step (benchmarks/results/2026-11-28-stage3-host-cost.md); on a GPU it is a
+    # device copy plus an allocation per bucket per pass. So here a bucket's full
+    # storage *is* its chunk (`aliased`): the parameters are views of the chunk
+    # while gathered, a gather issues no collective and copies nothing, a free
+    # only gives the parameters their empty placeholder back (the walk, the
+    # states, the gather count and every hook are as with several ranks: the
+    # schedule is the same code). Nothing is added to `live`: no memory beyond
+    # the shard is held. What differs, and is handled where it shows: the
+    # optimizer's buckets all lie in one storage (the shard), so a saved view
+    # is told its bucket by offset (`_bucket_at`); full_params(writeback=False)
+    # puts the chunks back on exit, as dropping a gathered copy did. One
+    # difference is left: a write into a parameter inside a forward (under
+    # no_grad) reaches the chunk here and so the training, as with DDP, where
+    # with several ranks it is lost when the bucket is freed.
     def _allocate(self, b: int, views: bool = True) -> None:
         """Bucket b's full storage exists again (its contents undefined); with `views`, its parameters are
         its views (a gather sets them when it is waited for, so nothing reads a bucket half written)."""
         full = self.full[b]
-        nbytes = full.numel() * full.element_size()
-        full.untyped_storage().resize_(nbytes)
-        self.live += nbytes
-        self.peak_live = max(self.peak_live, self.live)
+        if not self.aliased:  # Note [One rank holds the whole bucket]: no memory to add
+            nbytes = full.numel() * full.element_size()
+            full.untyped_storage().resize_(nbytes)
+            self.live += nbytes
+            self.peak_live = max(self.peak_live, self.live)
         self.state[b] = LIVE
         if views:
             self._show(b)
@@ -361,6 +412,8 @@ class ShardedStore(ParamStore):
     def _launch_gather(self, b: int):
         """Starts every rank's chunk of bucket b into its full storage (through `_comm`): flat, or in two
         levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
+        if self.aliased:
+            return _NOTHING_TO_GATHER  # Note [One rank holds the whole bucket]
         if self.nodes is not None:
             return comm.start_two_level_all_gather(self.every_chunk[b], self._comm[b], self.node_group,
                                                    self.across_group, impl=self.impl)
@@ -381,8 +434,9 @@ class ShardedStore(ParamStore):
         empty = self._empty_of(self.full[b].dtype)
         for i in self.bucket_params[b]:
             self.members[i].data = empty
-        self.full[b].untyped_storage().resize_(0)
-        self.live -= self.full[b].numel() * self.full[b].element_size()
+        if not self.aliased:  # Note [One rank holds the whole bucket]: the chunk stays
+            self.full[b].untyped_storage().resize_(0)
+            self.live -= self.full[b].numel() * self.full[b].element_size()
         self.state[b] = FREE
 
     def live_bytes(self) -> int:
@@ -530,8 +584,31 @@ class ShardedStore(ParamStore):
         live = sum(1 for b, s in enumerate(self.state) if s != FREE and not self.layout.buckets[b].persistent)
         return live < self.max_live
 
+    # Note [A module whose buckets are gathered]
+    # -----------------------------------------
+    # need() runs for every module that waits (twice per block of a stack: the
+    # block and its Linear, which the block's wait covers) and for every weight
+    # a backward unpacks. Most calls find every bucket gathered and the walk
+    # already past them and their prefetch: then the full walk below changes
+    # nothing (no position to raise, no gather to issue), and the fast path
+    # returns after reading the states and positions alone. It answers only
+    # when the walk would have done nothing, so the schedule every rank walks
+    # is the same gather for gather (the gather count per step is unchanged,
+    # tests/test_stage3.py).
     def need(self, buckets) -> None:
         """A module is about to use these buckets (its forward, or a saved weight in backward)."""
+        r = self.round
+        if r is not None:  # Note [A module whose buckets are gathered]
+            state, position, needed = self.state, r.position, r.needed
+            for b in buckets:
+                if state[b] is not LIVE:
+                    break
+                at = position.get(b, -1)
+                if at > needed:
+                    break
+            else:
+                if r.pos >= len(r.order) or r.pos > needed + self.prefetch:
+                    return
         in_backward = torch._C._current_graph_task_id() != -1
         if self.round is None:
             if in_backward:
@@ -579,17 +656,20 @@ class ShardedStore(ParamStore):
 
     def grad_ready(self, index: int) -> None:
         """Parameter `index` has its gradient of this backward: its bucket may go once all have."""
-        if all(self.state[b] != LIVE for b in self._bucket_of_param[index]):
+        buckets, state = self._bucket_of_param[index], self.state
+        if LIVE not in [state[b] for b in buckets]:
             self.params[index].data = self.placeholder  # the stand-in goes (before_accumulate)
-        if self.round is None:
-            self._begin_backward()
         r = self.round
+        if r is None:
+            self._begin_backward()
+            r = self.round
         if r.kind is not Pass.BACKWARD:
             return
-        for b in self._bucket_of_param[index]:
-            left = r.pending.get(b)
+        pending = r.pending
+        for b in buckets:
+            left = pending.get(b)
             if left is not None:
-                r.pending[b] = left - 1
+                pending[b] = left - 1
                 if left == 1:
                     self.reshard(b)
 
@@ -728,6 +808,14 @@ class ShardedStore(ParamStore):
     def param_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size() + self.frozen_shard_bytes + self.live
 
+    def _bucket_at(self, t: torch.Tensor) -> int | None:
+        """The bucket whose full storage `t` lies in, or None. One rank alone: the optimizer's buckets all lie
+        in the shard's storage, told apart by offset (Note [One rank holds the whole bucket])."""
+        cdata = t.untyped_storage()._cdata
+        if cdata == self._shard_storage and self.aliased:
+            return bisect.bisect_right(self._chunk_starts, t.storage_offset()) - 1
+        return self._bucket_of_storage.get(cdata)
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a bucket's full storage (memory that a free gives back)."""
         return t.untyped_storage()._cdata in self._bucket_of_storage
@@ -735,7 +823,7 @@ class ShardedStore(ParamStore):
     def pack(self, t: torch.Tensor):
         """Autograd saves `t` for backward: a view of a bucket is kept as where it lies, not as memory."""
         try:
-            b = self._bucket_of_storage.get(t.untyped_storage()._cdata)
+            b = self._bucket_at(t)
         except (RuntimeError, NotImplementedError):
             return t
         if b is None or self.layout.buckets[b].persistent:
@@ -761,11 +849,18 @@ class ShardedStore(ParamStore):
             self.start_gather(b)
         for b in was_free:
             self.finish_gather(b)
+        # One rank alone writes into its chunks themselves (Note [One rank holds the whole bucket]): without
+        # writeback they take back what they held, as a gathered copy would have been dropped.
+        before = [c.clone() for c in self.every_chunk] if self.aliased and not writeback else None
         try:
             yield
         finally:
             if writeback:
                 self.take_chunks()
+            elif before is not None:
+                with torch.no_grad():
+                    for c, v in zip(self.every_chunk, before):
+                        c.copy_(v)
             for b in was_free:
                 self.reshard(b)
 
@@ -800,7 +895,7 @@ class ShardedStore(ParamStore):
     def take_chunks(self) -> None:
         """This rank's chunk of every gathered bucket from the full parameters (after they were written)."""
         for b in self.layout.buckets:
-            if self.state[b.index] == LIVE:
+            if self.state[b.index] == LIVE and not self.aliased:  # aliased: written in place already
                 lo = self._lo[b.index]
                 self.every_chunk[b.index].copy_(self.full[b.index][lo:lo + b.chunk_numel])
 
@@ -817,6 +912,35 @@ class ShardedStore(ParamStore):
             self.finish_gather(b)
 
     # ----------------------------------------------------------------- checks
+    # Note [Parameters in place, checked in C]
+    # ----------------------------------------
+    # check_params_in_place runs before every forward and every step (Note
+    # [Parameters stay in the flat buffer] in optimizer.py). Asked parameter by
+    # parameter (in_place below) it was 2 Python calls per parameter per step:
+    # at 400 parameters about 3 ms of a 20-60 ms host-bound step (cProfile,
+    # benchmarks/results/2026-11-28-stage3-host-cost.md). Whether a parameter is
+    # in place depends only on what it points at: its storage (the StorageImpl,
+    # whose address `_cdata` stays the same while a bucket is freed and gathered
+    # again, as resize_ keeps the object), its offset and shape in it, and its
+    # dtype; the views and the empty placeholder it is compared with never
+    # change. So all_in_place reads those four for every parameter with C
+    # loops (map over the tensors) and compares them with the last set that
+    # in_place accepted one by one: equal, every parameter is in place; not
+    # equal (a bucket in another state, or a parameter moved), the caller asks
+    # in_place per parameter, and a set found all in place is remembered. A few
+    # such sets are kept (between steps every non-persistent bucket is free;
+    # reshard_after_forward=False and the seam give others).
+    def all_in_place(self) -> bool:
+        params = self.params
+        key = (list(map(_STORAGE_CDATA, map(torch.Tensor.untyped_storage, params))),
+               list(map(torch.Tensor.storage_offset, params)), list(map(_SHAPE, params)), list(map(_DTYPE, params)))
+        if key in self._in_place_seen:
+            return True
+        if not all(map(self.in_place, range(len(params)))):
+            return False
+        self._in_place_seen = [key] + self._in_place_seen[:3]
+        return True
+
     def in_place(self, index: int) -> bool:
         """Whether parameter `index` still holds what this shard put there (its bucket view, or the empty
         tensor while freed): Note [Parameters stay in the flat buffer] in optimizer.py, at stage 3."""

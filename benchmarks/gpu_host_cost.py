@@ -1,0 +1,172 @@
+"""The GPU version of the host-bound table (issue 57): step time x DDP of shardopt stages 1-3 and FSDP2, one GPU.
+
+On a GPU a small model's step is the host launching kernels, so stage 3's per-module host work (hooks, the
+schedule walk, gathers) is the step; at a realistic size the kernels should hide it. Three models, each
+contender built on a copy of the same seeded model in the same process, timed in turns (Note [Turns in the
+host-bound benchmark] in host_bound.py; torch.cuda.synchronize() around each turn):
+
+    blocks    200 blocks of Linear(64, 64) + ReLU, batch 1, fp32 (the CPU benchmark's model)
+    demo      the demo GPT (shardopt.tools.gpt preset "small", 5.3M parameters counted once each), batch 8 x 128, fp32
+    gpt-370m  GPT(vocab 32768, dim 1024, 24 layers, 16 heads, seq 512), ~370M parameters, bf16, batch 4 x 512
+
+Contenders: DDP + AdamW(fused), ShardedOptimizer(AdamW(fused)) + ShardedDDP at stages 1, 2, 3, FSDP2
+fully_shard per block then the root (reshard after forward). Issue 57's bar: stage 3 <= 1.20x DDP on the
+demo, <= 1.05x at 300M+ parameters, at world size 1.
+
+    .ci/gpu-bench [--world-size 1] [--models blocks,demo,gpt-370m] [--rounds 5] [--steps 5] [--out FILE]
+
+Without a CUDA device it prints one line and exits 0 (nothing is measured). `--cpu-stand-in` runs the same
+flow on the CPU over gloo with small models (blocks: 10, demo: the "tiny" preset, no 370M model), so the suite
+runs it (tests/test_host_cost.py); its times say nothing about a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+CONTENDERS = ("DDP", "shardopt-1", "shardopt-2", "shardopt-3", "FSDP2")
+LR = 1e-4
+
+
+def _gpt_config(name: str):
+    from shardopt.tools.gpt import PRESETS, GPTConfig
+    if name in ("demo", "tiny"):
+        return PRESETS["small" if name == "demo" else "tiny"]
+    return GPTConfig(vocab=32768, dim=1024, layers=24, heads=16, seq=512)
+
+
+def make(name: str, device):
+    """(model, units FSDP2 shards one by one, batch maker, loss) for one model, on `device`."""
+    torch.manual_seed(0)
+    if name in ("blocks", "blocks-10"):
+        from host_bound import make_model, WIDTH
+        model = make_model(200 if name == "blocks" else 10).to(device)
+        x = torch.randn(1, WIDTH, device=device)
+        return model, list(model), lambda: (x,), lambda out: out.square().mean()
+    from shardopt.tools.gpt import GPT
+    c = _gpt_config(name)
+    model = GPT(c).to(device)
+    batch, seq = (8, 128) if name == "demo" else (2, 32) if name == "tiny" else (4, 512)
+    if name == "gpt-370m":
+        model = model.to(torch.bfloat16)
+    idx = torch.randint(0, c.vocab, (batch, seq), device=device)
+    return (model, list(model.blocks), lambda: (idx,),
+            lambda out: nn.functional.cross_entropy(out.float().reshape(-1, c.vocab), idx.reshape(-1)))
+
+
+def build(kind: str, name: str, device):
+    import torch.distributed as dist
+    model, units, batch, loss_fn = make(name, device)
+    if kind == "DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model), torch.optim.AdamW(model.parameters(), lr=LR, fused=True), batch, loss_fn
+    if kind.startswith("shardopt-"):
+        import shardopt
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=LR, fused=True,
+                                        stage=int(kind[-1]))
+        return shardopt.ShardedDDP(model, opt), opt, batch, loss_fn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True), batch, loss_fn
+
+
+def _step(model, opt, batch, loss_fn) -> torch.Tensor:
+    loss = loss_fn(model(*batch()))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _rank(rank, world, models, rounds, steps, cuda=True):
+    import torch.distributed as dist
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    for name in models:
+        built = {k: build(k, name, device) for k in CONTENDERS}
+        for k in CONTENDERS:
+            for _ in range(3):  # warm-up: lazy state, allocator, kernels chosen
+                _step(*built[k])
+        times = {k: [] for k in CONTENDERS}
+        for _ in range(rounds):
+            for k in CONTENDERS:
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    _step(*built[k])
+                sync()
+                t = torch.tensor([(time.perf_counter() - t0) / steps], device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[k].append(t.item())
+        params = sum(p.numel() for p in make(name, "meta")[0].parameters())
+        out[name] = {"times": times, "params": params}
+        del built
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def table(results: dict, world: int) -> str:
+    lines = [f"| model | parameters | " + " | ".join(f"{k} ms (x DDP)" for k in CONTENDERS) + " | stage 3 / stage 2 |",
+             "|" + "---|" * (len(CONTENDERS) + 3)]
+    for name, r in results.items():
+        t = r["times"]
+        ratio = {k: statistics.median(a / d for a, d in zip(t[k], t["DDP"])) for k in CONTENDERS}
+        s32 = statistics.median(a / b for a, b in zip(t["shardopt-3"], t["shardopt-2"]))
+        cells = [f"{statistics.median(t[k]) * 1e3:.2f} ({ratio[k]:.2f})" for k in CONTENDERS]
+        lines.append(f"| {name} | {r['params'] / 1e6:.1f}M | " + " | ".join(cells) + f" | {s32:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--models", type=lambda s: s.split(","), default=["blocks", "demo", "gpt-370m"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", help="append the markdown here")
+    p.add_argument("--cpu-stand-in", action="store_true", help="the same flow on the CPU (gloo), for the tests")
+    args = p.parse_args(argv)
+    if args.cpu_stand_in:
+        from shardopt.cluster.ranks import run_ranks
+        results = run_ranks(_rank, args.world_size, args.models, args.rounds, args.steps, False, timeout=600)[0]
+        print(f"CPU stand-in (not a GPU measurement), world size {args.world_size}\n\n{table(results, args.world_size)}")
+        return 0
+    if not (torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size):
+        print(f"gpu-bench: no CUDA device ({torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+              f"visible, {args.world_size} needed): skipped, nothing measured")
+        return 0
+    from shardopt.cluster.ranks import run_ranks
+    t0 = time.time()
+    results = run_ranks(_rank, args.world_size, args.models, args.rounds, args.steps, backend="nccl",
+                        timeout=3600, collective_timeout=600)[0]
+    head = (f"{torch.cuda.get_device_name(0)}, world size {args.world_size}, torch {torch.__version__}, NCCL; "
+            f"medians of {args.rounds} rounds of {args.steps}-step turns (slowest rank), ratios within a round. "
+            f"`.ci/gpu-bench {' '.join(argv if argv is not None else sys.argv[1:])}` ({time.time() - t0:.0f} s)")
+    text = f"{head}\n\n{table(results, args.world_size)}\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
