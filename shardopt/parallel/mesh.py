@@ -145,9 +145,19 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
 
 def copy_group(group, backend=None):
     """A new process group of `group`'s ranks with `group`'s timeout (only those ranks call it); `backend`:
-    another backend than the default's (gloo for small host tensors beside an NCCL group)."""
-    return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True,
-                          timeout=group_timeout(group), backend=backend)
+    another backend than the default's (gloo for small host tensors beside an NCCL group).
+
+    Note [Naming a copied group]
+    A group made with use_local_synchronization=True (only its members call new_group) is named by a hash
+    that counts the groups this rank has registered, and a rank registers only the groups it is a member
+    of: after the user made a group that leaves some rank out, the ranks would name a copy differently and
+    its rendezvous would time out on every rank. A copy of the whole world is made by every rank anyway, so
+    it takes torch's ordinary naming (a counter every rank advances at every new_group, member or not).
+    A copy of a subgroup still needs the local naming (its non-members never call this): its members must
+    have made the same groups before it, which they do when every rank makes the same new_group calls."""
+    ranks = dist.get_process_group_ranks(group)
+    local = len(ranks) != dist.get_world_size()
+    return dist.new_group(ranks, use_local_synchronization=local, timeout=group_timeout(group), backend=backend)
 
 
 def group_timeout(group):
