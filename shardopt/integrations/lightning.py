@@ -42,10 +42,11 @@ ShardedStrategy(whole_weights_after_fit=False) leaves the module sharded when
 fit ends, held by its wrapper (shardopt.wrapper_of(module)). What follows fit
 then runs as during it: validate/test/predict gather through the stage-3
 hooks on every rank; trainer.save_checkpoint(path, weights_only=True) streams
-onto rank 0 as above, trainer.save_checkpoint(path) writes the sharded
-checkpoint, and shardopt.save_weights(module, folder) writes the Hugging Face
-layout, all bucket by bucket; read single weights with `with
-shardopt.wrapper_of(module).optimizer.full_params(): ...` on every rank.
+onto rank 0 as above; read single weights with `with
+shardopt.wrapper_of(module).optimizer.full_params(): ...` on every rank (these
+three tested). trainer.save_checkpoint(path) (the sharded checkpoint) and
+shardopt.save_weights(module, folder) go through the same wrapper, bucket by
+bucket, but are not yet tested after fit.
 """
 from __future__ import annotations
 
