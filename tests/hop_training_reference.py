@@ -47,23 +47,6 @@ import torch
 from shardopt import reference as R
 
 
-def bf16_hop_reference(chunks):
-    """The bf16 hop of all R replicas at once (no error feedback): the chunk every replica ends with."""
-    reps = len(chunks)
-    n = chunks[0].numel()
-    m = n // reps
-    out = torch.empty(n, dtype=torch.float32)
-    for j in range(reps):
-        lo, hi = j * m, (j + 1) * m
-        total = None
-        for k in range(reps):
-            x = chunks[k][lo:hi].float()
-            part = x.clone() if k == j else x.to(torch.bfloat16).float()
-            total = part if total is None else total + part
-        out[lo:hi] = total.to(torch.bfloat16).float()
-    return out
-
-
 class HopTrainingReference:
     """Hybrid sharding of `params` (fp32, in the optimizer's order) over `replicas` x `shards` ranks, the
     hop in `hop` (torch.bfloat16, "int8" or None for exact), stepping `optimizer` (a torch optimizer over
@@ -118,7 +101,8 @@ class HopTrainingReference:
                 out += c
             return out
         if self.hop == torch.bfloat16:
-            return bf16_hop_reference(chunks)
+            # Phase 1 as node-aware's, then each owner's fp32 sum leaves it rounded to bf16 (phase 2).
+            return self._scatter(key, chunks).to(torch.bfloat16).float()
         assert self.hop == "int8"
         n = chunks[0].numel()
         res = self.residuals.setdefault(key, [torch.zeros(n + n // self.replicas) for _ in chunks])
