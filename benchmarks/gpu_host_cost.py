@@ -14,6 +14,15 @@ fully_shard per block then the root (reshard after forward). Issue 57's bar: sta
 demo, <= 1.05x at 300M+ parameters, at world size 1.
 
     .ci/gpu-bench [--world-size 1] [--models blocks,demo,gpt-370m] [--rounds 5] [--steps 5] [--out FILE]
+    .ci/gpu-bench --profile [--models demo] [--profile-kinds shardopt-3,shardopt-2,DDP] [--top]
+
+`--trace` instead times each contender's forward, backward and step + zero_grad apart (synchronize() between
+them) and lists torch.profiler's costliest ops by device time and by host time: where a slower step's extra
+time is spent on the device, not only on the host. (cProfile sees the main thread only; on a GPU autograd runs
+the backward hooks on its device thread.)
+
+`--profile` runs cProfile over each named contender's steps instead (rank 0), grouped as host_bound.py's
+profile is (Note [Where stage 3's host time goes]): where the host's time goes at the GPU's pace.
 
 Without a CUDA device it prints one line and exits 0 (nothing is measured). `--cpu-stand-in` runs the same
 flow on the CPU over gloo with small models (blocks: 10, demo: the "tiny" preset, no 370M model), so the suite
@@ -123,6 +132,120 @@ def _rank(rank, world, models, rounds, steps, cuda=True):
     return out
 
 
+def _rank_profile(rank, world, models, kinds, steps, cuda=True):
+    """cProfile over `steps` steps of each contender in `kinds`, per model: own time per group and the top 25."""
+    import cProfile
+    import io
+    import pstats
+    from host_bound import _group
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    for name in models:
+        for kind in kinds:
+            built = build(kind, name, device)
+            for _ in range(3):
+                _step(*built)
+            sync()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(steps):
+                _step(*built)
+            sync()
+            prof.disable()
+            wall = (time.perf_counter() - t0) / steps
+            stats = pstats.Stats(prof)
+            groups: dict = {}
+            for (filename, _, func), (_, ncalls, tottime, _, _) in stats.stats.items():
+                g = _group(filename, func)
+                t, c = groups.get(g, (0.0, 0))
+                groups[g] = (t + tottime, c + ncalls)
+            s = io.StringIO()
+            stats.stream = s
+            stats.sort_stats("tottime").print_stats(25)
+            out[(name, kind)] = {"wall": wall, "groups": groups, "top": s.getvalue(), "steps": steps}
+            del built
+            if cuda:
+                torch.cuda.empty_cache()
+    return out
+
+
+def _rank_trace(rank, world, models, kinds, steps, cuda=True):
+    """Per contender: forward / backward / step ms (synchronized apart), and torch.profiler's top ops."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = {}
+    for name in models:
+        for kind in kinds:
+            model, opt, batch, loss_fn = build(kind, name, device)
+            for _ in range(3):
+                _step(model, opt, batch, loss_fn)
+            phases = [0.0, 0.0, 0.0]
+            for _ in range(steps):
+                sync()
+                t0 = time.perf_counter()
+                loss = loss_fn(model(*batch()))
+                sync()
+                t1 = time.perf_counter()
+                loss.backward()
+                sync()
+                t2 = time.perf_counter()
+                opt.step()
+                opt.zero_grad()
+                sync()
+                t3 = time.perf_counter()
+                for i, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                    phases[i] += d / steps
+            with tprofile(activities=activities) as prof:
+                for _ in range(steps):
+                    _step(model, opt, batch, loss_fn)
+                sync()
+            avg = prof.key_averages()
+            dev = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+            tables = {}
+            for key in ([dev] if cuda else []) + ["self_cpu_time_total"]:
+                rows = sorted(avg, key=lambda e: -getattr(e, key))[:15]
+                tables[key] = [(e.key, e.count / steps, getattr(e, key) / steps / 1e3) for e in rows]
+            out[(name, kind)] = {"phases": phases, "tables": tables}
+            del model, opt
+            if cuda:
+                torch.cuda.empty_cache()
+    return out
+
+
+def trace_text(results: dict) -> str:
+    out = []
+    for (name, kind), r in results.items():
+        f, b, s = (x * 1e3 for x in r["phases"])
+        out.append(f"\n### {kind}, {name}: forward {f:.2f} ms, backward {b:.2f} ms, step + zero_grad {s:.2f} ms "
+                   f"(synchronized apart; sum {f + b + s:.2f})\n")
+        for key, rows in r["tables"].items():
+            out.append(f"| op ({key.replace('_total', '')}) | calls/step | ms/step |\n|---|---|---|")
+            out += [f"| `{k[:70]}` | {c:.0f} | {t:.3f} |" for k, c, t in rows]
+            out.append("")
+    return "\n".join(out)
+
+
+def profile_text(results: dict, top: bool) -> str:
+    out = []
+    for (name, kind), r in results.items():
+        steps, total = r["steps"], sum(t for t, _ in r["groups"].values())
+        out.append(f"\n### {kind}, {name}: {r['wall'] * 1e3:.2f} ms/step under cProfile (rank 0, {steps} steps)\n")
+        out.append("| group | ms/step (own time) | share | calls/step |\n|---|---|---|---|")
+        for g, (t, c) in sorted(r["groups"].items(), key=lambda kv: -kv[1][0]):
+            out.append(f"| {g} | {t / steps * 1e3:.2f} | {t / total:.0%} | {c / steps:.0f} |")
+        if top:
+            out.append("\n```\n" + r["top"].strip() + "\n```")
+    return "\n".join(out)
+
+
 def table(results: dict, world: int) -> str:
     lines = [f"| model | parameters | " + " | ".join(f"{k} ms (x DDP)" for k in CONTENDERS) + " | stage 3 / stage 2 |",
              "|" + "---|" * (len(CONTENDERS) + 3)]
@@ -143,9 +266,20 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", help="append the markdown here")
     p.add_argument("--cpu-stand-in", action="store_true", help="the same flow on the CPU (gloo), for the tests")
+    p.add_argument("--profile", action="store_true", help="cProfile each of --profile-kinds instead of timing")
+    p.add_argument("--profile-kinds", type=lambda s: s.split(","), default=["shardopt-3", "shardopt-2", "DDP"])
+    p.add_argument("--top", action="store_true", help="with --profile: the 25 costliest functions too")
+    p.add_argument("--trace", action="store_true", help="phase times and torch.profiler's top ops per contender")
     args = p.parse_args(argv)
+    rank_fn, text_fn = (_rank_trace, trace_text) if args.trace else (_rank_profile, None)
     if args.cpu_stand_in:
         from shardopt.cluster.ranks import run_ranks
+        if args.profile or args.trace:
+            res = run_ranks(rank_fn, args.world_size, args.models, args.profile_kinds,
+                            args.rounds * args.steps, False, timeout=600)[0]
+            body = trace_text(res) if args.trace else profile_text(res, args.top)
+            print(f"CPU stand-in (not a GPU measurement)\n{body}")
+            return 0
         results = run_ranks(_rank, args.world_size, args.models, args.rounds, args.steps, False, timeout=600)[0]
         print(f"CPU stand-in (not a GPU measurement), world size {args.world_size}\n\n{table(results, args.world_size)}")
         return 0
@@ -155,6 +289,18 @@ def main(argv=None) -> int:
         return 0
     from shardopt.cluster.ranks import run_ranks
     t0 = time.time()
+    if args.profile or args.trace:
+        res = run_ranks(rank_fn, args.world_size, args.models, args.profile_kinds, args.rounds * args.steps,
+                        backend="nccl", timeout=3600, collective_timeout=600)[0]
+        what, body = ("torch.profiler", trace_text(res)) if args.trace else ("cProfile", profile_text(res, args.top))
+        text = (f"{torch.cuda.get_device_name(0)}, world size {args.world_size}, torch {torch.__version__}: {what} "
+                f"(`.ci/gpu-bench {' '.join(argv if argv is not None else sys.argv[1:])}`, {time.time() - t0:.0f} s)\n"
+                f"{body}\n")
+        print(text)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(text)
+        return 0
     results = run_ranks(_rank, args.world_size, args.models, args.rounds, args.steps, backend="nccl",
                         timeout=3600, collective_timeout=600)[0]
     head = (f"{torch.cuda.get_device_name(0)}, world size {args.world_size}, torch {torch.__version__}, NCCL; "
