@@ -53,9 +53,13 @@ still be stepped, so each turn says which pass it is:
     own (a float64 ratio of the same norms: the clip coefficient again). Other edits of p.grad there
     (clip_grad_value_, assigning or clearing a p.grad) cannot be repeated from norms: every rank raises.
   - What a joined rank cannot shadow, refused on every rank: a training forward whose backward has not
-    run when the rank starts its next pass (two forwards, one backward; an evaluation between forward and
-    backward; a second backward of one forward), since the joined rank walks a forward and its backward as
-    one (the OWES flag of the exchange); hybrid sharding, OneBitAdam, divide_by_initial_world_size=False
+    run when the rank starts its next pass while some rank has joined (two forwards, one backward; an
+    evaluation between forward and backward), since the joined rank walks a forward and its backward as
+    one (the OWES flag of the exchange). The joined rank is then inside that backward's collectives, so the
+    owing rank first runs them with zero gradients (`_pay`: its backward round and reductions) and both
+    meet at the exchange, where every rank raises. A second backward of one forward (retain_graph) is not
+    caught: its reductions wait for a joined rank that is already at the next exchange (the group's
+    timeout ends it). Hybrid sharding, OneBitAdam, divide_by_initial_world_size=False
     (at Join(...), on every rank); neither the ShardedDDP nor its optimizer first in the Join's list (its
     notifications are the ones Join counts). Collectives of the user's own in the loop are not seen, as
     with DDP: use throw_on_early_termination=True there, which behaves as DDP's (every rank raises when one
@@ -80,7 +84,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from shardopt.parallel.mesh import copy_group
-from shardopt.zero3.passes import Intent
 
 
 class Move(enum.IntEnum):
@@ -111,11 +114,10 @@ def decide(everyone: list[tuple[int, int, int]], ranks: list[int]) -> Outcome:
     """The outcome of one exchange of (move, passes started, flags) per rank (pure; Note [Join])."""
     moves = [Move(m) for m, _, _ in everyone]
     owing = [(g, mv) for g, mv, (_, _, f) in zip(ranks, moves, everyone) if f & _OWES]
-    if owing:
+    if owing and Move.JOINED in moves:  # with every rank active, each walks its own rounds: nothing to shadow
         said = "; ".join(f"rank {g} started {_WORDS[mv]}" for g, mv in owing)
         raise RuntimeError(
-            f"under torch's Join, {said} before the backward of its last training forward ran (or after a "
-            "second backward of it). A rank that has joined shadows a training forward and its backward as "
+            f"under torch's Join, {said} before the backward of its last training forward ran. A rank that has joined shadows a training forward and its backward as "
             "one, so each training forward's backward must run, once, before the rank's next forward or "
             "step: do not run two forwards before one backward, or a forward without gradients between a "
             "forward and its backward, under Join (or give every rank the same number of batches and drop "
@@ -148,13 +150,14 @@ class JoinRoom:
         self.group = None          # gloo copy of the world's ranks, made at the first Join (every rank)
         self.ranks: list[int] = []
         self.passes = 0            # passes agreed under Join (the errors name them)
-        self.pending = None        # stage 3: a pass agreed here that the store asks about next (its Intent)
+        self.pending = None        # stage 3: a pass agreed here that the store asks about next (Intent's name)
         self.shadowing = False     # this rank is running a pass it shadows: the agreement is done
         self.backwards = 0         # ShardedDDP backward passes that reduced (ddp.py counts them)
         self._since = 0            # self.backwards at the last agreement
         self._awaiting = False     # the last agreed pass was a FORWARD whose backward is due
         self._forwards = 0         # FORWARDs agreed since the last step
         self._last: Move | None = None
+        self._joined = False       # some rank had joined at the last agreement
         self._step: Outcome | None = None  # the step's agreement, for before_update
         self._entered = False      # this rank's first turn as joined is done
         self.rounds = self.posts = 0  # main/post hook calls worked in this Join (_Hook)
@@ -196,7 +199,7 @@ class JoinRoom:
             self.ranks = [dist.get_global_rank(self.group, r) for r in range(dist.get_world_size(self.group))]
         self.rounds = self.posts = 0
         self._entered = False
-        self.pending, self._last, self._awaiting, self._forwards = None, None, False, 0
+        self.pending, self._last, self._awaiting, self._forwards, self._joined = None, None, False, 0, False
         self._since = self.backwards
         return _Hook(self)
 
@@ -219,24 +222,25 @@ class JoinRoom:
             move = Move.FORWARD if wrapper._sync else Move.LOCAL
         out = self._agree(move, buffers=wrapper.broadcast_buffers and wrapper._buffers_need_sync)
         if not self.opt.store.holds_whole:  # stage 3: its root forward asks next
-            self.pending = Intent.LOOK if move is Move.LOOK else Intent.FORWARD
+            self.pending = "LOOK" if move is Move.LOOK else "FORWARD"
         return out.buffers_from
 
-    def store_agree(self, intent: Intent) -> bool:
-        """Stage 3's store starts a pass (ShardedStore._start): True if agreed here (under Join)."""
+    def store_agree(self, intent) -> bool:
+        """Stage 3's store starts a pass (ShardedStore._start, a zero3.passes.Intent): True if agreed here
+        (under Join). Stores are the optimizer's to import (tests/test_imports.py): the Intent by its name."""
         if not self.enabled():
             return False
         if self.shadowing:
             return True
-        if self.pending is intent:
+        if self.pending == intent.name:
             self.pending = None
             return True
         self.pending = None
-        if intent is Intent.STEP:
+        if intent.name == "STEP":
             self.at_step()
         else:  # a submodule called outside the root's forward
             w = self.wrapper
-            self._agree(Move.LOOK if intent is Intent.LOOK else
+            self._agree(Move.LOOK if intent.name == "LOOK" else
                         Move.FORWARD if w is None or w._sync else Move.LOCAL, buffers=False)
         self.pending = None
         return True
@@ -248,7 +252,7 @@ class JoinRoom:
             return
         self._step = self._agree(Move.STEP)
         if not self.opt.store.holds_whole:
-            self.pending = Intent.STEP
+            self.pending = "STEP"
 
     def _owes(self, move: Move) -> bool:
         """Whether the last training forward's backward has not run once (Note [Join]: OWES)."""
@@ -262,8 +266,11 @@ class JoinRoom:
 
     def _agree(self, move: Move, buffers: bool = False) -> Outcome:
         self.passes += 1
-        flags = (_BUFFERS if buffers else 0) | (_OWES if self._owes(move) else 0)
+        owes = self._owes(move)
+        flags = (_BUFFERS if buffers else 0) | (_OWES if owes else 0)
         first = self._first()
+        if owes and self._joined:
+            self._pay()
         while True:
             Join.notify_join_context(first)  # raises with throw_on_early_termination once a rank has joined
             out = decide(self._exchange(move, flags), self.ranks)
@@ -271,8 +278,19 @@ class JoinRoom:
                 break
             self._shadow(out)  # a peer's forward without gradients
         self._last, self._since, self._awaiting = move, self.backwards, move is Move.FORWARD
+        self._joined = out.joined
         self._forwards = 0 if move is Move.STEP else self._forwards + (move is Move.FORWARD)
         return out
+
+    def _pay(self) -> None:
+        """The collectives of the backward this rank owes, which a joined rank is running now (it shadowed the
+        forward with its backward): with zero gradients, so that it reaches the exchange where every rank
+        raises (Note [Join], OWES) instead of waiting for them until the group's timeout."""
+        if getattr(self.opt.store, "backwards_owed", 0):
+            self.opt.store.settle()
+        if self._awaiting and self.backwards == self._since:
+            self.opt.grads.begin_backward()
+            self.opt.grads.end_backward(reached=False)
 
     def _exchange(self, move: Move, flags: int) -> list[tuple[int, int, int]]:
         out = [torch.zeros(3, dtype=torch.int64) for _ in self.ranks]
@@ -290,9 +308,11 @@ class JoinRoom:
             return
         grads = self.opt.grads
         shard = grads.shard
-        norms = shard.norms(2.0).detach().to("cpu", torch.float64)
-        edited = 0.0 if self.shadowing else float(bool(shard.clamped_any or grads.replaced_since))
-        sent = torch.cat([norms, torch.tensor([edited], dtype=torch.float64)])
+        cached = shard.cached_norms(2.0)  # kept through scalings, forgotten by other edits (a clamp)
+        edited = not self.shadowing and (cached is None or shard.clamped_any or bool(grads.replaced_since))
+        norms = torch.zeros(len(grads.params), dtype=torch.float64) if cached is None else \
+            cached.detach().to("cpu", torch.float64)
+        sent = torch.cat([norms, torch.tensor([float(edited)], dtype=torch.float64)])
         dist.broadcast(sent, out.source, group=self.group)
         if sent[-1] > 0:
             raise RuntimeError(
