@@ -40,7 +40,8 @@ still be stepped, so each turn says which pass it is:
     backward's reduce-scatters and end-of-backward all-reduce with zero gradients (GradSync.end_backward,
     reached=False: what a rank without a backward already does at its step); for STEP the whole step
     (ShardedOptimizer.step: this rank's shard of the optimizer state is stepped with the others'
-    gradients, and the updated chunks are all-gathered), then zero_grad. Its first turn forgets gradients
+    gradients, and the updated chunks are all-gathered), then zero_grad; before a forward's pass it waits
+    for the last step's gathers, as a forward does (overlap_gather). Its first turn forgets gradients
     it kept unstepped (a no_sync backward's), as DDP's joined rank contributes zeros.
   - Averaging. The engine divides every reduction by the world size, and a joined rank contributes zeros:
     the active ranks' gradient sum divided by the initial world size, as DDP's default
@@ -343,6 +344,8 @@ class JoinRoom:
         if out.buffers_from is not None:
             w._broadcast_coalesced(w._module_buffers(), out.buffers_from)
         store = opt.store
+        if out.move is not Move.STEP:
+            opt.wait_params()  # a forward first waits for the last step's gathers (overlap_gather)
         if out.move is Move.LOOK:
             if not store.holds_whole:
                 store.shadow_look()

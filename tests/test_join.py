@@ -71,14 +71,14 @@ def _after(model, step_fn, rank):
     step_fn()
 
 
-def _ours(rank, stage, joinables, clip):
+def _ours(rank, stage, joinables, clip, options):
     import shardopt
     from torch.distributed.algorithms.join import Join
 
     model = _model()
     opt = shardopt.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
                                     lr=LR, stage=stage, reduce_bucket_size=500,
-                                    max_grad_norm=CLIP if clip == "max_grad_norm" else None)
+                                    max_grad_norm=CLIP if clip == "max_grad_norm" else None, **options)
     wrapper = shardopt.ShardedDDP(model, opt)
 
     def step():
@@ -144,16 +144,19 @@ def _one_process(world_size):
     return out
 
 
-def _both(rank, world_size, stage, joinables, clip):
-    return _ours(rank, stage, joinables, clip), _ddp(rank)
+def _both(rank, world_size, stage, joinables, clip, options):
+    return _ours(rank, stage, joinables, clip, options), _ddp(rank)
 
 
-@pytest.mark.parametrize("stage,world_size,joinables,clip", [
-    (1, 2, "model+opt", "torch"), (2, 2, "model", "opt"), (3, 2, "model+opt", "max_grad_norm"),
-    (1, 3, "opt", "max_grad_norm"), (2, 3, "model+opt", "torch"), (3, 3, "model.join()", "torch"),
-    (3, 3, "model+opt", "opt")])
-def test_uneven_batches_under_join_match_ddp(stage, world_size, joinables, clip):
-    results = run_ranks(_both, world_size, stage, joinables, clip, timeout=200, collective_timeout=30)
+@pytest.mark.parametrize("stage,world_size,joinables,clip,options", [
+    (1, 2, "model+opt", "torch", {}), (2, 2, "model", "opt", {}), (3, 2, "model+opt", "max_grad_norm", {}),
+    (1, 3, "opt", "max_grad_norm", {}), (2, 3, "model+opt", "torch", {}), (3, 3, "model.join()", "torch", {}),
+    (3, 3, "model+opt", "opt", {}),
+    # A joined rank waits for the last step's gathers before shadowing a forward, as a forward does.
+    (2, 3, "model+opt", "torch", dict(overlap_gather=True)), (2, 2, "model", "opt", dict(offload="cpu")),
+    (3, 2, "model+opt", "torch", dict(reshard_after_forward=False))])
+def test_uneven_batches_under_join_match_ddp(stage, world_size, joinables, clip, options):
+    results = run_ranks(_both, world_size, stage, joinables, clip, options, timeout=200, collective_timeout=30)
     at_end, after = _one_process(world_size)
 
     def close(ours, theirs, what, slack=None):
