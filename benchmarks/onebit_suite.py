@@ -381,7 +381,7 @@ def run(task: Task, seed: int, kind: str, mesh: str = "flat", variant: Variant |
     tail = max(1, task.steps // 8)
     first, every = probe_steps(task.freeze)
     losses, probes = [], {}
-    ref = ex = None
+    ref = ex = pvec = None
     m = d = None
 
     def load(vec):
@@ -427,7 +427,8 @@ def run(task: Task, seed: int, kind: str, mesh: str = "flat", variant: Variant |
                     m = m0
                     d = v0.sqrt().div_(math.sqrt(1.0 - b2 ** T)).add_(task.eps)
                     if kind != "exact":
-                        ex = Exchange(layout, replicas, shards, m0, d, b1, DEEPSPEED if kind == "deepspeed" else variant)
+                        ex = Exchange(layout, replicas, shards, m0, d, b1,
+                                      DEEPSPEED if kind == "deepspeed" else variant)
             if ref is not None:
                 ref.step([[g[s.offset:s.end].view(s.shape) for s in layout.params] for g in grads])
                 continue

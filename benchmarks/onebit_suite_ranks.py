@@ -36,7 +36,8 @@ def _train(rank, world_size, task_name, seed, kind, mesh):
         kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     hp = dict(lr=task.lr, betas=task.betas, eps=task.eps, weight_decay=task.weight_decay)
     if kind == "onebit":
-        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, freeze_step=task.freeze, **hp, **kw)
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.OneBitAdam, freeze_step=task.freeze,
+                                        **hp, **kw)
     else:
         opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, **hp, **kw)
     ddp = shardopt.ShardedDDP(model, opt)

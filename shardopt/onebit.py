@@ -59,14 +59,16 @@ scheme: it sends b1*m + (1-b1)*G_i with m the decoded one). Then the encoding's 
 feedback carries from one step to the next) enters the momentum, m_t = exact_t + sum_k b1^(t-k) (e_(k-1) -
 e_k), and the weights through every later b1*m: lr * (e_0 - e_t) / (1 - b1) / d, an error of 1 / (1 - b1)
 steps, 10 at b1 = 0.9 and 500 at the Lightning docs' 0.998. With the local momenta the mean of what is sent
-is the exact momentum, m_t = exact_t + e_(t-1) - e_t, and the weights carry lr * (e_0 - e_t) / d: one step.
+is the exact momentum, m_t = exact_t + e_(t-1) - e_t, and the weights carry lr * (e_0 - e_t) / d: one step
+(bias corrections aside).
 benchmarks/onebit_suite.py measures both on six tasks (2026-11-28-onebit-suite.md): the issue's
 regression at betas (0.998, 0.999) ended +7% to +13% above AdamW in final loss (+18% to +70% held out) with
 the momentum crossing, -0.5% to +2.5% (held out up to +12%) with the local momenta, DeepSpeed's scheme +6%
 to +14%; on the small GPT (b1 = 0.9) the local momenta end 0 to 1.1% behind the momentum crossing (each
 rank's gradient noise is in what it encodes), still ahead of DeepSpeed's. No exchange tried there meets
-the issue's rule on every row (the result file says where). The cost is memory: the local momentum is a whole model's fp32 on a flat mesh (instead of the last
-messages, 1/8 byte a parameter), a shard's on a hybrid mesh. The bytes on the link are the same.
+the issue's rule on every row (the result file says where). The cost is memory: the local momentum is a
+whole model's fp32 on a flat mesh (instead of the last messages, 1/8 byte a parameter), a shard's on a
+hybrid mesh. The bytes on the link are the same.
 
 Note [The step the variance froze at]
 -------------------------------------
@@ -743,7 +745,8 @@ class OneBitStep:
             # d as computed at the freeze (_start: the same operations, so the same bits as recomputing it)
             torch._foreach_addcdiv_(ps, ms, ds, value=-lr / bc1)
 
-    format_name = "onebit-local"  # the residuals' layout (hop_residual.signature); "onebit-momentum" before 2026-11-28, "onebit" before 2026-11-25
+    # the residuals' layout (hop_residual.signature): "onebit-momentum" before 2026-11-28, "onebit" before 2026-11-25
+    format_name = "onebit-local"
 
     def record(self) -> dict:
         """What a checkpoint keeps of this step's state besides the optimizer state and the residuals."""
