@@ -272,16 +272,8 @@ class Exchange:
             self.server = torch.zeros(shards, replicas, part)
             self.local = [self.m.clone() for _ in range(replicas)]
 
-    def rows(self, flat):
-        return torch.cat([flat[b.start:b.end].view(self.K, -1) for b in self.layout.buckets], dim=1)
-
-    def unrows(self, rows):
-        flat = torch.zeros(self.layout.total_numel)
-        at = 0
-        for b in self.layout.buckets:
-            flat[b.start:b.end] = rows[:, at:at + b.chunk_numel].reshape(-1)
-            at += b.chunk_numel
-        return flat
+    rows = OneBitReference.rows      # [total] <-> [K, n], as the reference lays chunks out (self.layout, self.K)
+    unrows = OneBitReference.unrows
 
     def _send(self, i, g_rows, own_rows):
         """Rank (or replica) i's vector to send, [k, m] rows in units of d or raw."""
