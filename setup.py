@@ -88,8 +88,8 @@ if IS_ARM:
 
 ALL_ISAS = ("scalar", "avx2", "avx512", "neon")
 
-# What the line printed before compiling says about the time (measured: Note [Unity build]).
-BUILD_TIME = "about TBD"
+# What the line printed before compiling says about the time (measured: README, Note [Unity build]).
+BUILD_TIME = "about 200 CPU-seconds in all, a few minutes on 2 cores"
 
 
 def _isa_of(path):
@@ -134,9 +134,8 @@ class BuildExt(BuildExtension):
                 unit_files = write_units(units, os.path.join(self.build_temp, "unity"))
                 ext.sources = unit_files + [s for s in ext.sources if s not in grouped]
             isa = getattr(ext, "isa_sources", [])
-            _say(f"shardopt: compiling the C++ extension {ext.name}: {len(isa)} SIMD kernel files, then "
-                 f"{_describe_units(units, ext)} with torch's headers in {_jobs()} parallel jobs; "
-                 f"{BUILD_TIME}")
+            _say(f"shardopt: compiling {ext.name}: {len(isa)} SIMD kernel files, then "
+                 f"{_describe_units(units, ext)}, {_jobs()} at a time; {BUILD_TIME}")
             for src in isa:
                 flags = [CXX_STD, "-fPIC"] + COMMON_FLAGS + ISA_COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
                 objs = self.compiler.compile([src], output_dir=self.build_temp, extra_postargs=flags)
@@ -172,8 +171,11 @@ def _jobs():
 
 def _describe_units(units, ext):
     n_cuda = sum(1 for s in ext.sources if s.endswith(".cu"))
-    cpp = f"{len(units)} unity units of {sum(len(u) for u in units)} files" if units else "each C++ file on its own"
-    return cpp + (f" and {n_cuda} CUDA files" if n_cuda else "")
+    if units:
+        cpp = f"{sum(len(u) for u in units)} C++ files as {len(units)} unity unit{'s' * (len(units) > 1)}"
+    else:
+        cpp = "each C++ file on its own (SHARDOPT_UNITY=0)"
+    return cpp + (f" and {n_cuda} CUDA file{'s' * (n_cuda > 1)}" if n_cuda else "")
 
 
 def _unity_units(generic):
