@@ -261,7 +261,9 @@ def allreduce_1bit(chunk: torch.Tensor, group, replica: int, worker: torch.Tenso
     m = n // r
     msgs = encode_feedback(chunk.view(r, m), worker.view(r, m), keep=replica, block=block)
     got = torch.empty_like(msgs)
-    dist.all_to_all_single(got, msgs, group=group)
+    # Point to point on the group's worker (not gloo's all_to_all_single): a lost peer's error names it by its
+    # global rank and host (Note [Naming a peer] in csrc/comm/peer_names.h).
+    _comm.start_all_to_all(msgs.view(-1), got.view(-1), group).wait()
     parts = decode(got, m, block, skip=replica)
     parts[replica] = chunk.view(r, m)[replica]  # this rank's own part, exact
     total = parts[0].clone()  # summed in rank order in fp32, as the reference
@@ -354,8 +356,8 @@ _KERNEL_FREEZES = None
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-    gather(out, inp, group=group)
+    """The ring all-gather (shardopt's own on gloo, the group's elsewhere), whose failure names the peer."""
+    _comm.start_all_gather(inp.view(-1), out.view(-1), group).wait()
 
 
 # ------------------------------------------------------------------- the step
