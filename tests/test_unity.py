@@ -50,7 +50,8 @@ def test_units_include_sources_by_absolute_path_and_are_rewritten_only_on_change
 def test_no_two_sources_define_the_same_file_local_function():
     """Every generic source may share a unit with every other (one unit on one CPU): a helper defined
     twice in unnamed namespaces or as `static` would be a redefinition there. A cheap textual check of
-    the functions defined at the start of a line in an unnamed namespace; the build is the full check."""
+    the functions and types defined at the start of a line in an unnamed namespace; the build is the full
+    check."""
     isa = re.compile(r"\.(scalar|avx2|avx512|neon)\.cpp$")
     seen = {}
     for path in sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True)):
@@ -65,6 +66,9 @@ def test_no_two_sources_define_the_same_file_local_function():
             m = re.match(r"(?:static\s+)?(?:inline\s+)?[\w:<>,\s\*&]+?\b(\w+)\(", line)
             if m and (depth or line.startswith("static ")) and not line.startswith((" ", "\t", "return")):
                 names.add(m.group(1))
+            t = re.match(r"(?:struct|class)\s+(\w+)\s*[:{]", line)  # a type in an unnamed namespace clashes too
+            if t and depth:
+                names.add(t.group(1))
         for name in names:
             assert name not in seen, f"{name} is defined file-locally in both {seen[name]} and {path}: rename one"
             seen[name] = path
