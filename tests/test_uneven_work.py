@@ -125,3 +125,124 @@ def test_generate_at_stage_3_with_and_without_synced_gpus(synced):
     results = run_ranks(_generate, 2, synced, timeout=200)
     assert [r[1] for r in results] == [6, 11]
     assert all(same for same, _ in results), results
+
+
+# ------------------------------------------------- a module called again within a pass
+# Note [A module called again] in shardopt/zero3/store.py: a block called 1 + (step + rank) % 3 times (one call
+# under activation checkpointing) and an MoE layer whose experts run as often as the data routes token groups
+# to them, in data order (an expert again right away, or after another one), differently on every rank.
+DIM, GROUP = 24, 2
+
+
+class _Reentrant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(33, DIM)
+        # blocks[0] is the one called again; its first layer is frozen (sharded at stage 3 too)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+                                    for _ in range(2))
+        self.blocks[0][0].requires_grad_(False)
+        self.router = nn.Linear(DIM, 3)
+        self.head = nn.Linear(DIM, 5)
+        # registered last, without bias: each expert alone in its bucket (reduce_bucket_size=700), so an expert
+        # run again after another one needs its bucket again after it was freed
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+
+    def forward(self, x, repeats: int):
+        h = self.inp(x)
+        for k in range(repeats):
+            block = self.blocks[0]
+            h = h + (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if k == 1 % repeats
+                     else block(h))
+        h = self.blocks[1](h)
+        gate = torch.softmax(self.router(h), dim=-1)
+        out = []
+        for g in range(0, h.shape[0], GROUP):  # each group of tokens to its first token's top expert
+            e = int(gate[g].argmax())
+            out.append(h[g:g + GROUP] + gate[g:g + GROUP, e:e + 1] * self.experts[e](h[g:g + GROUP]))
+        return self.head(torch.cat(out))
+
+
+def _reentrant_model():
+    torch.manual_seed(0)
+    return _Reentrant()
+
+
+def _repeats(step: int, rank: int) -> int:
+    return 1 + (step + rank) % 3
+
+
+def _reentrant_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(12, 33, generator=g), torch.randint(0, 5, (12,), generator=g)
+
+
+def _reentrant_train(rank, world_size, cases):
+    import shardopt
+
+    out = {}
+    for case in cases:
+        model = _reentrant_model()
+        opt = shardopt.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
+                                        lr=LR, stage=case["stage"], reduce_bucket_size=700, max_grad_norm=CLIP,
+                                        **case.get("options", {}))
+        wrapper = shardopt.ShardedDDP(model, opt)
+        start = time.monotonic()
+        calls = []
+        for step in range(STEPS):
+            if case.get("rollouts"):  # forwards without gradients, of different numbers and depths per rank
+                with torch.no_grad():
+                    for k in range(1 + rank):
+                        wrapper(_reentrant_batch(50 + step, rank + k)[0], _repeats(step + k, rank))
+            x, y = _reentrant_batch(step, rank)
+            nn.functional.cross_entropy(wrapper(x, _repeats(step, rank)), y).backward()
+            opt.step()
+            opt.zero_grad()
+        seconds = time.monotonic() - start
+        store = getattr(opt, "store", None)
+        gathers = (getattr(store, "num_gathers", None), getattr(store, "num_again", None))
+        with opt.full_params(writeback=False):
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        out[str(case)] = (state, seconds, gathers, getattr(store, "peak_live", None))
+        del wrapper
+    return out
+
+
+def _reentrant_reference(world_size):
+    model = _reentrant_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for step in range(STEPS):
+        for r in range(world_size):  # each rank's micro-batch at its depth, gradients averaged (as DDP)
+            x, y = _reentrant_batch(step, r)
+            (nn.functional.cross_entropy(model(x, _repeats(step, r)), y) / world_size).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+REENTRANT_CASES = [dict(stage=1), dict(stage=2), dict(stage=3), dict(stage=3, rollouts=True),
+                   dict(stage=3, options=dict(prefetch_bucket_size=1400, max_live_parameters=2100)),
+                   dict(stage=3, options=dict(reshard_after_forward=False))]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_module_called_a_different_number_of_times_per_rank_matches_plain_pytorch(world_size):
+    """Issue 56: the block at depths 1-3 (one call checkpointed) and the MoE's experts run as often as the data
+    says, differently per rank, at stages 1-3 (stage 3 with prefetch and max_live, without resharding after
+    forward, with rollouts of other depths between steps): plain PyTorch's weights, every rank's stage-3
+    gathers alike, each case in seconds."""
+    cases = REENTRANT_CASES if world_size == 2 else REENTRANT_CASES[:4]
+    results = run_ranks(_reentrant_train, world_size, cases, timeout=300)
+    reference = _reentrant_reference(world_size)
+    for case in map(str, cases):
+        for rank, res in enumerate(results):
+            state, seconds, gathers, peak = res[case]
+            assert seconds < 20, (case, rank, seconds)
+            for k, v in reference.items():
+                assert torch.allclose(state[k], v, rtol=1e-5, atol=1e-6), (case, rank, k,
+                                                                           (state[k] - v).abs().max().item())
+        gathers = [res[case][2] for res in results]
+        assert len(set(gathers)) == 1, (case, gathers)  # every rank walked the same gathers
+        if "stage': 3" in case:  # an expert needed again after another ran: some rank asked for gathers again
+            assert (gathers[0][1] > 0) == ("reshard_after_forward" not in case), (case, gathers)

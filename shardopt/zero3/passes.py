@@ -40,10 +40,11 @@ class Intent(enum.IntEnum):
     LOOK = 1      # a forward without gradients: other ranks may shadow it
     FORWARD = 2   # a forward that will be differentiated
     STEP = 4      # the optimizer step (after every backward round this rank owes)
+    AGAIN = 8     # not a pass: the end of a forward, serving gathers asked again (Note [A module called again])
 
 
 _WORDS = {Intent.LOOK: "a forward without gradients", Intent.FORWARD: "a training forward",
-          Intent.STEP: "the optimizer step"}
+          Intent.STEP: "the optimizer step", Intent.AGAIN: "the end of a forward (gathers asked again)"}
 
 
 def exchange(mine: Intent, count: int, group) -> list[tuple[Intent, int]]:
