@@ -246,3 +246,50 @@ def test_a_module_called_a_different_number_of_times_per_rank_matches_plain_pyto
         assert len(set(gathers)) == 1, (case, gathers)  # every rank walked the same gathers
         if "stage': 3" in case:  # an expert needed again after another ran: some rank asked for gathers again
             assert (gathers[0][1] > 0) == ("reshard_after_forward" not in case), (case, gathers)
+
+
+def _out_of_step(rank, world_size):
+    """Rank 0 is at a forward's end exchange (Note [A module called again]) where rank 1 starts a training
+    forward: ranks out of step (no public call gets there; this is the guard every rank relies on)."""
+    import shardopt
+
+    model = _reentrant_model()
+    opt = shardopt.ShardedOptimizer(list(model.parameters()), torch.optim.AdamW, lr=LR, stage=3,
+                                    reduce_bucket_size=700)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            opt.store._serve(-1)
+        else:
+            wrapper(_reentrant_batch(0, rank)[0], 1)
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
+def test_an_exchange_out_of_step_raises_on_every_rank():
+    for rank, (seconds, message) in enumerate(run_ranks(_out_of_step, 2, timeout=120, collective_timeout=30)):
+        assert message is not None and seconds < 10, (rank, seconds, message)
+        assert "rank 0 was at the end of a forward" in message and "rank 1 started a training forward" in message, \
+            message
+
+
+def test_reuse_scopes_cover_a_sequential_block_within_the_limit():
+    """schedule.plan_reuse_scopes (pure): a layer of an nn.Sequential below the root keeps the Sequential's
+    buckets (not counting the root's own) when they fit the limit, its own otherwise; a layer of a Sequential
+    root, or of a ModuleList, keeps its own."""
+    from shardopt.prefetch import ForwardWait
+    from shardopt.zero3.schedule import plan_reuse_scopes
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)),
+                          nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+    block, listed = model[1], model[2]
+    waits = [ForwardWait("", model, (0,)), ForwardWait("0", model[0], (0, 1)),
+             ForwardWait("1.0", block[0], (1, 2)), ForwardWait("1.2", block[2], (3,)),
+             ForwardWait("2.0", listed[0], (4,)), ForwardWait("2.1", listed[1], (5,))]
+    roomy = plan_reuse_scopes(model, waits, 3)
+    assert roomy == (frozenset({0}), frozenset({0, 1}), frozenset({1, 2, 3}), frozenset({1, 2, 3}),
+                     frozenset({4}), frozenset({5})), roomy
+    tight = plan_reuse_scopes(model, waits, 2)  # the block's 1, 2, 3: three buckets not the root's
+    assert tight[2:4] == (frozenset({1, 2}), frozenset({3})), tight

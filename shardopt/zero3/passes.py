@@ -44,7 +44,7 @@ class Intent(enum.IntEnum):
 
 
 _WORDS = {Intent.LOOK: "a forward without gradients", Intent.FORWARD: "a training forward",
-          Intent.STEP: "the optimizer step", Intent.AGAIN: "the end of a forward (gathers asked again)"}
+          Intent.STEP: "the optimizer step"}
 
 
 def exchange(mine: Intent, count: int, group) -> list[tuple[Intent, int]]:
@@ -58,7 +58,9 @@ def exchange(mine: Intent, count: int, group) -> list[tuple[Intent, int]]:
 
 def describe(everyone: list[tuple[Intent, int]], global_ranks: list[int]) -> str:
     """The error every rank raises when the passes cannot be reconciled (pure)."""
-    said = "; ".join(f"rank {g} started {_WORDS[p]} (its pass {c})" for g, (p, c) in zip(global_ranks, everyone))
+    said = "; ".join(f"rank {g} was at the end of a forward" + (f", asking for bucket {c} again" if c >= 0 else "")
+                     if p is Intent.AGAIN else f"rank {g} started {_WORDS[p]} (its pass {c})"
+                     for g, (p, c) in zip(global_ranks, everyone))
     return (f"stage 3: the ranks are in different passes: {said}. Every rank must run the same training "
             "forwards, backwards and steps (forwards without gradients may differ in number: generation, "
             "rollouts, evaluation); for uneven numbers of batches, give every rank the same number of "

@@ -45,11 +45,13 @@ from shardopt.prefetch import ForwardWait
 # it, and a gather issued by the first alone would hang both. Such a bucket is
 # walked past; needed after it was freed, it takes the extra gather below.
 # The cost of never hanging is that a skipped module's bucket still crosses
-# the link. The limit: a module that needs a bucket *again* after it was freed
-# in the same pass (a module called twice, far apart) gets one extra gather,
-# issued after the rest of the round; that keeps ranks in step only if every
-# rank does it, as it does when the reuse is structural (weight sharing by
-# calling a module twice) rather than data-dependent.
+# the link. A module called again within a pass, as often as each rank's data
+# says (adaptive depth, an MoE expert per token group), is Note [A module
+# called again] in store.py: a forward keeps a bucket its modules are done
+# with until a module outside its scope starts, so a module called again at
+# once gathers nothing; one that needs a bucket again after it was freed asks
+# every rank for it in an exchange that every forward ends with, so the extra
+# gathers pair on every rank.
 @dataclasses.dataclass(frozen=True)
 class Stage3Schedule:
     """Gather rounds of stage 3 (Note [Stage-3 schedule]); pure, the same on every rank."""

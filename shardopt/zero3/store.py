@@ -113,6 +113,7 @@ class _Round:
         # forward ends), so that a module called again at once finds them (Note [A module called again]).
         self.spent: dict[int, frozenset] = {}  # bucket -> its scope
         self.serves = False              # forward: it ends by serving gathers asked again (_serve)
+        self.training = False            # forward: a backward will follow (it keeps the seam)
         self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
 
 
@@ -461,6 +462,7 @@ class ShardedStore(ParamStore):
         self._start(Intent.FORWARD if torch.is_grad_enabled() else Intent.LOOK)
         self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
         self.round.serves = self._serving()
+        self.round.training = torch.is_grad_enabled()
 
     def _serving(self) -> bool:
         """Whether forwards end with `_serve` (Note [A module called again]): with several ranks, and only where
@@ -604,6 +606,57 @@ class ShardedStore(ParamStore):
         live = sum(1 for b, s in enumerate(self.state) if s != FREE and not self.layout.buckets[b].persistent)
         return live < self.max_live
 
+    # Note [A module called again]
+    # ---------------------------
+    # Within one pass a module may run as often as the data says, differently
+    # on every rank: adaptive depth (a block called 1-3 times), recurrent
+    # refinement, an MoE layer running an expert once per token group routed
+    # to it. Every rank still walks the whole round; what differs is buckets
+    # needed again after the walk has passed them. Two rules serve them.
+    #   Kept for their scope. In forward, a bucket whose waiting modules have
+    #   all returned is not freed at once: it is `spent`, with a scope (the
+    #   module's own buckets; for a layer of an nn.Sequential below the root, a
+    #   block built as a Sequential, the Sequential's buckets if at most
+    #   reuse_limit() = 1 + prefetch of them are not the root's own, which it
+    #   holds for the whole pass anyway: schedule.plan_reuse_scopes). It is
+    #   freed when a module starts that needs a bucket outside that scope, or
+    #   when the forward ends. Releases are local, so this changes no
+    #   collective, and a module called again at once (`for _ in range(k):
+    #   x = block(x)`, one expert for consecutive token groups) finds its
+    #   buckets gathered: no gather, no exchange. Memory: spent buckets go
+    #   before the next module's walk gathers or prefetches anything, so the
+    #   most held at once grows only while a Sequential block's later layers
+    #   run, by its earlier layers' buckets (at most reuse_limit()).
+    #   Asked again. A module that needs a bucket after it was freed (A, B, A:
+    #   an expert again after another one) has no local answer, and a gather
+    #   of its own would pair with whatever collective each peer issues next
+    #   (issue 56: gloo's "collective mismatch", or wrong values at equal
+    #   sizes). So the rank first issues the rest of the round's gathers (every
+    #   collective before is paired; each freed as it arrives, as at the
+    #   forward's end, so the memory bound holds, unless it was gathered
+    #   already or is the seam's: then the walk is at its end, and each bucket
+    #   a later module needs is asked again too), then says which bucket it needs in an
+    #   all-gather on the agreement group (passes.exchange: AGAIN, bucket), and
+    #   every forward ends with the same exchange saying -1 (this forward has
+    #   ended), repeated until no rank asks. Every rank reads the same outcome
+    #   and gathers each bucket asked for, in rank order (kept by the ranks that
+    #   asked; a rank holding it gathers into scratch memory). A rank whose
+    #   forward ended first waits in its end exchange, before any collective
+    #   of its backward, so the extra gathers pair rank by rank whatever each
+    #   rank's data did. Forwards without gradients do the same, and so do the
+    #   ranks that shadow them (shadow_look; a joined rank under Join shadows
+    #   through end_forward and shadow_look).
+    # The cost: one all-gather of two integers per forward with several ranks
+    # and reshard_after_forward=True; none with False, where nothing a forward
+    # gathered is freed before its backward. Backward needs neither rule: it
+    # frees a bucket only once all of its parameters have their gradient, and
+    # autograd accumulates a parameter used k times once, after all k uses
+    # (a checkpointed call recomputes inside that backward and finds the bucket
+    # gathered). A round that began without the root's forward (a submodule
+    # called on its own) does not end with the exchange: there a bucket needed
+    # again takes a gather of this rank's alone, as before. An AGAIN exchange
+    # that meets a pass agreement (ranks out of step) raises on every rank,
+    # naming what each was doing, instead of pairing different collectives.
     # Note [A module whose buckets are gathered]
     # -----------------------------------------
     # need() runs for every module that waits (twice per block of a stack: the
@@ -649,10 +702,11 @@ class ShardedStore(ParamStore):
                 if at < r.pos or b in r.carried:
                     # Needed again after it was freed in this pass: the rest of the round first, then one
                     # extra gather, which every rank joins (Note [A module called again]).
-                    self._finish_round_gathers()
                     if r.serves:
+                        self._drain_round(keep=self._seam if r.training else ())
                         self._serve(b)
                     else:
+                        self._finish_round_gathers()
                         self.start_gather(b)
                 else:
                     self._advance(at)
@@ -682,6 +736,8 @@ class ShardedStore(ParamStore):
         while True:
             everyone = exchange(Intent.AGAIN, want, self.agree_group)
             if any(p is not Intent.AGAIN for p, _ in everyone):
+                if self.round is not None:
+                    self.round.serves = False  # the forward's end (its hook runs on the way out) asks no more
                 ranks = [dist.get_global_rank(self.agree_group, r) for r in range(len(everyone))]
                 raise RuntimeError(describe(everyone, ranks))
             asked = list(dict.fromkeys(b for _, b in everyone if b >= 0))
@@ -720,7 +776,9 @@ class ShardedStore(ParamStore):
                 r.users[b] -= 1
         if not self.reshard_after_forward:
             return
-        seam = self._seam if torch.is_grad_enabled() else ()
+        # The seam of a training forward, even where a module returns under no_grad inside it (end_forward keeps
+        # the seam by the grad mode at the root's return, as a forward's start has it).
+        seam = self._seam if r.training or torch.is_grad_enabled() else ()
         scope = frozenset(buckets) if scope is None else scope
         for b in buckets:  # kept until a module outside its scope starts (Note [A module called again])
             if r.users[b] <= 0 and b not in seam and self.state[b] != FREE:
