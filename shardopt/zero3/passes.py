@@ -22,7 +22,10 @@ step; an agreement inside backward would wait for it there. So the step's agreem
 has joined every reduction of its peers' backwards (GradSync.finish's `at_step`) and before the step's own
 flags all-reduce, where a peer still running forwards without gradients (generation between backward and
 step) can be shadowed. The forward before and the step after are agreed on, which keeps the rounds in
-order. The cost is one all-gather of two integers per forward and per step, on a gloo group of host
+order. (Each forward also ends with one exchange on the same group, Note [A module called again] in store.py:
+a rank whose forward needed a bucket again after freeing it asks its peers for that gather there; `AGAIN`.)
+The cost is one all-gather of two integers per forward and per step (a second per forward, its end's, with
+reshard_after_forward=True), on a gloo group of host
 tensors (no device synchronisation). A LOOK pass right after a training forward, before its backward,
 shadows correctly only if the shadowing rank holds the same buckets gathered (the seam): run such
 evaluation after the backward.
