@@ -3,6 +3,7 @@ counts per rank (generation, rollouts, evaluation) before each training step giv
 every stage, and ranks in passes that cannot be reconciled fail at once, naming what each started
 (Note [Passes every rank agrees on] in shardopt/zero3/passes.py)."""
 import contextlib
+import os
 import time
 
 import pytest
@@ -185,9 +186,13 @@ def _reentrant_train(rank, world_size, cases):
     out = {}
     for case in cases:
         model = _reentrant_model()
+        if case.get("nodes"):  # ranks on several nodes (as torchrun says): stage 3 gathers in two levels
+            os.environ["LOCAL_WORLD_SIZE"] = str(world_size // case["nodes"])
         opt = shardopt.ShardedOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
                                         lr=LR, stage=case["stage"], reduce_bucket_size=700, max_grad_norm=CLIP,
                                         **case.get("options", {}))
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        assert not case.get("nodes") or opt.store.nodes is not None, "node-aware gathers are not on"
         wrapper = shardopt.ShardedDDP(model, opt)
         start = time.monotonic()
         # Under torch's Join rank r has 2 + r batches: the ranks that have joined serve the others' gathers asked
@@ -234,14 +239,16 @@ def _reentrant_reference(world_size, case):
 
 REENTRANT_CASES = [dict(stage=1), dict(stage=2), dict(stage=3), dict(stage=3, rollouts=True),
                    dict(stage=3, options=dict(prefetch_bucket_size=1400, max_live_parameters=2100)),
-                   dict(stage=3, options=dict(reshard_after_forward=False)), dict(stage=3, join=True)]
+                   dict(stage=3, options=dict(reshard_after_forward=False)), dict(stage=3, nodes=2),
+                   dict(stage=3, join=True)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_module_called_a_different_number_of_times_per_rank_matches_plain_pytorch(world_size):
     """Issue 56: the block at depths 1-3 (one call checkpointed) and the MoE's experts run as often as the data
     says, differently per rank, at stages 1-3 (stage 3 with prefetch and max_live, without resharding after
-    forward, with rollouts of other depths between steps; at 3 ranks under torch's Join with 2, 3, 4 batches):
+    forward, with rollouts of other depths between steps, over 2 nodes of 1 (two-level gathers); at 3 ranks
+    under torch's Join with 2, 3, 4 batches):
     plain PyTorch's weights, every rank's stage-3 gathers alike, each case in seconds."""
     cases = REENTRANT_CASES[:-1] if world_size == 2 else REENTRANT_CASES[:4] + REENTRANT_CASES[-1:]
     results = run_ranks(_reentrant_train, world_size, cases, timeout=300)
