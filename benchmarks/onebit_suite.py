@@ -225,11 +225,15 @@ def one_bit(x, scale):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """How the momentum is formed after the freeze (the codec of both phases, where error feedback sits).
-    cross: "momentum" (b1 * the last decoded mean + (1-b1) G_i, as ours and DeepSpeed's) or "local" (each
-    rank's own exact momentum of its own gradients, b1 m_i + (1-b1) G_i, whose mean is the exact m: the
-    compression error then enters m once, not through every later b1 * m); over_d: divided by the frozen d;
-    worker/server: the scale ("mean", "rms": per BLOCK; "row": per chunk; "all": per rank's whole vector);
-    own: the rank's own chunk "exact" (ours) or "compressed" (DeepSpeed's)."""
+    cross: "momentum" (b1 * the last decoded mean + (1-b1) G_i, as DeepSpeed's and ours until 2026-11-28),
+    "local" (each rank's own exact momentum of its own gradients L_i = b1 L_i + (1-b1) G_i, whose mean is the
+    exact m: the compression error then enters m once, not through every later b1 * m; ours from the first
+    change of 2026-11-28), "deviation" (L_i - b1 * the last decoded mean, kept as S_i = L_i - M and sent as
+    b1 S_i + (1-b1) G_i, M = b1 M + the decoded mean: the same mean as "local" without the common momentum
+    in what is encoded; ours since the second change of 2026-11-28) or "local-minus-m" (L_i - the last decoded
+    mean; M = M + the decoded mean); over_d: divided by the frozen d; worker/server: the scale ("mean", "rms":
+    per BLOCK; "row": per chunk; "all": per rank's whole vector); own: the rank's own chunk "exact" (ours) or
+    "compressed" (DeepSpeed's)."""
     cross: str = "momentum"
     over_d: bool = True
     worker: str = "mean"
@@ -240,7 +244,11 @@ class Variant:
 DEEPSPEED = Variant("momentum", False, "all", "row", "compressed")
 VARIANTS = {
     "momentum": Variant(),                      # shardopt's exchange until 2026-11-28 (b1 * decoded m + G_i, over d)
-    "local": Variant("local"),                  # each rank's own exact momentum, over d, mean |x| per block: ours
+    "local": Variant("local"),                  # each rank's own exact momentum, over d (2026-11-28, first change)
+    "deviation": Variant("deviation"),          # b1 (L_i - M) + (1-b1) G_i, over d, mean |x| per block: ours
+    "local-minus-m": Variant("local-minus-m"),
+    "deviation-rms": Variant("deviation", True, "rms", "rms"),
+    "momentum-ec": Variant("momentum-ec"),
     "local-raw-ds": Variant("local", False, "all", "row", "compressed"),
     "local-rms": Variant("local", True, "rms", "rms"),
     "raw": Variant("momentum", False),          # DeepSpeed's raw momentum with our scales
@@ -262,35 +270,61 @@ class Exchange:
             self.pad[s.offset:s.end] = False
         self.unit = self.rows(d if variant.over_d else torch.ones_like(d))
         self.m = self.rows(m.masked_fill(self.pad, 0.0))  # [K, n]: the decoded momentum every rank holds
+        # what each rank (replica) keeps: "local" its local momentum L (at the freeze m), "deviation" S = L - M
+        # in units of d (at the freeze 0), "local-minus-m" L
+        keep = (lambda: torch.zeros_like(self.m)) if variant.cross == "deviation" else self.m.clone
+        self.prev = {}  # momentum-ec: the residuals of the step before
         if replicas == 1:
             self.worker = torch.zeros(W, shards, self.n)
             self.server = torch.zeros(shards, self.n)
-            self.local = [self.m.clone() for _ in range(W)]
+            self.local = [keep() for _ in range(W)]
         else:
             part = self.n // replicas
             self.worker = torch.zeros(shards, replicas, self.n)
             self.server = torch.zeros(shards, replicas, part)
-            self.local = [self.m.clone() for _ in range(replicas)]
+            self.local = [keep() for _ in range(replicas)]
 
     rows = OneBitReference.rows      # [total] <-> [K, n], as the reference lays chunks out (self.layout, self.K)
     unrows = OneBitReference.unrows
 
-    def _send(self, i, g_rows, own_rows):
-        """Rank (or replica) i's vector to send, [k, m] rows in units of d or raw."""
-        b1 = self.b1
-        if self.v.cross == "local":
-            self.local[i] = self.local[i].mul(b1).add_(g_rows, alpha=1.0 - b1)
-            x = self.local[i] / own_rows
-        else:
-            x = (g_rows * (1.0 - b1) / own_rows).add_(self.m_units, alpha=b1)
-        return x
+    def _send(self, keep, g, unit, m_units):
+        """What one rank (or replica) sends, in units of d (or raw), from what it keeps (updated in place), its
+        gradient and the last decoded momentum in the same units. "deviation" returns `keep` itself (so
+        zeroing its padding zeroes S's, as the reference does)."""
+        b1, cross = self.b1, self.v.cross
+        if cross == "deviation":
+            return keep.mul_(b1).add_(g.mul(1.0 - b1).div_(unit))
+        if cross in ("momentum", "momentum-ec"):
+            return (g * (1.0 - b1) / unit).add_(m_units, alpha=b1)
+        keep.mul_(b1).add_(g, alpha=1.0 - b1)
+        x = keep / unit
+        return x.sub_(m_units) if cross == "local-minus-m" else x
+
+    def _received(self, keeps, mean, unit, m):
+        """The new momentum (raw units) from the decoded mean ([k, m] units of d); "deviation" updates S."""
+        cross = self.v.cross
+        if cross == "deviation":
+            for keep in keeps:
+                keep.sub_(mean)
+            return mean.mul(unit).add_(m, alpha=self.b1)
+        if cross == "local-minus-m":
+            return mean.mul(unit).add_(m)
+        return mean * unit
 
     def _allreduce(self, xs, worker, server, own_ids):
         """xs[i]: [P, m] (P parts, part j owned by own_ids... j); worker[i] [P*m], server [P, m] in place.
         Returns the decoded mean [P, m]."""
         P, m = xs[0].shape
         decs = []
+        ec = self.v.cross == "momentum-ec"  # the last step's encoding error, compensated: + b1 (w - w_prev)
+        if ec:
+            prev = self.prev.setdefault(worker.data_ptr(), (torch.zeros_like(worker), torch.zeros_like(server)))
+            w_change, s_change = worker - prev[0], server - prev[1]
+            prev[0].copy_(worker)
+            prev[1].copy_(server)
         for i, x in enumerate(xs):
+            if ec:
+                x = x + self.b1 * w_change[i].view(P, m)
             sent = x + worker[i].view(P, m)
             dec = one_bit(sent.reshape(1, -1), "all").view(P, m) if self.v.worker == "all" else \
                 one_bit(sent, self.v.worker)
@@ -305,6 +339,8 @@ class Exchange:
             for dec in decs[1:]:
                 total += dec[j]
             s = (total / P + server[j]).view(1, m)
+            if ec:
+                s = s + self.b1 * s_change[j].view(1, m)
             o = one_bit(s, "row" if self.v.server == "row" else self.v.server)
             server[j].copy_((s - o).view(-1))
             out[j] = o.view(-1)
@@ -314,14 +350,14 @@ class Exchange:
         """local_grads[r]: rank r's flat gradient ([total]). Returns the new momentum ([total])."""
         pad_rows = self.rows(self.pad)
         if self.R == 1:
-            self.m_units = self.m / self.unit
+            m_units = self.m / self.unit
             xs = []
             for i, g in enumerate(local_grads):
-                x = self._send(i, self.rows(g), self.unit)
+                x = self._send(self.local[i], self.rows(g), self.unit, m_units)
                 x[pad_rows] = 0.0
                 xs.append(x)
             out = self._allreduce(xs, self.worker, self.server, range(W))
-            self.m = out * self.unit
+            self.m = self._received(self.local, out, self.unit, self.m)
         else:
             R, K = self.R, self.K
             nodes = []
@@ -333,18 +369,14 @@ class Exchange:
             new = torch.empty_like(self.m)
             part = self.n // R
             for c in range(K):
-                unit = self.unit[c].view(R, part)
-                self.m_units = (self.m[c] / self.unit[c]).view(R, part)
+                m_units = self.m[c] / self.unit[c]
                 xs = []
                 for k in range(R):
-                    if self.v.cross == "local":
-                        self.local[k][c] = self.local[k][c].mul(self.b1).add_(nodes[k][c], alpha=1.0 - self.b1)
-                        x = self.local[k][c].view(R, part) / unit
-                    else:
-                        x = (nodes[k][c].view(R, part) * (1.0 - self.b1) / unit).add_(self.m_units, alpha=self.b1)
-                    x = x.masked_fill(pad_rows[c].view(R, part), 0.0)
-                    xs.append(x)
-                new[c] = (self._allreduce(xs, self.worker[c], self.server[c], range(R)) * unit).view(-1)
+                    x = self._send(self.local[k][c], nodes[k][c], self.unit[c], m_units)
+                    x[pad_rows[c]] = 0.0
+                    xs.append(x.view(R, part))
+                out = self._allreduce(xs, self.worker[c], self.server[c], range(R)).view(-1)
+                new[c] = self._received([keep[c] for keep in self.local], out, self.unit[c], self.m[c])
             self.m = new
         m = self.unrows(self.m)
         m[self.pad] = 0.0

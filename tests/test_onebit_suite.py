@@ -22,11 +22,12 @@ def _one_thread():
 
 @pytest.mark.parametrize("mesh", ["flat", "2x2"])
 def test_suites_generic_exchange_is_ours(mesh):
-    """The suite's own code of our exchange (Variant "local", used to try variants) follows OneBitReference
-    (bit for bit with the multi-rank code): the same losses to rounding over 20 compressed steps."""
+    """The suite's own code of our exchange (Variant "local-rms", used to try variants) follows
+    OneBitReference (bit for bit with the multi-rank code): the same losses to rounding over 20 compressed
+    steps."""
     task = dataclasses.replace(S.TASKS["regress-seed"], steps=40)
     ref = S.run(task, 0, "ours", mesh)
-    generic = S.run(task, 0, "variant", mesh, S.VARIANTS["local"])
+    generic = S.run(task, 0, "variant", mesh, S.VARIANTS["local-rms"])
     assert ref["losses"][:20] == generic["losses"][:20]  # the same warm-up
     assert max(abs(a / b - 1) for a, b in zip(ref["losses"], generic["losses"])) < 1e-5
     assert abs(ref["held"] / generic["held"] - 1) < 1e-5
