@@ -5,7 +5,8 @@ single-process simulation of 4 data-parallel ranks (a loop, each rank with its o
             gradient (what the freeze alone does);
   ours      shardopt's OneBitAdam exchange: tests/onebit_training_reference.py (OneBitReference, bit for bit
             with the multi-rank code), flat 4 ranks or a 2 x 2 mesh: since 2026-11-28 each rank's local
-            momentum over d (Note [Why the local momentum crosses] in shardopt/onebit.py);
+            momentum over d (Note [Why the local momentum crosses] in shardopt/onebit.py), every block with
+            its RMS as scale (second pass, 2026-11-28-onebit-suite-2.md; Variant "local-rms");
   deepspeed DeepSpeed's compressed all-reduce (runtime/comm/nccl.py, compressed_allreduce, as OnebitAdam calls
             it), re-implemented here in plain torch: every rank compresses its raw momentum b1*m + (1-b1)*G_i
             plus its worker error, one RMS scale for its whole vector, its own chunk compressed too; every
@@ -230,10 +231,11 @@ class Variant:
     exact m: the compression error then enters m once, not through every later b1 * m; ours from the first
     change of 2026-11-28), "deviation" (L_i - b1 * the last decoded mean, kept as S_i = L_i - M and sent as
     b1 S_i + (1-b1) G_i, M = b1 M + the decoded mean: the same mean as "local" without the common momentum
-    in what is encoded; ours since the second change of 2026-11-28) or "local-minus-m" (L_i - the last decoded
-    mean; M = M + the decoded mean); over_d: divided by the frozen d; worker/server: the scale ("mean", "rms":
-    per BLOCK; "row": per chunk; "all": per rank's whole vector); own: the rank's own chunk "exact" (ours) or
-    "compressed" (DeepSpeed's)."""
+    in what is encoded), "local-minus-m" (L_i - the last decoded mean; M = M + the decoded mean) or
+    "momentum-ec" (the momentum crossing, each rank adding b1 times the last change of its worker residual
+    and each owner b1 times its server residual's: the last step's encoding error taken back); over_d:
+    divided by the frozen d; worker/server: the scale ("mean", "rms": per BLOCK; "row": per chunk; "all":
+    per rank's whole vector); own: the rank's own chunk "exact" (ours) or "compressed" (DeepSpeed's)."""
     cross: str = "momentum"
     over_d: bool = True
     worker: str = "mean"
@@ -244,13 +246,13 @@ class Variant:
 DEEPSPEED = Variant("momentum", False, "all", "row", "compressed")
 VARIANTS = {
     "momentum": Variant(),                      # shardopt's exchange until 2026-11-28 (b1 * decoded m + G_i, over d)
-    "local": Variant("local"),                  # each rank's own exact momentum, over d (2026-11-28, first change)
-    "deviation": Variant("deviation"),          # b1 (L_i - M) + (1-b1) G_i, over d, mean |x| per block: ours
+    "local": Variant("local"),                  # each rank's own exact momentum, over d, mean |x| (first pass)
+    "deviation": Variant("deviation"),          # b1 (L_i - M) + (1-b1) G_i, over d, mean |x| per block
     "local-minus-m": Variant("local-minus-m"),
     "deviation-rms": Variant("deviation", True, "rms", "rms"),
     "momentum-ec": Variant("momentum-ec"),
     "local-raw-ds": Variant("local", False, "all", "row", "compressed"),
-    "local-rms": Variant("local", True, "rms", "rms"),
+    "local-rms": Variant("local", True, "rms", "rms"),  # ours since the second pass of 2026-11-28
     "raw": Variant("momentum", False),          # DeepSpeed's raw momentum with our scales
     "rms": Variant("momentum", True, "rms", "rms"),
     "ds-over-d": Variant("momentum", True, "all", "row", "compressed"),
