@@ -253,6 +253,8 @@ VARIANTS = {
     "momentum-ec": Variant("momentum-ec"),
     "local-raw-ds": Variant("local", False, "all", "row", "compressed"),
     "local-rms": Variant("local", True, "rms", "rms"),  # ours since the second pass of 2026-11-28
+    "local-rms-worker": Variant("local", True, "rms", "mean"),  # RMS on the ranks' side only
+    "local-rms-server": Variant("local", True, "mean", "rms"),  # RMS on the owners' side only
     "raw": Variant("momentum", False),          # DeepSpeed's raw momentum with our scales
     "rms": Variant("momentum", True, "rms", "rms"),
     "ds-over-d": Variant("momentum", True, "all", "row", "compressed"),

@@ -74,16 +74,16 @@ With the local momenta each block is encoded with its RMS as scale (Note [1-bit 
 (2026-11-28, second change; 2026-11-28-onebit-suite-2.md): on the suite the rule then holds on 20 of 36
 rows instead of 15, and the mean distance from the exact frozen-variance run falls on every task (final
 loss: GPT 1.2% from 1.6%, the issue's regression 0.5% from 1.2%, the MLP of far-apart gradient scales 2.5%
-from 8.7%). Why the RMS helps here is measured, not derived: the mean |x| is the scale of least error for
-one message, but it shrinks the decoded vector (|decoded| < |x| unless every |x| in the block is equal),
-and each rank's local momentum is mostly its own gradient noise, which the owner's mean then averages
-away; the RMS keeps each message's norm. Tried and not taken (the result file): sending the local
-momentum minus b1 times the decoded one (each rank keeping S_i = L_i - M, sending b1 S_i + (1-b1) G_i,
-M = b1 M + decoded: the same mean, without the common momentum in what is encoded; 19 of 36 rows,
-within 0.1% of the exact run's final loss on the seed-betas tasks (mean over seeds and meshes) but 2.1%
-to 3.4% behind it on the GPT, where the RMS local momenta are 0.6% to 1.6% behind), and compensating the
-momentum crossing's b1*m for the last step's encoding error from the residuals (seed 0 of three tasks:
-level with the local momenta or worse, +23% on the far-apart scales).
+from 8.7%). That the RMS helps is measured, not derived. A reading not tested on its own: the mean |x| is
+the scale of least error for one message but shrinks the decoded vector (|decoded| < |x| unless every |x|
+in the block is equal), twice (ranks, then owners), while the RMS keeps each message's norm; with error
+feedback the shortfall is sent later, i.e. the momentum arrives late. Tried and not taken (the result
+file): sending the local momentum minus b1 times the decoded one (each rank keeping S_i = L_i - M,
+sending b1 S_i + (1-b1) G_i, M = b1 M + decoded: the same mean, without the common momentum in what is
+encoded; 19 of 36 rows, within 0.1% of the exact run's final loss on the seed-betas tasks (mean over
+seeds and meshes) but 2.1% to 3.4% behind it on the GPT, where the RMS local momenta are 0.6% to 1.6%
+behind), and compensating the momentum crossing's b1*m for the last step's encoding error from the
+residuals (seed 0 of three tasks: level with the local momenta or worse, +23% on the far-apart scales).
 
 Note [The step the variance froze at]
 -------------------------------------
