@@ -14,7 +14,7 @@ From the step T the variance froze at, with d = sqrt(v) / sqrt(1 - b2^T) + eps f
     rows, row r = chunk r of every bucket; rank i's local momentum L_i ([W, n], at the first compression
     step every owner's exact m) becomes b1 L_i + (1 - b1) G_i; x_i = L_i / d (0 on padding); the W
     vectors x_i go through the two-phase 1-bit all-reduce (worker residual W n, server residual n per
-    rank); row r of its decoded mean times d is owner r's momentum;
+    rank; every block's scale its RMS, `scale`); row r of its decoded mean times d is owner r's momentum;
   hybrid mesh (R x K): the node's mean gradient (K local gradients / K, summed: the exact reduce-scatter
     inside the node, the hop across replicas off); shard c of replica k keeps its local momentum L (at the
     first compression step m) = b1 L + (1 - b1) G and sends x = L / d through the 1-bit all-reduce among
@@ -41,14 +41,16 @@ from shardopt import reference as R
 class OneBitReference:
     """`layout`: shardopt's (pure) plan; `replicas` x `shards` ranks (replicas == 1: the flat mesh over
     layout.world_size ranks). `p`, `m`, `v`: the flat weights and Adam state at the freeze (after `steps`
-    Adam steps, T = steps). One param group: `lr`, `betas`, `eps`, `weight_decay`."""
+    Adam steps, T = steps). One param group: `lr`, `betas`, `eps`, `weight_decay`; `scale`: the 1-bit
+    blocks' scale ("rms", or "mean" |x| as until 2026-11-28)."""
 
-    def __init__(self, layout, replicas, shards, p, m, v, steps, *, lr, betas, eps, weight_decay):
+    def __init__(self, layout, replicas, shards, p, m, v, steps, *, lr, betas, eps, weight_decay, scale="rms"):
         assert layout.nodes == 1 and layout.world_size == shards
         self.layout, self.R, self.K = layout, replicas, shards
         self.p, self.m, self.v = p.clone(), m.clone(), v.clone()
         self.steps, self.frozen_at = steps, steps
         self.lr, (self.b1, self.b2), self.eps, self.wd = lr, betas, eps, weight_decay
+        self.scale = scale  # every 1-bit message's block scale (Note [1-bit format]): OneBitConfig's default
         self.d = self.v.sqrt().div_(math.sqrt(1.0 - self.b2 ** self.frozen_at)).add_(eps)
         self.padding = torch.ones(layout.total_numel, dtype=torch.bool)
         for s in layout.params:
@@ -96,7 +98,7 @@ class OneBitReference:
                 x = self.L[i] / d_rows
                 x[self.rows(self.padding)] = 0.0
                 xs.append(x.reshape(-1))
-            mean = R.onebit_allreduce_reference(xs, self.worker, self.server)
+            mean = R.onebit_allreduce_reference(xs, self.worker, self.server, scale=self.scale)
             return self.unrows(mean.view(K, -1) * d_rows)
         # hybrid: the node's mean gradient, then shard by shard among the replicas
         nodes = []
@@ -111,7 +113,7 @@ class OneBitReference:
             for k in range(self.R):
                 self.L[c][k].mul_(b1).add_(nodes[k][c].mul(1.0 - b1))
                 xs.append(self.L[c][k] / d_rows[c])
-            out[c] = R.onebit_allreduce_reference(xs, self.worker[c], self.server[c]) * d_rows[c]
+            out[c] = R.onebit_allreduce_reference(xs, self.worker[c], self.server[c], scale=self.scale) * d_rows[c]
         return self.unrows(out)
 
     @torch.no_grad()

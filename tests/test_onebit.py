@@ -79,6 +79,16 @@ def test_codec_matches_reference(n):
     for r in range(3):
         want = onebit_encode_feedback_reference(x[r], ref_res[r])[2]
         assert torch.equal(decoded[r], want) and torch.equal(res[r], ref_res[r])
+    # The RMS scale (Note [1-bit format]): the same signs, each block's root mean square, with error feedback.
+    res, ref_res = torch.randn(3, n, generator=g), None
+    ref_res = res.clone()
+    msgs = onebit.encode_feedback(x, res, scale="rms")
+    for r in range(3):
+        scales, bits, want = onebit_encode_feedback_reference(x[r], ref_res[r], scale="rms")
+        nb = scales.numel()
+        assert torch.equal(msgs[r, :4 * nb].clone().view(torch.float32), scales)
+        assert torch.equal(msgs[r, 4 * nb:], bits) and torch.equal(res[r], ref_res[r])
+        assert torch.equal(onebit.decode(msgs, n)[r], want)
     # The fused codec's other entry points: decoded written during the encode, decode-and-add, bad input.
     from shardopt import _C
     payload = torch.empty(onebit.message_bytes(n), dtype=torch.uint8)
@@ -134,6 +144,10 @@ def test_hand_computed_block():
     assert msgs[0, :8].clone().view(torch.float32).tolist() == [2.5, 2.0]
     assert msgs[0, 8:].tolist() == [0b11011101, 0]
     assert onebit.decode(msgs, 9, block=8).tolist() == [[2.5, -2.5, 2.5, 2.5, 2.5, -2.5, 2.5, 2.5, -2.0]]
+    # The RMS scale: sqrt((4 + 16 + 0 + 16) * 2 / 8) = 3 and 2; the same signs.
+    rms = onebit.encode_feedback(x, None, block=8, scale="rms")
+    assert rms[0, :8].clone().view(torch.float32).tolist() == [3.0, 2.0]
+    assert torch.equal(rms[0, 8:], msgs[0, 8:])
 
 
 def test_warmup_lr_is_deepspeeds():
@@ -208,20 +222,23 @@ def _exchanges(rank, world_size):
     mesh = _mesh((2, 2))
     rep, k = mesh.get_group("replicate"), mesh.get_local_rank("replicate")
     groups = {"replicas": (rep, k, 2), "flat": (dist.group.WORLD, rank, w)}
-    res = {name: (torch.zeros(n * r), torch.zeros(n)) for name, (_, _, r) in groups.items()}
-    ref = {name: ([torch.zeros(n * r) for _ in range(r)], [torch.zeros(n) for _ in range(r)])
-           for name, (_, _, r) in groups.items()}
+    keys = [(name, scale) for name in groups for scale in ("mean", "rms")]  # every block's scale (Note [1-bit format])
+    res = {key: (torch.zeros(n * groups[key[0]][2]), torch.zeros(n)) for key in keys}
+    ref = {key: ([torch.zeros(n * groups[key[0]][2]) for _ in range(groups[key[0]][2])],
+                 [torch.zeros(n) for _ in range(groups[key[0]][2])]) for key in keys}
     for call in range(3):
-        for name, (group, me, r) in groups.items():
+        for name, scale in keys:
+            group, me, r = groups[name]
             # chunk of rank `me` in the group (for the replicas: of this rank's shard column)
             col = rank % 2 if name == "replicas" else 0
             chunks = [torch.randn(n * r, generator=torch.Generator().manual_seed(7 * call + j + 10 * col))
                       for j in range(r)]
-            worker, server = res[name]
-            msgs = onebit.allreduce_1bit(chunks[me].clone(), group, me, worker, server)
-            want = onebit_allreduce_reference(chunks, *ref[name])
-            assert torch.equal(onebit.decode(msgs, n).reshape(-1), want), (name, call)
-            assert torch.equal(worker, ref[name][0][me]) and torch.equal(server, ref[name][1][me]), (name, call)
+            worker, server = res[name, scale]
+            msgs = onebit.allreduce_1bit(chunks[me].clone(), group, me, worker, server, scale=scale)
+            want = onebit_allreduce_reference(chunks, *ref[name, scale], scale=scale)
+            assert torch.equal(onebit.decode(msgs, n).reshape(-1), want), (name, scale, call)
+            assert torch.equal(worker, ref[name, scale][0][me]) and torch.equal(server, ref[name, scale][1][me]), \
+                (name, scale, call)
     return True
 
 
