@@ -94,53 +94,55 @@ def _fit(trainer, model, is_sharded):
     return logs, weights, trainer
 
 
-def _run(kind, rank, world_size, tmp, shardopt_kwargs):
-    """One TRL trainer, plain (DDP) and sharded, from the same seed: (reference, ours)."""
+def _train(kind, out, shardopt_kwargs=None):
+    """One TRL trainer from the seed, plain (DDP) or, given shardopt_kwargs, sharded: _fit's (logs, weights, trainer)."""
     from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state()
+    tokenizer = char_tokenizer()
+    model = tiny_llama(tokenizer)
+    if kind == "sft":
+        cls, kw = trl.SFTTrainer, dict(train_dataset=sft_dataset())
+        args = _config(trl.SFTConfig, out)
+    else:
+        # The frozen reference model: a copy of the initial policy, on every rank whole (see docs).
+        cls, kw = trl.DPOTrainer, dict(train_dataset=dpo_dataset(), ref_model=copy.deepcopy(model))
+        args = _config(trl.DPOConfig, out, beta=0.5, learning_rate=1e-3)
+    if shardopt_kwargs is not None:
+        cls, kw = sharded(cls), dict(kw, shardopt_kwargs=shardopt_kwargs)
+    return _fit(cls(model=model, args=args, processing_class=tokenizer, **kw), model, shardopt_kwargs is not None)
+
+
+def _parity(rank, world_size, tmp, kind, stages):
+    """The DDP reference once, then the sharded trainer at each stage against it (one launch: the ranks
+    import TRL once and train the reference once)."""
     _env(rank, world_size)
-    out = []
-    for is_sharded in (False, True):
-        AcceleratorState._reset_state()
-        tokenizer = char_tokenizer()
-        model = tiny_llama(tokenizer)
-        if kind == "sft":
-            cls, kw = trl.SFTTrainer, dict(train_dataset=sft_dataset())
-            args = _config(trl.SFTConfig, f"{tmp}/{kind}-{is_sharded}")
-        else:
-            # The frozen reference model: a copy of the initial policy, on every rank whole (see docs).
-            cls, kw = trl.DPOTrainer, dict(train_dataset=dpo_dataset(), ref_model=copy.deepcopy(model))
-            args = _config(trl.DPOConfig, f"{tmp}/{kind}-{is_sharded}", beta=0.5, learning_rate=1e-3)
-        extra = dict(shardopt_kwargs=shardopt_kwargs) if is_sharded else {}
-        trainer = (sharded(cls) if is_sharded else cls)(model=model, args=args, processing_class=tokenizer, **kw,
-                                                         **extra)
-        out.append(_fit(trainer, model, is_sharded))
-    return out
-
-
-def _parity(rank, world_size, tmp, kind, stage):
-    ref, ours = _run(kind, rank, world_size, tmp, {**STAGE3, "stage": stage})
-    failures = _compare(ref, ours, 1e-5, f"{kind} stage {stage}") + _is_sharded(ours[2], f"{kind} stage {stage}")
-    if ours[2]._sharded()[1].config.stage != stage:
-        failures.append(f"trained at stage {ours[2]._sharded()[1].config.stage}")
+    ref = _train(kind, f"{tmp}/{kind}-ddp")
+    failures = []
     if not any(e["grad_norm"] > 0.5 for e in ref[0]):
         failures.append(f"clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")
     if len(ref[0]) != 4:
         failures.append(f"{len(ref[0])} logged steps")
+    for stage in stages:
+        ours = _train(kind, f"{tmp}/{kind}-{stage}", {**STAGE3, "stage": stage})
+        what = f"{kind} stage {stage}"
+        failures += _compare(ref, ours, 1e-5, what) + _is_sharded(ours[2], what)
+        if ours[2]._sharded()[1].config.stage != stage:
+            failures.append(f"{what}: trained at stage {ours[2]._sharded()[1].config.stage}")
     return failures
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_sft_matches_sft_trainer_with_ddp(tmp_path, stage):
-    """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss): SFTTrainer + DDP's numbers."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", stage, timeout=400)):
+def test_sft_matches_sft_trainer_with_ddp(tmp_path):
+    """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss) at stages 1, 2 and 3:
+    SFTTrainer + DDP's numbers."""
+    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", (1, 2, 3), timeout=600)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_dpo_matches_dpo_trainer_with_ddp(tmp_path, stage):
-    """ShardedTrainer mixed into DPOTrainer with a frozen reference model: DPOTrainer + DDP's numbers."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "dpo", stage, timeout=400)):
+def test_dpo_matches_dpo_trainer_with_ddp(tmp_path):
+    """ShardedTrainer mixed into DPOTrainer with a frozen reference model at stages 2 and 3: DPOTrainer + DDP's
+    numbers."""
+    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3), timeout=600)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
