@@ -219,3 +219,33 @@ def test_untested_generating_trainers_are_refused_at_stage_3():
     check("PPOTrainer", 2, 2)
     check("PPOTrainer", 3, 1)
     check("GRPOTrainer", 3, 2)
+
+
+def test_generate_is_synced_only_while_the_parameters_are_sharded():
+    """What ShardedTrainer gives a stage-3 model's generate() (Note [Trainers that generate during training]):
+    synced_gpus=True by default while its optimizer shards the parameters, an explicit value kept, and the
+    model's own generate() once the optimizer has let go (detach()) or is gone, so a rank may generate alone."""
+    import gc
+    from types import SimpleNamespace
+
+    from shardopt.integrations.transformers import _synced_generate
+
+    class Model(torch.nn.Module):
+        def generate(self, **kwargs):
+            return kwargs
+
+    class Optimizer:
+        params_sharded, view = True, SimpleNamespace(attached=True)
+
+    model, opt = Model(), Optimizer()
+    _synced_generate(model, opt)
+    assert model.generate() == {"synced_gpus": True}
+    assert model.generate(synced_gpus=False) == {"synced_gpus": False}
+    opt.view = SimpleNamespace(attached=False)
+    assert model.generate() == {}
+    again = Optimizer()
+    _synced_generate(model, again)  # a later wrap of the same model: its optimizer decides
+    assert model.generate() == {"synced_gpus": True}
+    del again
+    gc.collect()
+    assert model.generate() == {}

@@ -82,6 +82,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -283,7 +284,7 @@ class ShardedTrainer(Trainer):
         broadcast = self.args.ddp_broadcast_buffers
         wrapped = ShardedDDP(model, opt, broadcast_buffers=True if broadcast is None else bool(broadcast))
         if opt.config.stage == 3 and self.args.world_size > 1:
-            _synced_generate(model)
+            _synced_generate(model, opt)
         if self.args.torch_compile:
             wrapped = torch.compile(wrapped, backend=self.args.torch_compile_backend or "inductor",
                                     mode=self.args.torch_compile_mode)
@@ -465,15 +466,21 @@ def _autocast_forward(model: torch.nn.Module, accelerator) -> None:
     model._shardopt_autocast = True
 
 
-def _synced_generate(model: torch.nn.Module) -> None:
-    """generate() with `synced_gpus=True` unless told otherwise (Note [Trainers that generate during training])."""
+def _synced_generate(model: torch.nn.Module, opt: ShardedOptimizer) -> None:
+    """generate() with `synced_gpus=True` unless told otherwise, while `opt` shards the model's parameters
+    (Note [Trainers that generate during training]); once it no longer does (ShardedDDP.detach(): whole weights,
+    a rank may then generate alone), generate() is the model's own again. The optimizer is held weakly, and a
+    later wrap of the same model replaces it."""
+    model._shardopt_generate_opt = weakref.ref(opt)
     generate = getattr(model, "generate", None)
     if generate is None or getattr(model, "_shardopt_synced_generate", False):
         return
 
     @functools.wraps(generate)
     def synced_generate(*args, **kwargs):
-        kwargs.setdefault("synced_gpus", True)
+        current = model._shardopt_generate_opt()
+        if current is not None and current.params_sharded and current.view.attached:
+            kwargs.setdefault("synced_gpus", True)
         return generate(*args, **kwargs)
 
     model.generate = synced_generate
