@@ -113,15 +113,17 @@ CHECKPOINT_SUBDIR = "shardopt"
 # generation with accelerate's gathers and pads of the completions and rewards, on the default group, so a rank
 # whose rollouts ended first waits in such a gather while its peer waits in the next forward's agreement (gloo
 # times out after a minute). So at stage 3 with several processes ShardedTrainer gives the model's generate()
-# `synced_gpus=True` unless told otherwise (as the Trainer gets from transformers under DeepSpeed ZeRO-3 or FSDP,
-# and as ShardedSeq2SeqTrainer passes it): a rank whose sequences have ended keeps running forwards, skipping
+# `synced_gpus=True` unless told otherwise, while its optimizer shards the parameters (not after detach(): a
+# rank may then generate alone), as the Trainer gets from transformers under DeepSpeed ZeRO-3 or FSDP, and as
+# ShardedSeq2SeqTrainer passes it: a rank whose sequences have ended keeps running forwards, skipping
 # the sampling, until every rank's have, so the ranks run the same passes and draw the same random numbers as
 # under DDP. Nothing is gathered whole for generation (TRL's ds3_gather_for_generation is DeepSpeed's, and is
 # what stage 3 exists to avoid). GRPOTrainer and RLOOTrainer train so at stage 3 with DDP's numbers
 # (tests/test_trl.py, rollouts of different lengths per rank). The others that generate (TRL's experimental PPO,
 # online DPO and its relatives, GKD) have not been run at stage 3 (their own loops, reward and reference models,
 # vLLM paths), so they are refused at stage 3 with several processes, at construction, before any collective;
-# stages 1 and 2 keep whole parameters on every rank and generate as DDP does. Matched by class name, so TRL
+# stages 1 and 2 keep whole parameters on every rank and generate as DDP does (not tested with TRL). Matched by
+# class name, so TRL
 # need not be installed.
 GENERATING_TRAINERS = frozenset({"PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer"})
 
