@@ -123,8 +123,7 @@ CHECKPOINT_SUBDIR = "shardopt"
 # online DPO and its relatives, GKD) have not been run at stage 3 (their own loops, reward and reference models,
 # vLLM paths), so they are refused at stage 3 with several processes, at construction, before any collective;
 # stages 1 and 2 keep whole parameters on every rank and generate as DDP does (not tested with TRL). Matched by
-# class name, so TRL
-# need not be installed.
+# class name, so TRL need not be installed.
 GENERATING_TRAINERS = frozenset({"PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer"})
 
 
