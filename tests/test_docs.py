@@ -155,19 +155,26 @@ def test_links_point_at_files_and_headings_that_exist():
 _INTEGRATION_TESTS = {"transformers": ["tests/test_hf_trainer.py"], "accelerate": ["tests/test_hf_trainer.py"],
                       "lightning": ["tests/test_lightning.py", "tests/test_onebit.py"],
                       "deepspeed": ["tests/test_interop_deepspeed.py", "tests/test_onebit.py",
-                                    "tests/test_hf_trainer.py"]}
+                                    "tests/test_hf_trainer.py"],
+                      "trl": ["tests/test_trl.py"]}
 
 
 def test_ci_tests_the_floors_setup_py_admits():
     """.ci/run's second venv installs exactly the oldest version setup.py admits of each integration and
-    runs the tests that use it there."""
+    runs the tests that use it there: what is installed when a pytest line runs is what the install lines
+    before it pinned, the later pin of a package winning (TRL's floor needs a newer accelerate than
+    transformers', so its tests run after the others, on an install of their own)."""
     setup = open(os.path.join(ROOT, "setup.py")).read()
-    floors = dict(re.findall(r'"(transformers|accelerate|lightning|deepspeed)>=([0-9.]+)', setup))
-    ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    installs = " ".join(ln for ln in ci.splitlines() if ln.startswith(".venv-oldest/bin/pip install"))
-    pins = dict(re.findall(r"\b(transformers|accelerate|lightning|deepspeed)==([0-9.]+)", installs))
-    assert floors.keys() == _INTEGRATION_TESTS.keys() and pins == floors, (floors, pins)
-    run = next(ln for ln in ci.splitlines() if ln.startswith('PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest'))
+    floors = dict(re.findall(r'"(transformers|accelerate|lightning|deepspeed|trl)>=([0-9.]+)', setup))
+    assert floors.keys() == _INTEGRATION_TESTS.keys(), floors
+    pins, runs = {}, []
+    for ln in open(os.path.join(ROOT, ".ci", "run")).read().splitlines():
+        if ln.startswith(".venv-oldest/bin/pip install"):
+            pins.update(re.findall(r"\b(transformers|accelerate|lightning|deepspeed|trl)==([0-9.]+)", ln))
+        elif ln.startswith('PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest'):
+            runs.append((ln.split(), dict(pins)))
     for name, files in _INTEGRATION_TESTS.items():
         for f in files:
-            assert f in run.split(), (name, f, run)
+            where = [installed for words, installed in runs if f in words]
+            assert where, f"{f} ({name}) is not run in .venv-oldest by .ci/run"
+            assert all(installed.get(name) == floors[name] for installed in where), (name, f, floors[name], where)

@@ -508,6 +508,12 @@ def _from_pretrained_journey(rank, world_size, tmp, folder, meta, lora):
     return logs, weights, trainer._sharded()[1].memory_stats()["params"]
 
 
+def _from_pretrained_journeys(rank, world_size, tmp, folder):
+    """Whole-built, meta-built, meta-built with LoRA: one launch (the ranks import transformers and PEFT once)."""
+    return [_from_pretrained_journey(rank, world_size, tmp, folder, meta, lora)
+            for meta, lora in ((False, False), (True, False), (True, True))]
+
+
 def test_trainer_fine_tunes_a_pretrained_model_no_rank_holds(tmp_path):
     """The documented Trainer path for a model too big for one rank: shardopt.from_pretrained (one line for
     from_pretrained) trains as the whole-built model does, save_model's folder is transformers' own, and a
@@ -517,13 +523,11 @@ def test_trainer_fine_tunes_a_pretrained_model_no_rank_holds(tmp_path):
     folder = str(tmp_path / "pretrained")
     torch.manual_seed(3)
     tiny_gpt2().save_pretrained(folder)
-    whole = run_ranks(_from_pretrained_journey, 2, str(tmp_path), folder, False, False, timeout=400)[0]
-    meta = run_ranks(_from_pretrained_journey, 2, str(tmp_path), folder, True, False, timeout=400)[0]
+    whole, meta, lora = run_ranks(_from_pretrained_journeys, 2, str(tmp_path), folder, timeout=600)[0]
     failures = _compare(whole, meta, 1e-6, "from_pretrained on meta vs whole")
     assert not failures, "\n".join(failures)
     saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "meta-full" / "saved"))
     assert all(torch.equal(p, meta[1][n]) for n, p in saved.named_parameters())
-    lora = run_ranks(_from_pretrained_journey, 2, str(tmp_path), folder, True, True, timeout=400)[0]
     adapter = tmp_path / "meta-lora" / "saved"
     assert (adapter / "adapter_model.safetensors").exists() and not (adapter / "model.safetensors").exists()
     loaded = PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(folder), str(adapter))

@@ -1,5 +1,5 @@
-"""TRL's trainers with shardopt: `class ShardedSFT(ShardedTrainer, SFTTrainer)` (and DPO's likewise) against the
-same TRL trainer under DDP, at 2 gloo ranks (docs/integrations.md, "TRL").
+"""TRL's trainers with shardopt: `class ShardedSFT(ShardedTrainer, SFTTrainer)` (and DPO's, GRPO's and RLOO's
+likewise) against the same TRL trainer under DDP, at 2 gloo ranks (docs/integrations.md, "TRL").
 
 A small LlamaForCausalLM built from a config (no download, no dropout), a character-level tokenizer made
 here from this repository's own text, datasets made in memory. The comparison is test_hf_trainer.py's:
@@ -94,76 +94,158 @@ def _fit(trainer, model, is_sharded):
     return logs, weights, trainer
 
 
-def _run(kind, rank, world_size, tmp, shardopt_kwargs):
-    """One TRL trainer, plain (DDP) and sharded, from the same seed: (reference, ours)."""
+def _train(kind, out, shardopt_kwargs=None):
+    """One TRL trainer from the seed, plain (DDP) or, given shardopt_kwargs, sharded: _fit's (logs, weights, trainer)."""
     from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state()
+    tokenizer = char_tokenizer()
+    model = tiny_llama(tokenizer)
+    if kind == "sft":
+        cls, kw = trl.SFTTrainer, dict(train_dataset=sft_dataset())
+        args = _config(trl.SFTConfig, out)
+    else:
+        # The frozen reference model: a copy of the initial policy, on every rank whole (see docs).
+        cls, kw = trl.DPOTrainer, dict(train_dataset=dpo_dataset(), ref_model=copy.deepcopy(model))
+        args = _config(trl.DPOConfig, out, beta=0.5, learning_rate=1e-3)
+    if shardopt_kwargs is not None:
+        cls, kw = sharded(cls), dict(kw, shardopt_kwargs=shardopt_kwargs)
+    return _fit(cls(model=model, args=args, processing_class=tokenizer, **kw), model, shardopt_kwargs is not None)
+
+
+def _parity(rank, world_size, tmp, kind, stages):
+    """The DDP reference once, then the sharded trainer at each stage against it (one launch: the ranks
+    import TRL once and train the reference once)."""
     _env(rank, world_size)
-    out = []
-    for is_sharded in (False, True):
-        AcceleratorState._reset_state()
-        tokenizer = char_tokenizer()
-        model = tiny_llama(tokenizer)
-        if kind == "sft":
-            cls, kw = trl.SFTTrainer, dict(train_dataset=sft_dataset())
-            args = _config(trl.SFTConfig, f"{tmp}/{kind}-{is_sharded}")
-        else:
-            # The frozen reference model: a copy of the initial policy, on every rank whole (see docs).
-            cls, kw = trl.DPOTrainer, dict(train_dataset=dpo_dataset(), ref_model=copy.deepcopy(model))
-            args = _config(trl.DPOConfig, f"{tmp}/{kind}-{is_sharded}", beta=0.5, learning_rate=1e-3)
-        extra = dict(shardopt_kwargs=shardopt_kwargs) if is_sharded else {}
-        trainer = (sharded(cls) if is_sharded else cls)(model=model, args=args, processing_class=tokenizer, **kw,
-                                                         **extra)
-        out.append(_fit(trainer, model, is_sharded))
-    return out
-
-
-def _parity(rank, world_size, tmp, kind, stage):
-    ref, ours = _run(kind, rank, world_size, tmp, {**STAGE3, "stage": stage})
-    failures = _compare(ref, ours, 1e-5, f"{kind} stage {stage}") + _is_sharded(ours[2], f"{kind} stage {stage}")
-    if ours[2]._sharded()[1].config.stage != stage:
-        failures.append(f"trained at stage {ours[2]._sharded()[1].config.stage}")
+    ref = _train(kind, f"{tmp}/{kind}-ddp")
+    failures = []
     if not any(e["grad_norm"] > 0.5 for e in ref[0]):
         failures.append(f"clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")
     if len(ref[0]) != 4:
         failures.append(f"{len(ref[0])} logged steps")
+    for stage in stages:
+        ours = _train(kind, f"{tmp}/{kind}-{stage}", {**STAGE3, "stage": stage})
+        what = f"{kind} stage {stage}"
+        failures += _compare(ref, ours, 1e-5, what) + _is_sharded(ours[2], what)
+        if ours[2]._sharded()[1].config.stage != stage:
+            failures.append(f"{what}: trained at stage {ours[2]._sharded()[1].config.stage}")
     return failures
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_sft_matches_sft_trainer_with_ddp(tmp_path, stage):
-    """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss): SFTTrainer + DDP's numbers."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", stage, timeout=400)):
+def test_sft_matches_sft_trainer_with_ddp(tmp_path):
+    """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss) at stages 1, 2 and 3:
+    SFTTrainer + DDP's numbers."""
+    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", (1, 2, 3), timeout=600)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_dpo_matches_dpo_trainer_with_ddp(tmp_path, stage):
-    """ShardedTrainer mixed into DPOTrainer with a frozen reference model: DPOTrainer + DDP's numbers."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "dpo", stage, timeout=400)):
+def test_dpo_matches_dpo_trainer_with_ddp(tmp_path):
+    """ShardedTrainer mixed into DPOTrainer with a frozen reference model at stages 2 and 3: DPOTrainer + DDP's
+    numbers."""
+    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3), timeout=600)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-def _grpo(rank, world_size, tmp, stage):
-    """Constructs GRPOTrainer with ShardedTrainer mixed in at the given stage: the error's text, or None."""
+def _reward(completions, **kw):
+    """Longer completions and more of some characters score higher: the groups' rewards differ."""
+    return [float(len(c)) + sum(ch in "aeiouy_" for ch in c) for c in completions]
+
+
+def _generating(rank, world_size, tmp):
+    """GRPOTrainer and RLOOTrainer at stage 3 against themselves under DDP: (kind, failures, DDP's no-grad
+    forwards on this rank) each."""
+    from accelerate.state import AcceleratorState
+
     _env(rank, world_size)
-    tokenizer = char_tokenizer()
-    args = _config(trl.GRPOConfig, f"{tmp}/grpo", per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                   num_generations=2, max_completion_length=8, max_length=None)
-    prompts = Dataset.from_list([{"prompt": s} for s in _lines(8, 6)])
-    try:
-        sharded(trl.GRPOTrainer)(model=tiny_llama(tokenizer), reward_funcs=lambda completions, **kw: [0.0] * len(
-            completions), args=args, train_dataset=prompts, processing_class=tokenizer,
-            shardopt_kwargs={"stage": stage})
-    except ValueError as e:
-        return str(e)
-    return None
+    results = []
+    for kind in ("GRPO", "RLOO"):
+        out, looks = [], []
+        for is_sharded in (False, True):
+            AcceleratorState._reset_state()
+            tokenizer = char_tokenizer()
+            model = tiny_llama(tokenizer)
+            # A quarter of the vocabulary ends a completion (the model is untrained: near uniform), so
+            # rollouts end after 1 to 12 tokens and each rank's longest differs from the other's. TRL 1.16
+            # masks after the model's eos ids, older TRL after the tokenizer's: generation stops on them in both.
+            stops = [tokenizer.eos_token_id, *range(0, len(tokenizer) - 3, 4)]
+            model.generation_config.eos_token_id = stops
+            args = _config(getattr(trl, f"{kind}Config"), f"{tmp}/{kind}-{is_sharded}", per_device_train_batch_size=4,
+                           num_generations=4, max_completion_length=12, max_length=None, beta=0.0,
+                           generation_kwargs={"eos_token_id": stops})
+            cls = getattr(trl, f"{kind}Trainer")
+            extra = dict(shardopt_kwargs=STAGE3) if is_sharded else {}
+            trainer = (sharded(cls) if is_sharded else cls)(
+                model=model, reward_funcs=_reward, args=args, processing_class=tokenizer,
+                train_dataset=Dataset.from_list([{"prompt": s} for s in _lines(32, 6)]), **extra)
+            count = [0]
+            model.register_forward_pre_hook(lambda m, a: count.__setitem__(0, count[0] + (not torch.is_grad_enabled())))
+            out.append(_fit(trainer, model, is_sharded))
+            looks.append(count[0])
+        failures = _compare(*out, 1e-5, f"{kind} stage 3") + _is_sharded(out[1][2], f"{kind} stage 3")
+        if out[1][2]._sharded()[1].config.stage != 3:
+            failures.append(f"{kind}: trained at stage {out[1][2]._sharded()[1].config.stage}")
+        if len(out[0][0]) != 4:
+            failures.append(f"{kind}: {len(out[0][0])} logged steps")
+        results.append((kind, failures, looks[0]))
+    return results
 
 
-def test_grpo_at_stage_3_is_refused_at_construction(tmp_path):
-    """Rollouts of different lengths per rank have the ranks gather different numbers of times; no generating
-    trainer has been run at stage 3 yet, so it is refused by name at construction, before any collective, naming what works (Note [Trainers that generate
-    during training]); at stage 2 it is not refused."""
-    for error in run_ranks(_grpo, 2, str(tmp_path), 3, timeout=120):
-        assert error and "GRPOTrainer" in error and "stage 1 or 2" in error and "generates rollouts" in error, error
-    assert run_ranks(_grpo, 2, str(tmp_path), 2, timeout=120) == [None, None]
+def test_generating_trainers_at_stage_3_match_ddp(tmp_path):
+    """GRPOTrainer and RLOOTrainer generate rollouts of different lengths on each rank before every step; at stage
+    3 generate() runs synced (Note [Trainers that generate during training]) and the numbers are DDP's: the same
+    sampled completions, rewards, losses, grad norms and final weights within 1e-5."""
+    ranks = run_ranks(_generating, 2, str(tmp_path), timeout=400)
+    for rank, results in enumerate(ranks):
+        for kind, failures, _ in results:
+            assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+    for (kind, _, looks0), (_, _, looks1) in zip(*ranks):
+        # Under DDP each rank generates until its own rollouts end: the lengths did differ per rank.
+        assert looks0 != looks1, f"{kind}: both ranks ran {looks0} forwards without gradients under DDP"
+
+
+def test_untested_generating_trainers_are_refused_at_stage_3():
+    """The trainers that generate and have not been run at stage 3 are refused there by name at construction,
+    naming what works; not at stage 2, nor on one process (matched by class name: no TRL needed)."""
+    from types import SimpleNamespace
+
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    def check(name, stage, world_size):
+        stub = type(name, (), {"_stage": lambda self: stage, "args": SimpleNamespace(world_size=world_size)})()
+        ShardedTrainer._check_generation_in_training(stub)
+
+    with pytest.raises(ValueError, match=r"cannot train PPOTrainer on 2 processes.*GRPOTrainer.*stage 1 or 2"):
+        check("PPOTrainer", 3, 2)
+    check("PPOTrainer", 2, 2)
+    check("PPOTrainer", 3, 1)
+    check("GRPOTrainer", 3, 2)
+
+
+def test_generate_is_synced_only_while_the_parameters_are_sharded():
+    """What ShardedTrainer gives a stage-3 model's generate() (Note [Trainers that generate during training]):
+    synced_gpus=True by default while its optimizer shards the parameters, an explicit value kept, and the
+    model's own generate() once the optimizer has let go (detach()) or is gone, so a rank may generate alone."""
+    import gc
+    from types import SimpleNamespace
+
+    from shardopt.integrations.transformers import _synced_generate
+
+    class Model(torch.nn.Module):
+        def generate(self, **kwargs):
+            return kwargs
+
+    class Optimizer:
+        params_sharded, view = True, SimpleNamespace(attached=True)
+
+    model, opt = Model(), Optimizer()
+    _synced_generate(model, opt)
+    assert model.generate() == {"synced_gpus": True}
+    assert model.generate(synced_gpus=False) == {"synced_gpus": False}
+    opt.view = SimpleNamespace(attached=False)
+    assert model.generate() == {}
+    again = Optimizer()
+    _synced_generate(model, again)  # a later wrap of the same model: its optimizer decides
+    assert model.generate() == {"synced_gpus": True}
+    del again
+    gc.collect()
+    assert model.generate() == {}

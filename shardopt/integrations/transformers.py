@@ -82,6 +82,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -105,19 +106,34 @@ CHECKPOINT_SUBDIR = "shardopt"
 
 # Note [Trainers that generate during training]
 # -------------------------------------------
-# TRL's online trainers (GRPO, RLOO, PPO, online DPO and its relatives, GKD) call generate() inside the
-# training step, each rank on its own prompts, so the ranks' rollouts end after different numbers of
-# tokens: different numbers of forwards. At stage 3 every forward gathers parameters from every rank;
-# stage 3 now agrees on forwards without gradients of different counts (Note [Passes every rank agrees
-# on] in zero3/passes.py: generate() at stage 3 is tested with and without synced_gpus), but none of
-# these trainers has been run at stage 3 yet (their reference models, reward models and vLLM paths
-# included), so they stay refused until they are. DeepSpeed's way, gathering the whole model for generation (TRL's
-# ds3_gather_for_generation), is what stage 3 exists to avoid, and generate(synced_gpus=True) is not
-# something these trainers pass. So ShardedTrainer refuses them at stage 3 with several processes, at
-# construction, before any collective; stages 1 and 2 keep whole parameters on every rank and generate
-# as DDP does (untested here). Matched by class name, so TRL need not be installed.
-GENERATING_TRAINERS = frozenset({"GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer",
-                                 "NashMDTrainer", "GKDTrainer"})
+# TRL's online trainers call generate() inside the training step, each rank on its own prompts, so the ranks'
+# rollouts end after different numbers of tokens: different numbers of forwards, each of which gathers
+# parameters at stage 3. Stage 3 agrees on forwards without gradients of different counts (Note [Passes every
+# rank agrees on] in zero3/passes.py), but only when the ranks run nothing else in between: GRPO follows its
+# generation with accelerate's gathers and pads of the completions and rewards, on the default group, so a rank
+# whose rollouts ended first waits in such a gather while its peer waits in the next forward's agreement (gloo
+# times out after a minute). So at stage 3 with several processes ShardedTrainer gives the model's generate()
+# `synced_gpus=True` unless told otherwise, while its optimizer shards the parameters (not after detach(): a
+# rank may then generate alone), as the Trainer gets from transformers under DeepSpeed ZeRO-3 or FSDP, and as
+# ShardedSeq2SeqTrainer passes it: a rank whose sequences have ended keeps running forwards, skipping
+# the sampling, until every rank's have, so the ranks run the same passes and draw the same random numbers as
+# under DDP. Nothing is gathered whole for generation (TRL's ds3_gather_for_generation is DeepSpeed's, and is
+# what stage 3 exists to avoid). GRPOTrainer and RLOOTrainer train so at stage 3 with DDP's numbers
+# (tests/test_trl.py, rollouts of different lengths per rank). The others that generate (TRL's experimental PPO,
+# online DPO and its relatives, GKD) have not been run at stage 3 (their own loops, reward and reference models,
+# vLLM paths), so they are refused at stage 3 with several processes, at construction, before any collective;
+# stages 1 and 2 keep whole parameters on every rank and generate as DDP does (not tested with TRL). Matched by
+# class name, so TRL need not be installed.
+GENERATING_TRAINERS = frozenset({"PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer"})
+
+
+# Note [Unwrapping ShardedDDP]
+# ----------------------------
+# accelerate's unwrap_model takes off the wrappers it knows (DDP, DeepSpeed, FSDP, torch.compile) and would
+# hand a ShardedDDP back as it is; code that asks it for the bare model then reads a model's attributes on
+# the wrapper (TRL's generation does: `unwrap_model(model).is_gradient_checkpointing`, then generate()).
+# ShardedTrainer's accelerator takes ShardedDDP off too, as it takes off DDP. At stage 3 the bare model's
+# forwards still gather through the store's hooks (Note [ShardedTrainer at stage 3]).
 
 
 class ShardedTrainer(Trainer):
@@ -166,9 +182,9 @@ class ShardedTrainer(Trainer):
         if generating and self._stage() == 3 and self.args.world_size > 1:
             raise ValueError(
                 f"ShardedTrainer at stage 3 cannot train {generating[0]} on {self.args.world_size} processes yet: it "
-                "generates rollouts during training, and ranks whose rollouts differ in length run different "
-                "numbers of forwards, each of which gathers parameters at stage 3; such a trainer has not been "
-                "tested at stage 3 yet. Use stage 1 or 2 (shardopt_kwargs={'stage': 2}), or one process. docs/integrations.md, TRL")
+                "generates rollouts during training (different numbers of forwards per rank, each of which gathers "
+                "parameters at stage 3), and it has not been run at stage 3 yet (GRPOTrainer and RLOOTrainer have). "
+                "Use stage 1 or 2 (shardopt_kwargs={'stage': 2}), or one process. docs/integrations.md, TRL")
 
     # ------------------------------------------------------------ validation
     def _check_arguments(self, optimizers) -> None:
@@ -268,6 +284,8 @@ class ShardedTrainer(Trainer):
         # ddp_static_graph need nothing: ShardedDDP handles unused parameters by itself.
         broadcast = self.args.ddp_broadcast_buffers
         wrapped = ShardedDDP(model, opt, broadcast_buffers=True if broadcast is None else bool(broadcast))
+        if opt.config.stage == 3 and self.args.world_size > 1:
+            _synced_generate(model, opt)
         if self.args.torch_compile:
             wrapped = torch.compile(wrapped, backend=self.args.torch_compile_backend or "inductor",
                                     mode=self.args.torch_compile_mode)
@@ -305,6 +323,15 @@ class ShardedTrainer(Trainer):
             return clip(parameters, max_norm, norm_type=norm_type)
 
         acc.clip_grad_norm_ = clip_grad_norm_
+        unwrap = acc.unwrap_model
+
+        @functools.wraps(unwrap)
+        def unwrap_model(model, *args, **kwargs):
+            # Note [Unwrapping ShardedDDP]
+            model = unwrap(model, *args, **kwargs)
+            return unwrap(model.module, *args, **kwargs) if isinstance(model, ShardedDDP) else model
+
+        acc.unwrap_model = unwrap_model
 
     # ------------------------------------------------------------ checkpoints
     def _sharded(self) -> tuple[torch.nn.Module, ShardedOptimizer]:
@@ -438,6 +465,27 @@ def _autocast_forward(model: torch.nn.Module, accelerator) -> None:
 
     model.forward = convert_outputs_to_fp32(autocast_forward)
     model._shardopt_autocast = True
+
+
+def _synced_generate(model: torch.nn.Module, opt: ShardedOptimizer) -> None:
+    """generate() with `synced_gpus=True` unless told otherwise, while `opt` shards the model's parameters
+    (Note [Trainers that generate during training]); once it no longer does (ShardedDDP.detach(): whole weights,
+    a rank may then generate alone), generate() is the model's own again. The optimizer is held weakly, and a
+    later wrap of the same model replaces it."""
+    model._shardopt_generate_opt = weakref.ref(opt)
+    generate = getattr(model, "generate", None)
+    if generate is None or getattr(model, "_shardopt_synced_generate", False):
+        return
+
+    @functools.wraps(generate)
+    def synced_generate(*args, **kwargs):
+        current = model._shardopt_generate_opt()
+        if current is not None and current.params_sharded and current.view.attached:
+            kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+
+    model.generate = synced_generate
+    model._shardopt_synced_generate = True
 
 
 class ShardedSeq2SeqTrainer(ShardedTrainer, transformers.Seq2SeqTrainer):
