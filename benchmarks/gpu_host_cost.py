@@ -7,6 +7,8 @@ host-bound benchmark] in host_bound.py; torch.cuda.synchronize() around each tur
 
     blocks    200 blocks of Linear(64, 64) + ReLU, batch 1, fp32 (the CPU benchmark's model)
     demo      the demo GPT (shardopt.tools.gpt preset "small", 5.3M parameters counted once each), batch 8 x 128, fp32
+    demo-b1   the demo GPT at batch 1 x 16: on the CPU, the host-bound regime of the GPU's demo (--cpu-stand-in)
+    deep-b1   the 370M GPT's 24 layers at width 64, batch 1 x 16: its module count where the host is the step
     gpt-370m  GPT(vocab 32768, dim 1024, 24 layers, 16 heads, seq 512), ~370M parameters, bf16, batch 4 x 512
 
 Contenders: DDP + AdamW(fused), ShardedOptimizer(AdamW(fused)) + ShardedDDP at stages 1, 2, 3, FSDP2
@@ -48,8 +50,10 @@ LR = 1e-4
 
 def _gpt_config(name: str):
     from shardopt.tools.gpt import PRESETS, GPTConfig
-    if name in ("demo", "tiny"):
-        return PRESETS["small" if name == "demo" else "tiny"]
+    if name in ("demo", "tiny", "demo-b1"):
+        return PRESETS["tiny" if name == "tiny" else "small"]
+    if name == "deep-b1":
+        return GPTConfig(vocab=512, dim=64, layers=24, heads=2, seq=32)
     return GPTConfig(vocab=32768, dim=1024, layers=24, heads=16, seq=512)
 
 
@@ -64,7 +68,7 @@ def make(name: str, device):
     from shardopt.tools.gpt import GPT
     c = _gpt_config(name)
     model = GPT(c).to(device)
-    batch, seq = (8, 128) if name == "demo" else (2, 32) if name == "tiny" else (4, 512)
+    batch, seq = {"demo": (8, 128), "tiny": (2, 32), "demo-b1": (1, 16), "deep-b1": (1, 16)}.get(name, (4, 512))
     if name == "gpt-370m":
         model = model.to(torch.bfloat16)
     idx = torch.randint(0, c.vocab, (batch, seq), device=device)

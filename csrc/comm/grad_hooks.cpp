@@ -18,58 +18,114 @@ struct GradHooks::State {
   int64_t stage;
   py::object begin;
   std::mutex mu;
+  std::mutex begin_mu;
   int pass_id = -1;  // autograd graph task of the current pass (-1: none)
   PassMode mode = PassMode::kIgnore;
+  // Stage 3 (Note [Stage 3's gradient hooks in C++]).
+  at::Tensor placeholder;
+  std::vector<std::vector<int64_t>> param_buckets, shapes;
+  std::vector<char> stand_in;     // per parameter: holds a stand-in now
+  std::vector<int64_t> pending;   // per bucket: parameters still without a gradient (-1: not counted)
+  bool armed = false;
+  py::object bucket_done;
 
   ~State() {
     py::gil_scoped_acquire gil;
     begin = py::object();
+    bucket_done = py::object();
   }
 
   // A new graph task is a new backward pass: ask Python once what it does.
+  // `begin_mu` serialises the call into Python; `mu` is never held while Python runs (it may arm or disarm).
   PassMode mode_for_pass() {
     const int id = torch::autograd::get_current_graph_task_id();
-    std::lock_guard<std::mutex> g(mu);
-    if (id != pass_id || id == -1) {
-      py::gil_scoped_acquire gil;
-      mode = static_cast<PassMode>(begin().cast<int64_t>());
-      pass_id = id;
+    std::lock_guard<std::mutex> b(begin_mu);
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (id == pass_id && id != -1) return mode;
     }
-    return mode;
+    PassMode m;
+    {
+      py::gil_scoped_acquire gil;
+      m = static_cast<PassMode>(begin().cast<int64_t>());
+    }
+    std::lock_guard<std::mutex> g(mu);
+    mode = m;
+    pass_id = id;
+    return m;
+  }
+
+  bool holds_placeholder(const at::Tensor& p) const {
+    return p.storage().unsafeGetStorageImpl() == placeholder.storage().unsafeGetStorageImpl();
+  }
+
+  // Stage 3, before accumulation: a parameter whose bucket is not gathered gets a stand-in of its shape.
+  void before_accumulate(int64_t i) {
+    at::Tensor& p = params[i];
+    if (!holds_placeholder(p)) return;
+    p.set_data(at::zeros({}, placeholder.options()).expand(shapes[i]));
+    std::lock_guard<std::mutex> g(mu);
+    stand_in[i] = 1;
   }
 
   void on_grad(int64_t i) {
     PassMode m;
+    bool had_stand_in = false;
     {
       std::lock_guard<std::mutex> g(mu);
       m = mode;
+      if (stage == 3) {
+        had_stand_in = stand_in[i] != 0;
+        stand_in[i] = 0;
+      }
     }
-    if (m == PassMode::kIgnore) return;
     at::Tensor& p = params[i];
+    if (had_stand_in) p.set_data(placeholder);  // the stand-in goes (before_accumulate)
+    if (m == PassMode::kIgnore) return;
     if (m == PassMode::kNoteUsed) {
       engine->note_used(i);
-      return;
-    }
-    const at::Tensor grad = p.grad();
-    if (!grad.defined()) return;
-    engine->mark_ready(i, grad);
-    if (stage == 1) {
-      if (!grad.is_same(views[i])) p.mutable_grad() = views[i];  // the engine copied its value in
     } else {
-      p.mutable_grad() = at::Tensor();  // stage 2: the full-size gradient is released here
+      const at::Tensor grad = p.grad();
+      if (grad.defined()) {
+        engine->mark_ready(i, grad);
+        if (stage == 1) {
+          if (!grad.is_same(views[i])) p.mutable_grad() = views[i];  // the engine copied its value in
+        } else {
+          p.mutable_grad() = at::Tensor();  // stages 2-3: the full-size gradient is released here
+        }
+      }
     }
+    if (stage == 3) count_down(i);
+  }
+
+  // Stage 3: parameter i has its gradient of this backward; a bucket whose parameters all have theirs goes.
+  void count_down(int64_t i) {
+    std::vector<int64_t> done;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (!armed) return;
+      for (int64_t b : param_buckets[i]) {
+        int64_t& left = pending[b];
+        if (left > 0 && --left == 0) done.push_back(b);
+      }
+    }
+    if (done.empty()) return;
+    py::gil_scoped_acquire gil;
+    for (int64_t b : done) bucket_done(b);
   }
 };
 
 namespace {
 
 struct PreHook : torch::autograd::FunctionPreHook {
-  explicit PreHook(std::shared_ptr<GradHooks::State> s) : state(std::move(s)) {}
+  PreHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
   variable_list operator()(const variable_list& grads) override {
-    state->mode_for_pass();
+    const PassMode m = state->mode_for_pass();
+    if (state->stage == 3 && m != PassMode::kIgnore) state->before_accumulate(index);
     return grads;
   }
   std::shared_ptr<GradHooks::State> state;
+  int64_t index;
 };
 
 struct PostHook : torch::autograd::FunctionPostHook {
@@ -87,8 +143,8 @@ struct PostHook : torch::autograd::FunctionPostHook {
 GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngine> engine,
                      std::vector<at::Tensor> views, int64_t stage, py::object begin)
     : state_(std::make_shared<State>()) {
-  TORCH_CHECK(stage == 1 || stage == 2, "GradHooks serve stages 1 and 2, got stage ", stage);
-  TORCH_CHECK(stage == 2 || views.size() == params.size(), "stage 1 needs one gradient view per parameter");
+  TORCH_CHECK(stage == 1 || stage == 2 || stage == 3, "GradHooks serve stages 1 to 3, got stage ", stage);
+  TORCH_CHECK(stage != 1 || views.size() == params.size(), "stage 1 needs one gradient view per parameter");
   TORCH_CHECK(engine, "GradHooks need a bucket engine");
   state_->params = std::move(params);
   state_->views = std::move(views);
@@ -100,7 +156,7 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
     TORCH_CHECK(ps[i].requires_grad() && ps[i].is_leaf(), "parameter ", i, " is not a leaf that requires grad");
     auto acc = torch::autograd::impl::grad_accumulator(ps[i]);
     TORCH_CHECK(acc, "parameter ", i, " has no gradient accumulator");
-    auto pre = std::make_unique<PreHook>(state_);
+    auto pre = std::make_unique<PreHook>(state_, static_cast<int64_t>(i));
     pre_hooks_.push_back(pre.get());
     acc->add_pre_hook(std::move(pre));
     post_keys_.push_back(acc->add_post_hook(std::make_unique<PostHook>(state_, static_cast<int64_t>(i))));
@@ -110,6 +166,62 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
 }
 
 GradHooks::~GradHooks() { remove(); }
+
+void GradHooks::stage3(at::Tensor placeholder, std::vector<std::vector<int64_t>> param_buckets,
+                       std::vector<std::vector<int64_t>> shapes, py::object bucket_done) {
+  auto& s = *state_;
+  TORCH_CHECK(s.stage == 3, "GradHooks.stage3() is for hooks built with stage=3");
+  TORCH_CHECK(param_buckets.size() == s.params.size() && shapes.size() == s.params.size(),
+              "GradHooks.stage3(): one bucket list and one shape per parameter");
+  std::lock_guard<std::mutex> g(s.mu);
+  s.placeholder = std::move(placeholder);
+  s.param_buckets = std::move(param_buckets);
+  s.shapes = std::move(shapes);
+  s.stand_in.assign(s.params.size(), 0);
+  s.bucket_done = std::move(bucket_done);
+}
+
+void GradHooks::arm(std::vector<int64_t> pending) {
+  std::lock_guard<std::mutex> g(state_->mu);
+  for (const auto& buckets : state_->param_buckets) {
+    for (int64_t b : buckets) {
+      TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(pending.size()), "GradHooks.arm(): bucket ", b,
+                  " of a parameter has no count (", pending.size(), " given)");
+    }
+  }
+  state_->pending = std::move(pending);
+  state_->armed = true;
+}
+
+int64_t GradHooks::ensure() {
+  int64_t moved = 0;
+  const auto& ps = state_->params;
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    auto now = torch::autograd::impl::try_get_grad_accumulator(ps[i]);  // never made here: only from a full shape
+    if (!now || now.get() == accumulators_[i].get()) continue;
+    auto& old = accumulators_[i];
+    old->del_post_hook(post_keys_[i]);
+    auto& pres = old->pre_hooks();
+    for (auto it = pres.begin(); it != pres.end(); ++it) {
+      if (it->get() == pre_hooks_[i]) {
+        pres.erase(it);
+        break;
+      }
+    }
+    auto pre = std::make_unique<PreHook>(state_, static_cast<int64_t>(i));
+    pre_hooks_[i] = pre.get();
+    now->add_pre_hook(std::move(pre));
+    post_keys_[i] = now->add_post_hook(std::make_unique<PostHook>(state_, static_cast<int64_t>(i)));
+    accumulators_[i] = std::move(now);
+    ++moved;
+  }
+  return moved;
+}
+
+void GradHooks::disarm() {
+  std::lock_guard<std::mutex> g(state_->mu);
+  state_->armed = false;
+}
 
 void GradHooks::remove() {
   for (size_t i = 0; i < accumulators_.size(); ++i) {

@@ -21,8 +21,27 @@
 // The hooks hold the engine and the parameters but nothing of Python except
 // `begin`, which holds the wrapper weakly (Note [Hooks die with the wrapper]
 // in shardopt/ddp.py); remove() (the wrapper's finalizer) takes them off
-// the accumulators. Stage 3 keeps Python hooks (its parameter shards need
-// Python per parameter anyway: ParamShard.grad_ready).
+// the accumulators.
+//
+// Note [Stage 3's gradient hooks in C++]
+// --------------------------------------
+// Stage 3 ran two Python hooks per parameter per backward (before and after
+// accumulation): on a GPU, where autograd runs them on its device thread and
+// each one takes the GIL, about 29 us per parameter (292 parameters: 8.5 ms
+// of a 48 ms step; benchmarks/results/2026-11-28-gpu-check-h200.md). What
+// they did per parameter needs no Python, so stage3() gives these hooks the
+// rest of it, and Python runs once per pass (`begin`) and once per bucket:
+//  * pre hook: a parameter whose bucket is not gathered holds the store's
+//    empty placeholder, whose shape autograd's accumulation rejects; it gets
+//    a one-element stand-in of its shape for that moment (Note [Gradients of
+//    parameters not gathered] in shardopt/zero3/store.py), and
+//  * post hook: the placeholder back; the gradient to the engine as at
+//    stage 2; then the backward round's count of parameters still without a
+//    gradient, per bucket, which the store arms when its backward round
+//    begins (arm) and disarms when the round closes: a bucket whose count
+//    reaches zero is handed to `bucket_done` (the store frees it).
+// The counts, the stand-ins and the mode are read under one mutex; Python is
+// called without it held (it may arm or disarm).
 #pragma once
 
 #include <memory>
@@ -56,6 +75,18 @@ class GradHooks {
   GradHooks(const GradHooks&) = delete;
   GradHooks& operator=(const GradHooks&) = delete;
 
+  // Stage 3 (Note [Stage 3's gradient hooks in C++]): the store's empty placeholder, each parameter's
+  // buckets and whole shape, and bucket_done(b) (called with the GIL when bucket b's count reaches zero).
+  void stage3(at::Tensor placeholder, std::vector<std::vector<int64_t>> param_buckets,
+              std::vector<std::vector<int64_t>> shapes, pybind11::object bucket_done);
+  // A backward round begins: per bucket, how many of its parameters it waits for (-1: not counted).
+  void arm(std::vector<int64_t> pending);
+  // The round closed: nothing is counted until the next arm().
+  void disarm();
+  // Each parameter's hooks on the gradient accumulator autograd uses now: torch.compile's runtime can give
+  // a parameter a new accumulator (seen at stage 3, whose parameters change shape between uses), which
+  // would carry no hook; this moves the hooks onto it. Returns how many parameters it moved.
+  int64_t ensure();
   // Takes every hook off (idempotent).
   void remove();
   // Hooks installed (2 per parameter until remove()).

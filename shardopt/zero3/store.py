@@ -37,8 +37,8 @@ cost a collective and the memory of, say, a vocabulary embedding, for
 nothing. Instead the parameter gets a stand-in of its shape that holds one
 element (a zero-stride expansion) just before the accumulation (ShardedDDP's
 pre-hook), which autograd accepts without copying, and the placeholder back
-once the gradient is handed on (`grad_ready`), unless the bucket was
-gathered meanwhile.
+once the gradient is handed on (the post hook). Both hooks are C++ (Note
+[Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h).
 """
 from __future__ import annotations
 
@@ -109,7 +109,6 @@ class _Round:
         self.needed = -1                 # the furthest position a module has asked for
         self.users = list(users)         # forward: modules still to run per bucket
         self.ran: set[int] = set()       # forward: ids of the modules that ran (first call counts)
-        self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -156,6 +155,7 @@ class ShardedStore(ParamStore):
         self.dtype, self.device = params[0].dtype, device
         self.flat_grad, self.resting_grads = None, [None] * len(params)  # gradients: only this rank's chunks
         self.engine = None
+        self.grad_hooks = None  # the C++ gradient hooks of the wrapper attached now (hooks.install)
         self.world_size = dist.get_world_size(process_group)
         # Parameter gathers run on groups of their own, with the world's timeout: the bucket engine's
         # reduce-scatters run on `process_group` (or its node groups) in backward at the same time, in an
@@ -512,7 +512,12 @@ class ShardedStore(ParamStore):
         # store's buckets walks this round in settle(), after collectives its peers' backward runs first.
         order = self.schedule.backward if self.reshard_after_forward else ()
         self.round = self._new_round(Pass.BACKWARD, order)
-        self.round.pending = {b: len(self.bucket_params[b]) for b in order if b < self.trainable_buckets}
+        pending = [-1] * len(self.full)  # per bucket: parameters still without a gradient (-1: not counted)
+        for b in order:
+            if b < self.trainable_buckets:
+                pending[b] = len(self.bucket_params[b])
+        if self.grad_hooks is not None:
+            self.grad_hooks.arm(pending)  # Note [Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h
         if torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -536,6 +541,8 @@ class ShardedStore(ParamStore):
         self._start(Intent.STEP)
 
     def _close_round(self) -> None:
+        if self.grad_hooks is not None and self.round.kind is Pass.BACKWARD:
+            self.grad_hooks.disarm()
         self._drain_round()
         for b in range(len(self.full)):
             self.reshard(b)
@@ -646,32 +653,11 @@ class ShardedStore(ParamStore):
             if r.users[b] == 0 and self.reshard_after_forward and b not in seam:
                 self.reshard(b)
 
-    def before_accumulate(self, index: int) -> None:
-        """Autograd is about to accumulate parameter `index`'s gradient (Note [Gradients of parameters not
-        gathered]): a parameter whose bucket is not live gets a one-element stand-in of its shape."""
-        p = self.params[index]
-        if p.untyped_storage()._cdata == self._empty_storage:
-            shape = self.layout.params[index].shape
-            p.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
-
-    def grad_ready(self, index: int) -> None:
-        """Parameter `index` has its gradient of this backward: its bucket may go once all have."""
-        buckets, state = self._bucket_of_param[index], self.state
-        if LIVE not in [state[b] for b in buckets]:
-            self.params[index].data = self.placeholder  # the stand-in goes (before_accumulate)
+    def bucket_grads_done(self, b: int) -> None:
+        """Every parameter of bucket b has its gradient of this backward (the C++ hooks' count): it may go."""
         r = self.round
-        if r is None:
-            self._begin_backward()
-            r = self.round
-        if r.kind is not Pass.BACKWARD:
-            return
-        pending = r.pending
-        for b in buckets:
-            left = pending.get(b)
-            if left is not None:
-                pending[b] = left - 1
-                if left == 1:
-                    self.reshard(b)
+        if r is not None and r.kind is Pass.BACKWARD:
+            self.reshard(b)
 
     # ------------------------------------------------------------- attaching
     # Note [The seam between forward and backward]
