@@ -27,6 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 from build_support.cuda_plan import CudaPlanError, gather_inputs, plan  # noqa: E402
+from build_support.unity import plan_units, unit_count, write_units  # noqa: E402
 
 
 def _plan_cuda():
@@ -87,6 +88,9 @@ if IS_ARM:
 
 ALL_ISAS = ("scalar", "avx2", "avx512", "neon")
 
+# What the line printed before compiling says about the time (measured: README, Note [Unity build]).
+BUILD_TIME = "about 200 CPU-seconds in all, a few minutes on 2 cores"
+
 
 def _isa_of(path):
     parts = os.path.basename(path).split(".")
@@ -102,12 +106,37 @@ def _sources():
     return generic, isa, cuda
 
 
+def _say(line):
+    """Note [A line on the screen under pip]: pip shows a build's output only with -v (without it,
+    "Building editable for shardopt (pyproject.toml) ... " and a spinner, or "still running..." once a
+    minute when its output is not a terminal). So a line that must be seen while the extension compiles
+    goes to stderr (pip -v, `setup.py build_ext`, CI logs) and, when stderr is not a terminal but the
+    process has one (pip hiding the output in an interactive shell), to that terminal too."""
+    print(line, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write("\n" + line + "\n")
+    except OSError:
+        pass  # no terminal (CI, Docker build): stderr only
+
+
 class BuildExt(BuildExtension):
-    """BuildExtension that first compiles each ISA file with its own flags."""
+    """BuildExtension that first compiles each ISA file with its own flags, then the rest as a few
+    unity units (Note [Unity build] in build_support/unity.py) and the CUDA sources as they are."""
 
     def build_extensions(self):
         for ext in self.extensions:
-            for src in getattr(ext, "isa_sources", []):
+            units = getattr(ext, "unity_units", None)
+            if units:
+                grouped = {p for u in units for p in u}
+                unit_files = write_units(units, os.path.join(self.build_temp, "unity"))
+                ext.sources = unit_files + [s for s in ext.sources if s not in grouped]
+            isa = getattr(ext, "isa_sources", [])
+            _say(f"shardopt: compiling {ext.name}: {len(isa)} SIMD kernel files, then "
+                 f"{_describe_units(units, ext)}, {_jobs()} at a time; {BUILD_TIME}")
+            for src in isa:
                 flags = [CXX_STD, "-fPIC"] + COMMON_FLAGS + ISA_COMMON_FLAGS + ISA_FLAGS[_isa_of(src)]
                 objs = self.compiler.compile([src], output_dir=self.build_temp, extra_postargs=flags)
                 ext.extra_objects.extend(objs)
@@ -127,6 +156,36 @@ def _pip_cuda_includes():
     return sorted(d for root in nvidia.__path__ for d in glob.glob(os.path.join(root, "*", "include")))
 
 
+def _cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _jobs():
+    """The parallel compiles torch's BuildExtension asks ninja for: MAX_JOBS, else ninja's own default."""
+    env = os.environ.get("MAX_JOBS", "")
+    return env if env.strip().isdigit() else f"ninja's default ({_cpus() + 2})"
+
+
+def _describe_units(units, ext):
+    n_cuda = sum(1 for s in ext.sources if s.endswith(".cu"))
+    if units:
+        cpp = f"{sum(len(u) for u in units)} C++ files as {len(units)} unity unit{'s' * (len(units) > 1)}"
+    else:
+        cpp = "each C++ file on its own (SHARDOPT_UNITY=0)"
+    return cpp + (f" and {n_cuda} CUDA file{'s' * (n_cuda > 1)}" if n_cuda else "")
+
+
+def _unity_units(generic):
+    """Note [Unity build] in build_support/unity.py; SHARDOPT_UNITY=0: one file per unit (None)."""
+    if os.environ.get("SHARDOPT_UNITY", "1") == "0":
+        return None
+    n = unit_count(os.environ.get("MAX_JOBS"), _cpus(), len(generic))
+    return plan_units({p: os.path.getsize(p) for p in generic}, n)
+
+
 def _extension():
     generic, isa, cuda = _sources()
     macros = [(f"SHARDOPT_HAVE_{name.upper()}", "1") for name in ISA_FLAGS]
@@ -142,6 +201,7 @@ def _extension():
         ext = CppExtension("shardopt._C", generic, define_macros=macros, extra_compile_args={"cxx": cxx},
                            extra_link_args=OPENMP_FLAGS)
     ext.isa_sources = isa
+    ext.unity_units = _unity_units(generic)
     return ext
 
 

@@ -106,10 +106,7 @@ def _step(model, opt, batch, loss_fn) -> torch.Tensor:
 
 def _rank(rank, world, models, rounds, steps, cuda=True):
     import torch.distributed as dist
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device, sync = _device(rank, cuda)
     out = {}
     for name in models:
         built = {k: build(k, name, device) for k in CONTENDERS}
@@ -136,16 +133,19 @@ def _rank(rank, world, models, rounds, steps, cuda=True):
     return out
 
 
+def _device(rank: int, cuda: bool):
+    """This rank's device and the synchronize() that waits for it (a no-op on the CPU)."""
+    if cuda:
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank), torch.cuda.synchronize
+    return torch.device("cpu"), (lambda: None)
+
+
 def _rank_profile(rank, world, models, kinds, steps, cuda=True):
     """cProfile over `steps` steps of each contender in `kinds`, per model: own time per group and the top 25."""
     import cProfile
-    import io
-    import pstats
-    from host_bound import _group
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    from host_bound import grouped
+    device, sync = _device(rank, cuda)
     out = {}
     for name in models:
         for kind in kinds:
@@ -160,17 +160,7 @@ def _rank_profile(rank, world, models, kinds, steps, cuda=True):
                 _step(*built)
             sync()
             prof.disable()
-            wall = (time.perf_counter() - t0) / steps
-            stats = pstats.Stats(prof)
-            groups: dict = {}
-            for (filename, _, func), (_, ncalls, tottime, _, _) in stats.stats.items():
-                g = _group(filename, func)
-                t, c = groups.get(g, (0.0, 0))
-                groups[g] = (t + tottime, c + ncalls)
-            s = io.StringIO()
-            stats.stream = s
-            stats.sort_stats("tottime").print_stats(25)
-            out[(name, kind)] = {"wall": wall, "groups": groups, "top": s.getvalue(), "steps": steps}
+            out[(name, kind)] = {"wall": (time.perf_counter() - t0) / steps, **grouped(prof), "steps": steps}
             del built
             if cuda:
                 torch.cuda.empty_cache()
@@ -180,10 +170,7 @@ def _rank_profile(rank, world, models, kinds, steps, cuda=True):
 def _rank_trace(rank, world, models, kinds, steps, cuda=True):
     """Per contender: forward / backward / step ms (synchronized apart), and torch.profiler's top ops."""
     from torch.profiler import ProfilerActivity, profile as tprofile
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device, sync = _device(rank, cuda)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out = {}
     for name in models:

@@ -1,8 +1,6 @@
 // The Python module shardopt._C. Ops live in the `shardopt` torch library
 // (TORCH_LIBRARY in ops.cpp, reachable as torch.ops.shardopt.*); this module
 // only binds what is not an op: CPU feature queries and stateful classes.
-#include <torch/extension.h>
-
 #include "cpu_features.h"
 #include "module.h"
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
 from shardopt import _ext
 from shardopt.parallel.consistency import check_same_across_ranks
@@ -19,7 +20,7 @@ from shardopt.view import ModelWrapper, let_go, wrapped_by
 from shardopt.weights.stream import init_for_pending, load_pending, pending_weights
 
 
-class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know it (Note [The optimizer's view])
+class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoint/ know it (Note [The optimizer's view])
     """Data parallel wrapper for a model whose trainable parameters are all in `optimizer`.
 
     At construction: checks that every rank has the same parameters and buffers,
@@ -45,6 +46,7 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
         self._sync = True
         self._callback_queued = False
         self._buffers_need_sync = True
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # torch's Join (Note [Join] in join.py)
         group = optimizer.world_group  # every rank of the mesh (Note [Hybrid sharding] in mesh_plan.py)
 
         named = list(module.named_parameters())
@@ -109,6 +111,7 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
         if pending is not None:
             load_pending(self, pending)  # a model shardopt.from_pretrained built: its weights, each rank its part
         self._finalizer = weakref.finalize(self, _detach, handles, optimizer, module, self._orphans)
+        optimizer.join.attach(self)
 
     def detach(self) -> nn.Module:
         """Removes every hook this wrapper installed and returns the module, a plain nn.Module again with its
@@ -235,11 +238,13 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
         self._refresh_params()
         return self._frozen
 
-    def _broadcast_coalesced(self, tensors):
+    def _broadcast_coalesced(self, tensors, src: int | None = None):
+        """`tensors` take global rank `src`'s values (rank 0 of the group by default)."""
         tensors = [t for t in tensors if t.numel()]
         if not tensors or dist.get_world_size(self._group) == 1:
             return
-        src = dist.get_global_rank(self._group, 0)
+        if src is None:
+            src = dist.get_global_rank(self._group, 0)
         by_dtype: dict = {}
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
@@ -264,6 +269,7 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
 
     def _end_backward(self) -> None:
         self._callback_queued = False
+        self.optimizer.join.backwards += 1  # Note [Join]: each training forward's backward reduces once
         self.optimizer._end_backward()
 
     def forward(self, *args, **kwargs):
@@ -277,11 +283,36 @@ class ShardedDDP(nn.Module, ModelWrapper):  # the marker lets checkpoint/ know i
         # Exactly DDP's rule: buffers are broadcast before a forward if the
         # previous forward was one whose backward reduces (grad enabled, not in
         # no_sync), so once per accumulation cycle, at its first micro-step.
-        if self.broadcast_buffers and self._buffers_need_sync:
+        if self.optimizer.join.enabled():  # under torch's Join: the pass is agreed first (Note [Join])
+            source = self.optimizer.join.before_forward(self)
+            if source is not None:
+                self._broadcast_coalesced(self._module_buffers(), source)
+        elif self.broadcast_buffers and self._buffers_need_sync:
             self._broadcast_coalesced(self._module_buffers())
         out = self.module(*args, **kwargs)
         self._buffers_need_sync = torch.is_grad_enabled() and self._sync
         return out
+
+    # ------------------------------------------------ torch's Join (Note [Join] in join.py)
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """DDP's `with model.join(): ...`: ranks with fewer batches shadow the others until all are done.
+        Covers the optimizer too (its shard is stepped on a joined rank); the same as Join([model, opt])."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        """The hook torch's Join runs on a rank out of inputs: it shadows the others' forward, backward and
+        step (its optimizer's part included; Note [Join])."""
+        return self.optimizer.join.make_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.optimizer.device
+
+    @property
+    def join_process_group(self):
+        return self.optimizer.world_group
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig,
                              auto_bucket_size)
@@ -37,6 +38,7 @@ from shardopt import onebit as _onebit
 from shardopt.elementwise import check_elementwise
 from shardopt.flat_params import FlatStore
 from shardopt.grad_sync import GradSync, build_engine
+from shardopt.join import JoinRoom
 from shardopt.master_step import MasterStep
 from shardopt.publish import Publisher
 from shardopt.parallel.consistency import check_same_across_ranks
@@ -53,7 +55,7 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _VERSION = operator.attrgetter("_version")
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Drop-in replacement for a torch.optim optimizer that shards its state over ranks.
 
     `optim` is an elementwise torch optimizer class; `optim_kwargs` go to it.
@@ -112,6 +114,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.onebit = _onebit.OneBitStep(self, onebit_config) if onebit_config is not None else None
         self.skipped_steps = 0
         self.last_step_skipped = False
+        # torch's Join (`with Join([model, opt])`): a rank out of batches shadows the others (Note [Join]).
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self.join = JoinRoom(self)
 
     # ----------------------------------------------------------------- setup
     def _take_params(self) -> None:
@@ -361,6 +366,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not skip:
                 if self.config.max_grad_norm is not None:
                     self.clip_grad_norm(self.config.max_grad_norm)
+                self.join.before_update()  # under Join: a joined rank's shard takes the others' clip (Note [Join])
                 t0 = time.perf_counter()
                 self.stepper.step(used, self.param_groups)
                 self._phase["step"] += time.perf_counter() - t0
@@ -524,7 +530,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _grads_and_rounds(self) -> torch.Tensor:
         """Gradients reduced, and at stage 3 every backward round walked (Note [Stage-3 schedule])."""
         self._settle_rounds()
-        return self.grads.finish(at_step=self.store.start_step)
+        return self.grads.finish(at_step=self._at_step)
+
+    def _at_step(self) -> None:
+        """Every rank has joined its peers' backward reductions: the step's agreements (under torch's Join,
+        Note [Join] in join.py; at stage 3, Note [Passes every rank agrees on])."""
+        self.join.at_step()
+        self.store.start_step()
+
+    # ------------------------------------------------------ torch's Join (Note [Join] in join.py)
+    def join_hook(self, **kwargs):
+        """The hook torch's Join runs on a rank out of inputs: it shadows the others' whole iteration (forward,
+        backward, this rank's part of the step), as the ShardedDDP's does (one covers both)."""
+        return self.join.make_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.world_group
 
     def _settle_rounds(self) -> None:
         """Stage 3: the backward rounds this rank owes, walked before any step's collective."""

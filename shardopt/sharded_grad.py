@@ -495,6 +495,11 @@ class GradShard:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return list(out.unbind(0))
 
+    def cached_norms(self, ord: float) -> torch.Tensor | None:
+        """Every parameter's global gradient norm of order `ord` if known without a collective, else None (an
+        edit that is no scaling, as a clamp, forgets them)."""
+        return self._norms.get(ord)
+
     def norms(self, ord: float) -> torch.Tensor:
         """Every parameter's global gradient norm of order `ord` (float64), from one all-reduce."""
         if ord in self._norms:

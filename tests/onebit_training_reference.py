@@ -11,14 +11,14 @@ Note [The 1-bit training reference]
 From the step T the variance froze at, with d = sqrt(v) / sqrt(1 - b2^T) + eps fixed, step t is:
 
   flat mesh (W ranks): rank i's local gradient G_i (fp32, zero where it used no parameter) is cut into
-    rows, row r = chunk r of every bucket; x_i = (1 - b1) G_i / d + b1 U (0 on padding), U the previous
-    exchange's decoded mean ([W, n], at the first compression step the exact m / d); the W vectors x_i
-    go through the two-phase 1-bit all-reduce (worker residual W n, server residual n per rank); its
-    decoded mean is the new U and row r times d is owner r's momentum;
+    rows, row r = chunk r of every bucket; rank i's local momentum L_i ([W, n], at the first compression
+    step every owner's exact m) becomes b1 L_i + (1 - b1) G_i; x_i = L_i / d (0 on padding); the W
+    vectors x_i go through the two-phase 1-bit all-reduce (worker residual W n, server residual n per
+    rank); row r of its decoded mean times d is owner r's momentum;
   hybrid mesh (R x K): the node's mean gradient (K local gradients / K, summed: the exact reduce-scatter
-    inside the node, the hop across replicas off); shard c of replica k sends
-    x = ((1 - b1) G + b1 m) / d through the 1-bit all-reduce among the R replicas of shard c (worker n,
-    server n / R), and m = decoded mean * d;
+    inside the node, the hop across replicas off); shard c of replica k keeps its local momentum L (at the
+    first compression step m) = b1 L + (1 - b1) G and sends x = L / d through the 1-bit all-reduce among
+    the R replicas of shard c (worker n, server n / R), and m = decoded mean * d;
   then, for every parameter some rank used, m takes the new values and p = p (1 - lr wd) - lr / bc1(t) m / d;
   padding keeps m = 0.
 
@@ -57,12 +57,14 @@ class OneBitReference:
         n = layout.shard_numel()
         if replicas == 1:
             W = shards
-            self.U = self.rows(self.m / self.d)  # the first compression step: the owners' exact m / d
+            self.L = [self.rows(self.m) for _ in range(W)]  # each rank's local momentum: the owners' exact m
             self.worker = [torch.zeros(W * n) for _ in range(W)]
             self.server = [torch.zeros(n) for _ in range(W)]
-        else:  # per shard c: the R replicas' residuals
+        else:  # per shard c: the R replicas' residuals and local momenta
             self.worker = [[torch.zeros(n) for _ in range(replicas)] for _ in range(shards)]
             self.server = [[torch.zeros(n // replicas) for _ in range(replicas)] for _ in range(shards)]
+            m_rows = self.rows(self.m)
+            self.L = [[m_rows[c].clone() for _ in range(replicas)] for c in range(shards)]
 
     def rows(self, flat):
         """[total] -> [K, n]: row r is chunk r of every bucket, concatenated."""
@@ -89,13 +91,13 @@ class OneBitReference:
         d_rows = self.rows(self.d)
         if self.R == 1:
             xs = []
-            for g in rank_grads:
-                x = self.rows(self.local(g)).mul_(1.0 - b1).div_(d_rows).add_(self.U, alpha=b1)
+            for i, g in enumerate(rank_grads):
+                self.L[i].mul_(b1).add_(self.rows(self.local(g)).mul_(1.0 - b1))
+                x = self.L[i] / d_rows
                 x[self.rows(self.padding)] = 0.0
                 xs.append(x.reshape(-1))
             mean = R.onebit_allreduce_reference(xs, self.worker, self.server)
-            self.U = mean.view(K, -1)
-            return self.unrows(self.U * d_rows)
+            return self.unrows(mean.view(K, -1) * d_rows)
         # hybrid: the node's mean gradient, then shard by shard among the replicas
         nodes = []
         for k in range(self.R):
@@ -103,10 +105,12 @@ class OneBitReference:
             for g in rank_grads[k * K + 1:(k + 1) * K]:
                 s += self.local(g) / K
             nodes.append(self.rows(s))
-        m_rows = self.rows(self.m)
-        out = torch.empty_like(m_rows)
+        out = torch.empty_like(d_rows)
         for c in range(K):
-            xs = [nodes[k][c].mul(1.0 - b1).add_(m_rows[c], alpha=b1).div_(d_rows[c]) for k in range(self.R)]
+            xs = []
+            for k in range(self.R):
+                self.L[c][k].mul_(b1).add_(nodes[k][c].mul(1.0 - b1))
+                xs.append(self.L[c][k] / d_rows[c])
             out[c] = R.onebit_allreduce_reference(xs, self.worker[c], self.server[c]) * d_rows[c]
         return self.unrows(out)
 

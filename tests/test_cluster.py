@@ -12,6 +12,7 @@ Needs root (ip netns, tc); elsewhere the cluster tests skip, printing why.
 The plan tests (pure) run everywhere.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -171,7 +172,12 @@ def _load_latest(rank, world_size, ckpt):
     return shardopt.load_checkpoint(ckpt, model, opt)["step"]
 
 
-def _check_survivors_report_loss(run, nproc, timeout):
+# A peer named by shardopt's own collectives (Note [Naming a peer] in csrc/comm/peer_names.h): its global rank,
+# then its host, "hostname/address" with the address of its node's GLOO_SOCKET_IFNAME interface.
+PEER_NAMED = re.compile(r"(?:from|to) global rank (\d+) \(host [^/,\s]+/([0-9.]+), rank \d+ of the [a-z -]+ group\)")
+
+
+def _check_survivors_report_loss(run, nproc, timeout, addrs=None):
     text = run.log_text()
     assert run.lost_at is not None, "the node was never lost (training ended or failed first)" + text
     mine = [s for s in run.stops if s[0] == 0]
@@ -179,6 +185,12 @@ def _check_survivors_report_loss(run, nproc, timeout):
     for node, rank, world, attempt, step, t, msg in mine:
         assert t - run.lost_at <= timeout + REPORT_MARGIN, f"rank {rank} reported after {t - run.lost_at:.1f}s"
         assert any(p in msg for p in PEER_LOST), msg
+        if addrs is not None and ("failed receiving from" in msg or "failed sending to" in msg):
+            named = PEER_NAMED.findall(msg)
+            assert named and all(int(g) != rank and a in addrs for g, a in named), f"{sorted(addrs)}: {msg}"
+        gloo_addr = re.search(r"\[(198\.18\.0\.\d+)\]:\d+", msg)
+        if addrs is not None and "all-reduce failed" in msg and gloo_addr:  # gloo's own: the ranks at its address
+            assert f"gloo's peer address {gloo_addr.group(1)} is that of global rank(s) [" in msg, msg
     assert run.codes[0] not in (0, None), text
     assert run.ended[0] - run.lost_at <= timeout + EXIT_MARGIN, text
     return max(s[5] for s in mine) - run.lost_at
@@ -193,7 +205,7 @@ def test_losing_a_node_fails_every_survivor_in_time(cluster, tmp_path, how):
     from dist_harness import run_ranks
 
     run = run_training_on(cluster, tmp_path, steps=60, max_restarts=0, pg_timeout=PG_TIMEOUT, how=how)
-    took = _check_survivors_report_loss(run, 2, PG_TIMEOUT)
+    took = _check_survivors_report_loss(run, 2, PG_TIMEOUT, addrs={n.addr for n in cluster.plan.nodes})
     print(f"\n{how}: survivors reported the loss {took:.2f}s after it (process group timeout {PG_TIMEOUT}s); "
           f"node 0's torchrun exited after {run.ended[0] - run.lost_at:.2f}s")
     step = run_ranks(_load_latest, 1, str(tmp_path / "ckpt"), timeout=120)[0]

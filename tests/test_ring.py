@@ -210,6 +210,53 @@ def test_bad_inputs_raise_before_anything_runs():
     assert run_ranks(_bad_inputs, 2) == [True, True]
 
 
+def _all_to_all_and_bytes(rank, world_size):
+    """comm.start_all_to_all (OneBitAdam's first exchange, point to point on the group's worker) equals torch's
+    all_to_all_single bit for bit, uint8 and fp32, rows of 1 and of 3000 elements, several in flight beside a
+    ring op; the ring all-gather moves uint8 as torch's all_gather_into_tensor; bad inputs are refused."""
+    from shardopt.parallel import comm
+
+    out = []
+    g = torch.Generator().manual_seed(rank)
+    for dtype, n in ((torch.uint8, 1), (torch.uint8, 3000), (torch.float32, 3000)):
+        x = torch.randint(0, 255, (world_size * n,), generator=g).to(dtype)
+        want = torch.empty_like(x)
+        dist.all_to_all_single(want, x)
+        got = [torch.full_like(x, 7) for _ in range(2)]
+        handles = [comm.start_all_to_all(x, got[0]),
+                   comm.start_reduce_scatter(torch.ones(4 * world_size), torch.empty(4)),
+                   comm.start_all_to_all(x, got[1])]
+        comm.finish(handles)
+        out += [f"all_to_all {dtype} n={n}: differs" for t in got if not torch.equal(t, want)]
+        mine = x[:n].contiguous()
+        want_ag = torch.empty_like(x)
+        dist.all_gather_into_tensor(want_ag, mine)
+        if not torch.equal(comm.start_all_gather(mine, torch.empty_like(x)).wait(), want_ag):
+            out.append(f"all_gather {dtype} n={n}: differs")
+    for bad, match in (((torch.zeros(3 * world_size + 1), torch.zeros(3 * world_size + 1)), "multiple of the group"),
+                       ((torch.zeros(6 * world_size), torch.zeros(3 * world_size)), "same numel"),
+                       ((torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)), "dtype must be")):
+        try:
+            comm.start_all_to_all(*bad)
+            out.append(f"all_to_all {match}: not refused")
+        except ValueError as e:
+            if match not in str(e):
+                out.append(f"all_to_all: unclear error {e}")
+    buf = torch.zeros(3 * world_size)
+    try:
+        comm.start_all_to_all(buf, buf)
+        out.append("all_to_all in place: not refused")
+    except ValueError as e:
+        if "overlap" not in str(e):
+            out.append(f"all_to_all: unclear error {e}")
+    return out
+
+
+def test_all_to_all_and_byte_gathers_equal_torch():
+    for rank, failures in enumerate(run_ranks(_all_to_all_and_bytes, 3)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)
+
+
 def _waited_twice(rank, world_size):
     """Note [gloo's reduce-scatter copies on every wait] (csrc/comm/gloo_reduce_scatter.h): gloo's own reduce-scatter
     copies its result into the output at each wait(). Waited for from two threads, with the output summed
@@ -267,7 +314,9 @@ def _peer_fails(rank, world_size, how):
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_dead_peer_makes_wait_raise(how):
     (msg, elapsed, later), _ = run_ranks(_peer_fails, 2, how, timeout=60, collective_timeout=GROUP_TIMEOUT)
-    assert "shardopt ring reduce_scatter on rank 0 of 2" in msg and "rank 1" in msg, msg
+    # The peer by its global rank and host (Note [Naming a peer]); tests/test_peer_errors.py: every path.
+    assert "shardopt ring reduce_scatter on rank 0 of 2 in the world group (global rank 0)" in msg, msg
+    assert "from global rank 1 (" in msg and "rank 1 of the world group)" in msg, msg
     assert elapsed < GROUP_TIMEOUT + 5, f"wait() took {elapsed:.1f}s, group timeout {GROUP_TIMEOUT}s"
     if how == "hangs":  # nothing tells rank 0 but the clock: the group's timeout must be the one used
         assert elapsed > GROUP_TIMEOUT * 0.9, f"gave up after {elapsed:.1f}s, before the group timeout"

@@ -241,12 +241,15 @@ def test_barrier_waits_for_every_rank_and_raises_for_a_dead_or_late_one():
     # A peer that exited (its pid is gone): raised within about 50 ms, naming it.
     dead = subprocess.Popen(["true"])
     dead.wait()
-    barrier = ShmBarrier(counters(2), 0, [me, dead.pid], timeout_s=timeout)
+    # (A hybrid mesh's node: group ranks 0 and 1 are global ranks 4 and 6; the error names both.)
+    barrier = ShmBarrier(counters(2), 0, [me, dead.pid], timeout_s=timeout, global_ranks=[4, 6])
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of this host's shard group exited"):
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of this host's shard group exited \(global "
+                                           r"rank\(s\) \[6\], pids"):
         barrier.arrive().wait()
     assert time.monotonic() - t0 < timeout / 2  # noticed by its 50 ms liveness check, not by the timeout
     # A live peer that never arrives: raised after the group's timeout, naming it.
-    barrier = ShmBarrier(counters(2), 1, [me, me], timeout_s=0.2)
-    with pytest.raises(RuntimeError, match=r"for rank\(s\) \[0\], which are alive but did not arrive"):
+    barrier = ShmBarrier(counters(2), 1, [me, me], timeout_s=0.2, global_ranks=[4, 6])
+    with pytest.raises(RuntimeError, match=r"for rank\(s\) \[0\] \(global rank\(s\) \[4\]\), which are alive but "
+                                           r"did not arrive"):
         barrier.arrive().wait()

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "../precision/unscale.h"
+#include "peer_names.h"
 #include "ring.h"
 #include "two_level.h"
 
@@ -385,8 +386,10 @@ void BucketEngine::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
   try {
     work->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "shardopt: ", what, " of bucket ", bucket, " failed on rank ", rank_, " of ",
-                world_size_, ": ", e.what(),
+    // The cause names the peer, by global rank and host (Note [Naming a peer] in peer_names.h).
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "shardopt: ", what, " of bucket ", bucket, " failed on ", comm::self_name(pg_), ": ",
+                ce ? ce->what_without_backtrace() : e.what(),
                 "\nA peer rank has probably exited, crashed, or is not running the same sequence of "
                 "backward()/step() calls; see the other ranks' logs.");
   }

@@ -29,7 +29,7 @@ void check_block(int64_t block, const char* what) {
                     "got ", block);
 }
 
-void check_values(const at::Tensor& t, const char* what, const char* name, int64_t n) {
+void check_onebit_values(const at::Tensor& t, const char* what, const char* name, int64_t n) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(),
                     what, ": ", name, " must be a contiguous 1-D float32 CPU tensor, got ", t.scalar_type(), " ",
                     t.sizes(), " on ", t.device());
@@ -122,9 +122,9 @@ void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Te
   constexpr const char* what = "1-bit encode";
   check_block(block, what);
   const int64_t n = x.numel();
-  check_values(x, what, "x", n);
-  if (residual.defined()) check_values(residual, what, "the residual", n);
-  if (decoded.defined()) check_values(decoded, what, "decoded", n);
+  check_onebit_values(x, what, "x", n);
+  if (residual.defined()) check_onebit_values(residual, what, "the residual", n);
+  if (decoded.defined()) check_onebit_values(decoded, what, "decoded", n);
   uint8_t* msg = message(payload, n, block, what);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
@@ -139,8 +139,8 @@ void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::T
   constexpr const char* what = "1-bit decode";
   check_block(block, what);
   const int64_t n = out.numel();
-  check_values(out, what, "out", n);
-  if (base.defined()) check_values(base, what, "base", n);
+  check_onebit_values(out, what, "out", n);
+  if (base.defined()) check_onebit_values(base, what, "base", n);
   const uint8_t* msg = message(payload, n, block, what);
   float* op = out.data_ptr<float>();
   const float* bp = base.defined() ? base.data_ptr<float>() : nullptr;

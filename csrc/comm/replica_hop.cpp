@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "peers.h"
 #include "ring_worker.h"
 
 namespace shardopt::comm {
@@ -35,49 +36,6 @@ at::Tensor hop_decode(const at::Tensor& payload, HopFormat format, int64_t m) {
 }
 
 namespace {
-
-// Point-to-point with the other replicas, every wait bounded by the group's
-// timeout and every failure naming the peer (cf. the Ring in ring.cpp).
-class Peers {
- public:
-  Peers(const GroupPtr& pg, int tag)
-      : pg_(pg), rank_(pg->getRank()), world_(pg->getSize()), tag_(tag), timeout_(group_timeout(pg)) {}
-
-  WorkPtr send(const at::Tensor& t, int64_t peer) const {
-    return guarded("sending to", peer, [&] {
-      std::vector<at::Tensor> ts{t};
-      return pg_->send(ts, static_cast<int>(peer), tag_);
-    });
-  }
-  WorkPtr recv(const at::Tensor& t, int64_t peer) const {
-    return guarded("receiving from", peer, [&] {
-      std::vector<at::Tensor> ts{t};
-      return pg_->recv(ts, static_cast<int>(peer), tag_);
-    });
-  }
-  void wait(const WorkPtr& w, const char* what, int64_t peer) const {
-    guarded(what, peer, [&] { return w->wait(timeout_); });
-  }
-
- private:
-  template <typename F>
-  auto guarded(const char* what, int64_t peer, F&& f) const -> decltype(f()) {
-    try {
-      return f();
-    } catch (const std::exception& e) {
-      const auto* ce = dynamic_cast<const c10::Error*>(&e);
-      TORCH_CHECK_WITH(DistBackendError, false, "shardopt inter-node hop on replica rank ", rank_, " of ",
-                       world_, ": failed ", what, " replica rank ", peer, " (process group timeout ",
-                       timeout_.count(), " ms). The node may be down or its link cut. Cause: ",
-                       ce ? ce->what_without_backtrace() : e.what());
-    }
-  }
-
-  GroupPtr pg_;
-  int64_t rank_, world_;
-  int tag_;
-  std::chrono::milliseconds timeout_;
-};
 
 // An empty message of the size peers will send (gloo checks sizes).
 at::Tensor message_like(HopFormat format, int64_t m, const at::Tensor& chunk) {
@@ -271,7 +229,8 @@ WorkPtr start_replica_hop(const GroupPtr& pg, WorkPtr after, at::Tensor chunk, H
                    // The chunk exists once the intra-node reduce-scatter is done;
                    // its failure is this op's failure.
                    if (after) after->wait();
-                   const Peers peers(pg, tag);
+                   const Peers peers(pg, tag, group_timeout(pg), "inter-node hop",
+                                     "The node may be down or its link cut.");
                    if (pg->getSize() > 1) replica_all_reduce(peers, pg->getRank(), pg->getSize(), chunk, format,
                                                              residual, scatter_only);
                  });

@@ -10,8 +10,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/version.h>
 
-#include "ring_worker.h"
 #include "gloo_reduce_scatter.h"
+#include "peers.h"
+#include "ring_worker.h"
 
 namespace shardopt::comm {
 
@@ -72,8 +73,9 @@ bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
+// bytes: uint8 is accepted too (the ops that only move data: all-gather, all-to-all).
 void check_common(const GroupPtr& pg, const at::Tensor& input, const at::Tensor& output,
-                  const char* op) {
+                  const char* op, bool bytes = false) {
   TORCH_CHECK(pg, op, ": process group is None");
   TORCH_CHECK_VALUE(input.defined() && output.defined(), op, ": input and output must be tensors");
   TORCH_CHECK_VALUE(input.dim() == 1 && output.dim() == 1, op,
@@ -84,8 +86,9 @@ void check_common(const GroupPtr& pg, const at::Tensor& input, const at::Tensor&
   TORCH_CHECK_VALUE(input.scalar_type() == output.scalar_type(), op,
                     ": input and output dtypes differ: ", input.scalar_type(), " vs ",
                     output.scalar_type());
-  TORCH_CHECK_VALUE(is_supported_dtype(input.scalar_type()), op,
-                    ": dtype must be float32, bfloat16 or float16, got ", input.scalar_type());
+  TORCH_CHECK_VALUE(is_supported_dtype(input.scalar_type()) || (bytes && input.scalar_type() == at::kByte), op,
+                    ": dtype must be float32, bfloat16 or float16", bytes ? " (or uint8)" : "", ", got ",
+                    input.scalar_type());
   TORCH_CHECK_VALUE(input.device() == output.device(), op, ": input and output devices differ: ",
                     input.device(), " vs ", output.device());
 }
@@ -119,71 +122,33 @@ void check_reduce_scatter(const GroupPtr& pg, const at::Tensor& input, const at:
 
 void check_all_gather(const GroupPtr& pg, const at::Tensor& input, const at::Tensor& output,
                       const char* op) {
-  check_common(pg, input, output, op);
+  check_common(pg, input, output, op, /*bytes=*/true);
   const int64_t w = pg->getSize();
   TORCH_CHECK_VALUE(output.numel() == input.numel() * w, op, ": output numel ", output.numel(),
                     " must be world size * input numel = ", input.numel() * w);
   check_aliasing(output, input, pg->getRank(), op, "output", "input");
 }
 
-// One op's view of the ring: its neighbours, tag and deadline per receive.
+// One op's view of the ring: its neighbours, tag and deadline per receive;
+// every failure names the neighbour (peers.h).
 class Ring {
  public:
   Ring(const GroupPtr& pg, int tag, std::chrono::milliseconds timeout, const char* op)
-      : pg_(pg),
-        rank_(pg->getRank()),
-        world_(pg->getSize()),
-        tag_(tag),
-        timeout_(timeout),
-        op_(op) {}
+      : peers_(pg, tag, timeout, op, "The peer may have died or not started this collective.") {}
 
-  int64_t rank() const { return rank_; }
-  int64_t world() const { return world_; }
+  int64_t rank() const { return peers_.rank(); }
+  int64_t world() const { return peers_.world(); }
 
-  // Posting can fail too (gloo throws at once on a closed connection), so both
-  // posting and waiting report which peer and which op.
-  WorkPtr send_right(const at::Tensor& t) const {
-    return guarded("sending to", right(), [&] {
-      std::vector<at::Tensor> ts{t};
-      return pg_->send(ts, right(), tag_);
-    });
-  }
-  WorkPtr recv_left(const at::Tensor& t) const {
-    return guarded("receiving from", left(), [&] {
-      std::vector<at::Tensor> ts{t};
-      return pg_->recv(ts, left(), tag_);
-    });
-  }
-  void wait_recv(const WorkPtr& w) const {
-    guarded("receiving from", left(), [&] { return w->wait(timeout_); });
-  }
-  void wait_send(const WorkPtr& w) const {
-    guarded("sending to", right(), [&] { return w->wait(timeout_); });
-  }
+  WorkPtr send_right(const at::Tensor& t) const { return peers_.send(t, right()); }
+  WorkPtr recv_left(const at::Tensor& t) const { return peers_.recv(t, left()); }
+  void wait_recv(const WorkPtr& w) const { peers_.wait(w, "receiving from", left()); }
+  void wait_send(const WorkPtr& w) const { peers_.wait(w, "sending to", right()); }
 
  private:
-  int right() const { return static_cast<int>((rank_ + 1) % world_); }
-  int left() const { return static_cast<int>((rank_ + world_ - 1) % world_); }
+  int64_t right() const { return (rank() + 1) % world(); }
+  int64_t left() const { return (rank() + world() - 1) % world(); }
 
-  template <typename F>
-  auto guarded(const char* what, int peer, F&& f) const -> decltype(f()) {
-    try {
-      return f();
-    } catch (const std::exception& e) {
-      const auto* ce = dynamic_cast<const c10::Error*>(&e);
-      TORCH_CHECK_WITH(DistBackendError, false, "shardopt ", op_, " on rank ", rank_, " of ",
-                       world_, ": failed ", what, " rank ", peer, " (process group timeout ",
-                       timeout_.count(), " ms; tag ", tag_,
-                       "). The peer may have died or not started this collective. Cause: ",
-                       ce ? ce->what_without_backtrace() : e.what());
-    }
-  }
-
-  GroupPtr pg_;
-  int64_t rank_, world_;
-  int tag_;
-  std::chrono::milliseconds timeout_;
-  const char* op_;
+  Peers peers_;
 };
 
 // Splits a chunk of n elements into pieces of `piece` elements (the last shorter).
@@ -296,7 +261,47 @@ void ring_all_gather(const Ring& ring, const at::Tensor& input, const at::Tensor
   for (const auto& s : sends) ring.wait_send(s);
 }
 
+// Row j of input to rank j, row j of output from rank j (rows of n elements);
+// our own row is copied. Every receive is posted first, then every send; the
+// receives are waited for in rank order, each naming its peer on failure.
+void peer_all_to_all(const Peers& peers, const at::Tensor& input, const at::Tensor& output) {
+  const int64_t w = peers.world(), r = peers.rank(), n = input.numel() / w;
+  auto row = [n](const at::Tensor& t, int64_t j) { return t.narrow(0, j * n, n); };
+  if (n == 0) return;
+  std::vector<WorkPtr> recvs(w), sends(w);
+  for (int64_t j = 0; j < w; ++j) {
+    if (j != r) recvs[j] = peers.recv(row(output, j), j);
+  }
+  for (int64_t j = 0; j < w; ++j) {
+    if (j != r) sends[j] = peers.send(row(input, j), j);
+  }
+  row(output, r).copy_(row(input, r));
+  for (int64_t j = 0; j < w; ++j) {
+    if (j != r) peers.wait(recvs[j], "receiving from", j);
+  }
+  for (int64_t j = 0; j < w; ++j) {
+    if (j != r) peers.wait(sends[j], "sending to", j);
+  }
+}
+
 }  // namespace
+
+WorkPtr start_all_to_all(const GroupPtr& pg, at::Tensor input, at::Tensor output) {
+  constexpr const char* op = "all_to_all";
+  check_common(pg, input, output, op, /*bytes=*/true);
+  TORCH_CHECK_VALUE(input.device().is_cpu(), op, ": needs CPU tensors, got ", input.device());
+  const int64_t w = pg->getSize();
+  TORCH_CHECK_VALUE(input.numel() == output.numel() && input.numel() % w == 0, op, ": input and output must "
+                    "have the same numel, a multiple of the group size ", w, "; got ", input.numel(), " and ",
+                    output.numel());
+  TORCH_CHECK_VALUE(input.numel() == 0 || at::get_overlap_status(input, output) == at::MemOverlapStatus::No, op,
+                    ": input and output overlap");
+  const auto timeout = group_timeout(pg);
+  return enqueue(pg, c10d::OpType::ALLTOALL_BASE, {output}, [pg, input, output, timeout](int tag) {
+    const Peers peers(pg, tag, timeout, "all_to_all", "The peer may have died or not started this collective.");
+    peer_all_to_all(peers, input, output);
+  });
+}
 
 std::chrono::milliseconds group_timeout(const GroupPtr& pg) {
   try {

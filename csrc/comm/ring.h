@@ -7,13 +7,16 @@
 // used: start_*_auto chooses.
 //
 // Contract shared by every function below:
-//  - Tensors are 1-D, contiguous, of one dtype (float32, bfloat16 or float16)
-//    and one device; the ring needs CPU tensors. Sizes must be the same on every
+//  - Tensors are 1-D, contiguous, of one dtype (float32, bfloat16 or float16;
+//    all-gather and all-to-all, which only move data, take uint8 too) and one
+//    device; the ring needs CPU tensors. Sizes must be the same on every
 //    rank. Violations raise c10::Error (ValueError/RuntimeError in Python)
 //    before anything is queued.
 //  - The returned Work is already started. wait() blocks until the op is done
 //    and rethrows its error; it never hangs on a dead peer: every receive of the
-//    ring is bounded by the group's timeout. work.get_future() also works.
+//    ring is bounded by the group's timeout. work.get_future() also works. The
+//    error names the peer by its global rank and host where Python registered
+//    the group (Note [Naming a peer] in peer_names.h).
 //  - Ring ops of one group run one at a time on a background thread, in the
 //    order they were started (so start them in the same order on every rank,
 //    as with any collective). Any number may be in flight. After one fails,
@@ -62,6 +65,14 @@ WorkPtr start_all_gather(const GroupPtr& pg, at::Tensor input, at::Tensor output
 // dtype into `input`.
 WorkPtr start_all_gather_after(const GroupPtr& pg, WorkPtr after, at::Tensor input, at::Tensor output,
                                std::function<void()> then = {});
+
+// All-to-all on the group's worker, point to point: input and output hold W
+// rows of numel / W elements; row j of input goes to rank j, row j of output
+// comes from rank j (this rank's own row is copied). float32, bfloat16,
+// float16 or uint8; CPU; input and output must not overlap. OneBitAdam's first
+// exchange (shardopt/onebit.py), whose failure thus names the peer as the
+// ring's does (peers.h).
+WorkPtr start_all_to_all(const GroupPtr& pg, at::Tensor input, at::Tensor output);
 
 // The group's own collectives (reduce_scatter_single / all_gather_single), with
 // the same checks. Native reduce-scatter leaves input unchanged.

@@ -6,6 +6,7 @@
 #include "../module.h"
 #include "int8_codec.h"
 #include "onebit_codec.h"
+#include "peer_names.h"
 #include "replica_hop.h"
 #include "ring.h"
 #include "two_level.h"
@@ -44,6 +45,26 @@ void init_ring_bindings(py::module& m) {
         "Starts the node-aware all-gather (Note [Two-level collectives]): across the nodes among the ranks\n"
         "of this local rank into the node chunk, then inside the node; `output` gets rank (node i, local j)'s\n"
         "input at chunk j * nodes + i. Returns a Work. See csrc/comm/two_level.h.");
+  m.def("all_to_all",
+        [](const GroupPtr& group, at::Tensor input, at::Tensor output) {
+          return comm::start_all_to_all(group, input, output);
+        },
+        py::arg("group"), py::arg("input"), py::arg("output"), nogil,
+        "Starts an all-to-all of 1-D `input` (W rows: row j to rank j) into `output` (row j from rank j),\n"
+        "point to point on the group's worker; returns a Work whose failure names the peer. See\n"
+        "csrc/comm/ring.h.");
+  // Note [Naming a peer] (csrc/comm/peer_names.h); shardopt/parallel/peers.py fills the registry.
+  m.def("set_group_members", &comm::set_group_members, py::arg("group"), py::arg("label"), py::arg("global_ranks"),
+        "Registers `group`'s members by global rank (group rank r is global_ranks[r]) and what the group is\n"
+        "(label, e.g. \"node\"), for error messages.");
+  m.def("has_group_members", &comm::has_group_members, py::arg("group"));
+  m.def("group_label", &comm::group_label, py::arg("group"), "The label `group` was registered with (\"\": none).");
+  m.def("set_rank_hosts", &comm::set_rank_hosts, py::arg("global_ranks"), py::arg("hosts"),
+        "Registers the host each of `global_ranks` runs on, for error messages.");
+  m.def("peer_name", &comm::peer_name, py::arg("group"), py::arg("rank"),
+        "\"global rank G (host H, rank r of the L group)\": how errors name rank `rank` of `group`.");
+  m.def("self_name", &comm::self_name, py::arg("group"),
+        "\"rank r of W in the L group (global rank G)\": how errors name this rank in `group`.");
   m.def("ring_is_default", &comm::ring_is_default, py::arg("group"), nogil,
         "Whether impl=\"auto\" picks the ring for CPU tensors of this group.");
   m.def("replica_all_reduce",

@@ -392,19 +392,21 @@ def _save(path: str, model, opt, extra, tag: str | None, share=None) -> str:
     `share` (hybrid sharding with the int8 hop): called with the new directory, it returns the
     files the other replicas wrote into it (hop_residual.Share)."""
     info = describe_model(_unwrap(model), opt)
+    # Errors are gathered to the shard group's rank 0 and raised there: name this rank as the launcher does too.
+    me = f"rank {opt.rank}" + (f" (global rank {dist.get_rank()})" if dist.get_rank() != opt.rank else "")
     partial, final, tag = _on_rank0(opt, lambda: _prepare_dir(path, tag))
     try:
         others = share(partial) if share is not None else {}
         name, entry, steps = _write_rank_file(partial, opt, info)
         mine = {"files": {name: entry, **others}, "steps": steps}
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
-        mine = {"error": f"rank {opt.rank}: {type(e).__name__}: {e}"}
+        mine = {"error": f"{me}: {type(e).__name__}: {e}"}
     try:
         written = _write_model_state(partial, opt, info)  # every rank walks it (stage 3 gathers frozen buckets)
         if opt.rank == 0 and "error" not in mine:
             mine["rank0"] = _write_rank0_files(partial, written, extra)
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
-        mine = {"error": f"rank {opt.rank}: {type(e).__name__}: {e}"}
+        mine = {"error": f"{me}: {type(e).__name__}: {e}"}
     everyone = [mine]
     if opt.world_size > 1:
         everyone = [None] * opt.world_size if opt.rank == 0 else None

@@ -17,12 +17,16 @@ Rules (details in ring.h):
   unspecified afterwards. `output` may be `input`'s own chunk (in place).
 - All-gather never writes `input`, which may be `output`'s own chunk (in place).
 - Do not read `output` (or write `input`) before wait(). wait() raises, never
-  hangs, if a peer dies: every receive is bounded by the group's timeout.
+  hangs, if a peer dies: every receive is bounded by the group's timeout, and
+  the error names the peer by its global rank and host (Note [Naming a peer] in
+  csrc/comm/peer_names.h; a group shardopt did not build is registered here on
+  first use).
 """
 import torch
 import torch.distributed as dist
 
 from shardopt._ext import _C
+from shardopt.parallel.peers import ensure_named, ranks_at_address
 
 IMPLS = ("auto", "ring", "native")
 
@@ -45,11 +49,13 @@ class CollectiveHandle:
 
 
 def _resolve(group):
-    if group is not None:
-        return group
-    if not dist.is_initialized():
-        raise RuntimeError("shardopt.parallel.comm: no process group given and torch.distributed is not initialized")
-    return dist.group.WORLD
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("shardopt.parallel.comm: no process group given and torch.distributed is not "
+                               "initialized")
+        group = dist.group.WORLD
+    ensure_named(group)
+    return group
 
 
 def start_reduce_scatter(input, output, group=None, impl="auto"):
@@ -66,6 +72,14 @@ def start_all_gather(input, output, group=None, impl="auto"):
     return CollectiveHandle(_C.ring_all_gather(_resolve(group), input, output, impl), output)
 
 
+def start_all_to_all(input, output, group=None):
+    """Starts the all-to-all of `input`'s W rows (row j to rank j) into `output` (row j from rank j), point to
+    point on the group's worker, in the order of the group's other shardopt collectives; returns a
+    CollectiveHandle. 1-D CPU tensors of one dtype (float32, bfloat16, float16 or uint8), numel a multiple of
+    W, not overlapping. Unlike torch's all_to_all_single on gloo, a failure names the peer."""
+    return CollectiveHandle(_C.all_to_all(_resolve(group), input, output), output)
+
+
 def start_two_level_all_gather(input, output, node_group, across_group, impl="auto"):
     """Starts the node-aware all-gather (Note [Two-level collectives] in mesh_plan.py); returns a CollectiveHandle.
 
@@ -78,6 +92,8 @@ def start_two_level_all_gather(input, output, node_group, across_group, impl="au
     place). impl applies to the first phase; the second is the ring, chained
     after it (csrc/comm/two_level.h).
     """
+    ensure_named(node_group)
+    ensure_named(across_group)
     return CollectiveHandle(_C.two_level_all_gather(node_group, across_group, input, output, impl), output)
 
 
@@ -126,9 +142,11 @@ def all_reduce(tensor, group, what: str, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as e:
         # One line: launchers and log collectors keep the first line of an error (the cause follows the symptom).
+        # gloo's own collectives name no peer; where gloo gives its address, the ranks there (Note [Naming a peer]).
+        where = ranks_at_address(str(e))
         msg = (f"shardopt: the {what} all-reduce failed on rank {dist.get_rank()}: {str(e).strip()} -- a peer rank "
                f"has probably exited, crashed, lost its link, or is not running the same sequence of "
-               f"backward()/step() calls; see the other ranks' logs.")
+               f"backward()/step() calls; see the other ranks' logs." + (f" ({where})" if where else ""))
         try:
             err = type(e)(msg)
         except Exception:  # noqa: BLE001 - an error type that takes no message
@@ -141,5 +159,5 @@ def finish(handles):
     return [h.wait() for h in handles]
 
 
-__all__ = ["CollectiveHandle", "IMPLS", "all_reduce", "finish", "reduces_on_device", "start_all_gather", "start_reduce_scatter",
-           "start_two_level_all_gather"]
+__all__ = ["CollectiveHandle", "IMPLS", "all_reduce", "finish", "reduces_on_device", "start_all_gather",
+           "start_all_to_all", "start_reduce_scatter", "start_two_level_all_gather"]

@@ -29,6 +29,8 @@ def check_same_across_ranks(lines: Sequence[str], what: str, group) -> None:
     rank = dist.get_rank(group)
     ref = 0 if digests[rank] != digests[0] else next(r for r, d in enumerate(digests) if d != digests[0])
     diff = first_difference(lines, everyone[ref])
+    # Global ranks, as the launcher and the logs number them (the group may be a mesh's slice).
+    rank, ref = dist.get_global_rank(group, rank), dist.get_global_rank(group, ref)
     raise ValueError(
         f"shardopt: ranks disagree on the {what}: rank {rank} vs rank {ref}: {diff}. Every rank must "
         "build the same model (same parameters, order, shapes and dtypes) and the same optimizer "
@@ -37,8 +39,8 @@ def check_same_across_ranks(lines: Sequence[str], what: str, group) -> None:
 
 def first_failure(error: BaseException | None, group) -> tuple[int, str] | None:
     """Every rank learns of every rank's error (a collective): raises `error` on its own rank; else returns
-    (rank, "Type: message") of the first rank that failed, or None. So no rank goes on into a collective that
-    a failed peer will never join."""
+    (global rank, "Type: message") of the first rank that failed, or None. So no rank goes on into a
+    collective that a failed peer will never join."""
     mine = None if error is None else f"{type(error).__name__}: {error}"
     everyone = [mine]
     if group is not None and dist.get_world_size(group) > 1:
@@ -46,4 +48,7 @@ def first_failure(error: BaseException | None, group) -> tuple[int, str] | None:
         dist.all_gather_object(everyone, mine, group=group)
     if error is not None:
         raise error
-    return next(((r, m) for r, m in enumerate(everyone) if m is not None), None)
+    failed = next(((r, m) for r, m in enumerate(everyone) if m is not None), None)
+    if failed is not None and group is not None:
+        failed = (dist.get_global_rank(group, failed[0]), failed[1])
+    return failed

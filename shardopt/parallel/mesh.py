@@ -15,6 +15,7 @@ import os
 
 import torch.distributed as dist
 
+from shardopt.parallel import peers
 from shardopt.parallel.consistency import check_same_across_ranks
 from shardopt.parallel.mesh_plan import MeshShape, node_mesh
 
@@ -72,21 +73,36 @@ def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type:
     if node_aware and (mesh is not None or shard_group is not None):
         raise ValueError("node_aware=True is for flat sharding; mesh= / shard_group= shard hybrid, which already "
                          "crosses the link with each gradient once: drop one of them")
-    if mesh is not None:
-        return _from_device_mesh(mesh)
-    if shard_group is not None:
-        if shard_group != "node":
-            raise ValueError(f'shard_group must be "node" (shard over the ranks of a node, replicate across '
-                             f'nodes), got {shard_group!r}; for any other shape pass mesh=init_device_mesh(...) '
-                             f'with mesh_dim_names={MESH_DIM_NAMES}')
-        return _node_groups(device_type)
+    if shard_group is not None and shard_group != "node":
+        raise ValueError(f'shard_group must be "node" (shard over the ranks of a node, replicate across '
+                         f'nodes), got {shard_group!r}; for any other shape pass mesh=init_device_mesh(...) '
+                         f'with mesh_dim_names={MESH_DIM_NAMES}')
     group = process_group if process_group is not None else dist.group.WORLD
-    if node_aware is False or (process_group is not None and node_aware is None):
-        return _flat(group)
-    if process_group is not None and dist.get_world_size(group) != dist.get_world_size():
-        raise ValueError("node_aware=True needs flat sharding over every rank (process_group=None or the world "
-                         "group); for a subgroup build a mesh and pass mesh= instead")
-    return _node_aware(group, node_aware, why_not, device_type)
+    if mesh is not None:
+        sharding = _from_device_mesh(mesh)
+    elif shard_group is not None:
+        sharding = _node_groups(device_type)
+    elif node_aware is False or (process_group is not None and node_aware is None):
+        sharding = _flat(group)
+    else:
+        if process_group is not None and dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError("node_aware=True needs flat sharding over every rank (process_group=None or the "
+                             "world group); for a subgroup build a mesh and pass mesh= instead")
+        sharding = _node_aware(group, node_aware, why_not, device_type)
+    return _named(sharding)
+
+
+def _named(sharding: ShardingGroups) -> ShardingGroups:
+    """Registers the groups' members and every rank's host for error messages (Note [Naming a peer] in
+    csrc/comm/peer_names.h): a collective on `sharding.world` (one small all-gather)."""
+    peers.ensure_named(sharding.world)
+    if sharding.shape.hybrid:
+        peers.name_group(sharding.shard, "shard")
+        peers.name_group(sharding.replicate, "replicate")
+    else:
+        peers.ensure_named(sharding.shard)
+    peers.learn_hosts(sharding.world)
+    return sharding
 
 
 def _flat(group) -> ShardingGroups:
@@ -140,7 +156,7 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
                                                 timeout=timeout)
     across, _ = dist.new_subgroups_by_enumeration([shape.replicate_ranks(j) for j in range(shape.shards)],
                                                   timeout=timeout)
-    return node, across
+    return peers.name_group(node, "node"), peers.name_group(across, "across-nodes")
 
 
 def copy_group(group, backend=None):
@@ -157,7 +173,9 @@ def copy_group(group, backend=None):
     have made the same groups before it, which they do when every rank makes the same new_group calls."""
     ranks = dist.get_process_group_ranks(group)
     local = len(ranks) != dist.get_world_size()
-    return dist.new_group(ranks, use_local_synchronization=local, timeout=group_timeout(group), backend=backend)
+    copy = dist.new_group(ranks, use_local_synchronization=local, timeout=group_timeout(group), backend=backend)
+    # Errors name its members as the original's (Note [Naming a peer] in csrc/comm/peer_names.h).
+    return peers.name_group(copy, peers.label_of(group) or peers.default_label(group))
 
 
 def group_timeout(group):
@@ -227,6 +245,8 @@ def _from_device_mesh(mesh) -> ShardingGroups:
     else:  # a slice of a bigger mesh: its ranks, flattened
         world = mesh._flatten().get_group()
     check_same_across_ranks([f"mesh {shape} ranks {ranks}"], "device mesh", world)
+    if world is not dist.group.WORLD:
+        peers.name_group(world, "mesh")
     return ShardingGroups(shape=shape, shard=mesh.get_group("shard"),
                           replicate=mesh.get_group("replicate") if shape.hybrid else None, world=world,
                           replica=replica)

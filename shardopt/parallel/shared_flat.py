@@ -179,7 +179,8 @@ def _open_barrier(counters: list[memoryview], rank: int, group) -> ShmBarrier | 
         return None
     timeout = group_timeout(group)
     return ShmBarrier(counters, rank, [pid for _, _, pid in infos],
-                      timeout.total_seconds() if timeout is not None else 1800.0)
+                      timeout.total_seconds() if timeout is not None else 1800.0,
+                      dist.get_process_group_ranks(group))
 
 
 def _check_marks(names: list[str], token: str, rank: int) -> str | None:

@@ -88,12 +88,16 @@ class ShmBarrier:
     """`counters[r]`: rank r's counter (a one-element int64 memoryview of shared memory, format "q", zero
     at the start); `pids[r]`: its process."""
 
-    def __init__(self, counters: list[memoryview], rank: int, pids: list[int], timeout_s: float):
+    def __init__(self, counters: list[memoryview], rank: int, pids: list[int], timeout_s: float,
+                 global_ranks: list[int] | None = None):
         self.counters = counters
         self.rank = rank
         self.pids = pids
         self.timeout_s = timeout_s
         self.epoch = 0
+        # Group rank r is global rank global_ranks[r]: errors name both (Note [Naming a peer] in
+        # csrc/comm/peer_names.h). None: the group ranks are the global ones.
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(len(counters)))
 
     def arrive(self) -> "Arrival":
         """This rank is here: store the next epoch. Returns what to wait on."""
@@ -125,16 +129,19 @@ class Arrival:
             now = time.monotonic()
             if now >= check:
                 dead = [r for r in late if not pid_alive(b.pids[r])]
+                g = b.global_ranks
                 if dead:
                     raise RuntimeError(
-                        f"shardopt: rank(s) {dead} of this host's shard group exited while rank {b.rank} waited "
-                        f"for them at the barrier of the parameter gather through shared memory (pids "
-                        f"{[b.pids[r] for r in dead]}); see their logs.")
+                        f"shardopt: rank(s) {dead} of this host's shard group exited (global rank(s) "
+                        f"{[g[r] for r in dead]}, pids {[b.pids[r] for r in dead]}) while rank {b.rank} (global "
+                        f"rank {g[b.rank]}) waited for them at the barrier of the parameter gather through shared "
+                        f"memory; see their logs.")
                 if now - start > b.timeout_s:
                     raise RuntimeError(
-                        f"shardopt: rank {b.rank} waited {now - start:.0f} s (the group's timeout) at the barrier "
-                        f"of the parameter gather through shared memory for rank(s) {late}, which are alive but "
-                        f"did not arrive: are they running the same sequence of step() calls?")
+                        f"shardopt: rank {b.rank} (global rank {g[b.rank]}) waited {now - start:.0f} s (the "
+                        f"group's timeout) at the barrier of the parameter gather through shared memory for "
+                        f"rank(s) {late} (global rank(s) {[g[r] for r in late]}), which are alive but did not "
+                        f"arrive: are they running the same sequence of step() calls?")
                 check = now + CHECK_S
             if now - start < SPIN_S:
                 os.sched_yield()

@@ -172,6 +172,7 @@ class ShardedStore(ParamStore):
         # Which pass each rank starts next (Note [Passes every rank agrees on] in passes.py).
         self.agree_group = copy_group(process_group, backend="gloo") if self.world_size > 1 else None
         self.passes_started, self.last_intent = 0, None
+        self.join_agree = None  # under torch's Join the agreement is its (Note [Join] in shardopt/join.py)
         self.members = list(params)  # every parameter held: the trainable ones, then frozen ones (adopt)
         self.trainable_buckets = len(layout.buckets)  # buckets from here on hold frozen parameters
         self.persistence_threshold = config.param_persistence_threshold
@@ -461,7 +462,7 @@ class ShardedStore(ParamStore):
             return  # the step's rounds were settled already (clip_grad_norm, then step)
         self.last_intent = intent
         self.passes_started += 1
-        if self.agree_group is None:
+        if self.agree_group is None or (self.join_agree is not None and self.join_agree(intent)):
             return
         while True:
             everyone = exchange(intent, self.passes_started, self.agree_group)

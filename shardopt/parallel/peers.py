@@ -1,0 +1,136 @@
+"""Who a peer is, for error messages: the registry of Note [Naming a peer] (csrc/comm/peer_names.h).
+
+Every error about a failed peer names it by its global rank and host, not by its index in the sub-group the
+collective ran on:
+
+    global rank 2 (host node-b/10.0.0.7, rank 1 of the across-nodes group)
+
+The C++ collectives (ring, two-level gathers, inter-node hop, all-to-all) read the registry when they fail;
+Python fills it: `name_group` when shardopt builds a group (mesh.py), `ensure_named` for a group it is given
+(comm.py, on first use), `learn_hosts` once per optimizer (one all-gather of each rank's `this_host()`).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+from shardopt._ext import _C
+
+GENERIC = "process"
+"""The label of a group nobody named ("rank 1 of the process group")."""
+
+_hosts: dict[int, str] = {}  # global rank -> host, as learn_hosts registered them in C++ too
+
+
+def this_host() -> str:
+    """This rank's host as the others reach it: "hostname/address", the address being that of the interface
+    gloo was told to use (GLOO_SOCKET_IFNAME, its first entry), else the hostname alone (what gloo resolves
+    without it)."""
+    name = socket.gethostname()
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    addr = _interface_address(ifname) if ifname else None
+    return f"{name}/{addr}" if addr else name
+
+
+def _interface_address(ifname: str) -> str | None:
+    """The IPv4 address of network interface `ifname` (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def name_group(group, label: str):
+    """Registers `group`'s members by global rank under `label` ("node": "rank 1 of the node group"); returns
+    `group`. Local (no collective); a no-op for None or a group this rank is not in."""
+    if group is None or not _member(group):
+        return group
+    _C.set_group_members(group, label, dist.get_process_group_ranks(group))
+    return group
+
+
+def ensure_named(group) -> None:
+    """Registers a group shardopt did not build (the caller's), unless registered: the world group as
+    "world", another by its `group_desc` if it has one, else as the generic "process" group."""
+    if group is None or _C.has_group_members(group):
+        return
+    name_group(group, default_label(group))
+
+
+def default_label(group) -> str:
+    if group is dist.group.WORLD or (dist.is_initialized() and _same_as_world(group)):
+        return "world"
+    desc = getattr(group, "group_desc", None)
+    if isinstance(desc, str) and desc and desc.lower() not in ("undefined", "default_pg"):
+        return desc
+    return GENERIC
+
+
+def label_of(group) -> str:
+    """The label `group` is registered with ("" for none)."""
+    return _C.group_label(group) if group is not None else ""
+
+
+def learn_hosts(group) -> None:
+    """Every member of `group` learns every member's host (a collective on `group`: one small all-gather);
+    errors then name the host of a failed peer."""
+    if group is None or not _member(group):
+        return
+    hosts: list = [this_host()]
+    if dist.get_world_size(group) > 1:
+        hosts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, this_host(), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    _C.set_rank_hosts(ranks, [h or "" for h in hosts])
+    _hosts.update((g, h) for g, h in zip(ranks, hosts) if h)
+
+
+def ranks_at_address(text: str) -> str | None:
+    """For an error of gloo's own collectives, which say the peer's address only ("Connection closed by peer
+    [10.0.0.7]:4242"): "gloo's peer address 10.0.0.7 is that of global rank(s) [2, 3] (host node-b/10.0.0.7)",
+    the ranks other than this one whose host has that address; None when none is known."""
+    import re
+
+    match = re.search(r"\[([0-9A-Fa-f:.]+)\]:\d+", text)
+    if match is None:
+        return None
+    addr = match.group(1)
+    me = dist.get_rank() if dist.is_initialized() else -1
+    ranks = sorted(g for g, h in _hosts.items() if h.rsplit("/", 1)[-1] == addr and g != me)
+    if not ranks:
+        return None
+    hosts = sorted({_hosts[g] for g in ranks})
+    return f"gloo's peer address {addr} is that of global rank(s) {ranks} (host {', '.join(hosts)})"
+
+
+def peer_name(group, rank: int) -> str:
+    """How errors name rank `rank` of `group`: "global rank G (host H, rank r of the L group)"."""
+    ensure_named(group)
+    return _C.peer_name(group, rank)
+
+
+def self_name(group) -> str:
+    """How errors name this rank in `group`: "rank r of W in the L group (global rank G)"."""
+    ensure_named(group)
+    return _C.self_name(group)
+
+
+def _member(group) -> bool:
+    try:
+        return dist.get_rank(group) >= 0
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _same_as_world(group) -> bool:
+    try:
+        return dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
+    except (RuntimeError, ValueError):
+        return False
