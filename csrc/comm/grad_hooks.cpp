@@ -22,9 +22,7 @@ struct GradHooks::State {
   int pass_id = -1;  // autograd graph task of the current pass (-1: none)
   PassMode mode = PassMode::kIgnore;
   // Stage 3 (Note [Stage 3's gradient hooks in C++]).
-  at::Tensor placeholder;
-  std::vector<std::vector<int64_t>> param_buckets, shapes;
-  std::vector<char> stand_in;     // per parameter: holds a stand-in now
+  std::vector<std::vector<int64_t>> param_buckets;
   std::vector<int64_t> pending;   // per bucket: parameters still without a gradient (-1: not counted)
   bool armed = false;
   py::object bucket_done;
@@ -55,47 +53,45 @@ struct GradHooks::State {
     return m;
   }
 
-  bool holds_placeholder(const at::Tensor& p) const {
-    return p.storage().unsafeGetStorageImpl() == placeholder.storage().unsafeGetStorageImpl();
-  }
-
-  // Stage 3, before accumulation: a parameter whose bucket is not gathered gets a stand-in of its shape.
-  void before_accumulate(int64_t i) {
-    at::Tensor& p = params[i];
-    if (!holds_placeholder(p)) return;
-    p.set_data(at::zeros({}, placeholder.options()).expand(shapes[i]));
-    std::lock_guard<std::mutex> g(mu);
-    stand_in[i] = 1;
-  }
-
   void on_grad(int64_t i) {
     PassMode m;
-    bool had_stand_in = false;
     {
       std::lock_guard<std::mutex> g(mu);
       m = mode;
-      if (stage == 3) {
-        had_stand_in = stand_in[i] != 0;
-        stand_in[i] = 0;
-      }
     }
     at::Tensor& p = params[i];
-    if (had_stand_in) p.set_data(placeholder);  // the stand-in goes (before_accumulate)
     if (m == PassMode::kIgnore) return;
     if (m == PassMode::kNoteUsed) {
       engine->note_used(i);
-    } else {
-      const at::Tensor grad = p.grad();
-      if (grad.defined()) {
-        engine->mark_ready(i, grad);
-        if (stage == 1) {
-          if (!grad.is_same(views[i])) p.mutable_grad() = views[i];  // the engine copied its value in
-        } else {
-          p.mutable_grad() = at::Tensor();  // stages 2-3: the full-size gradient is released here
-        }
-      }
+      return;
     }
-    if (stage == 3) count_down(i);
+    const at::Tensor grad = p.grad();
+    if (!grad.defined()) return;
+    engine->mark_ready(i, grad);
+    if (stage == 1) {
+      if (!grad.is_same(views[i])) p.mutable_grad() = views[i];  // the engine copied its value in
+    } else {
+      p.mutable_grad() = at::Tensor();  // stage 2: the full-size gradient is released here
+    }
+  }
+
+  // Stage 3, before accumulation (Note [Stage 3's gradient hooks in C++]): the gradient goes where
+  // AccumulateGrad's post hook would have sent it, and AccumulateGrad gets none.
+  at::Tensor take(int64_t i, const at::Tensor& incoming) {
+    const PassMode m = mode_for_pass();
+    if (m == PassMode::kIgnore) return incoming;
+    at::Tensor& p = params[i];
+    at::Tensor held = p.grad();  // a gradient kept from earlier backwards (no_sync), whole
+    if (m == PassMode::kNoteUsed) {
+      // Accumulates locally as AccumulateGrad would; a copy, since autograd may reuse `incoming`.
+      p.mutable_grad() = held.defined() ? held + incoming : incoming.clone(at::MemoryFormat::Contiguous);
+      engine->note_used(i);
+    } else {
+      engine->mark_ready(i, held.defined() ? held + incoming : incoming);
+      if (held.defined()) p.mutable_grad() = at::Tensor();
+    }
+    count_down(i);
+    return at::Tensor();
   }
 
   // Stage 3: parameter i has its gradient of this backward; a bucket whose parameters all have theirs goes.
@@ -120,8 +116,7 @@ namespace {
 struct PreHook : torch::autograd::FunctionPreHook {
   PreHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
   variable_list operator()(const variable_list& grads) override {
-    const PassMode m = state->mode_for_pass();
-    if (state->stage == 3 && m != PassMode::kIgnore) state->before_accumulate(index);
+    state->mode_for_pass();
     return grads;
   }
   std::shared_ptr<GradHooks::State> state;
@@ -137,6 +132,45 @@ struct PostHook : torch::autograd::FunctionPostHook {
   std::shared_ptr<GradHooks::State> state;
   int64_t index;
 };
+
+// Whether this backward runs the accumulator of parameter `p` (not so where torch.autograd.grad only
+// captures its gradient, or backward(inputs=...) leaves it out).
+bool runs_accumulator(const at::Tensor& p) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;  // .backward(): every node runs
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(p);
+  if (!acc) return false;
+  const auto it = exec_info->find(acc.get());
+  return it != exec_info->end() && it->second.needed_;
+}
+
+// Stage 3: a hook on the parameter itself (Note [Stage 3's gradient hooks in C++]).
+struct TensorHook : torch::autograd::FunctionPreHook {
+  TensorHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (grads.size() != 1 || !grads[0].defined() || !runs_accumulator(state->params[index])) return grads;
+    return {state->take(index, grads[0])};
+  }
+  std::shared_ptr<GradHooks::State> state;
+  int64_t index;
+};
+
+// Whether parameter i still carries this state's hook (by type and owner, not by address: a hook the list
+// dropped is freed, and another may be allocated where it was).
+bool has_hook(const at::Tensor& p, const std::shared_ptr<GradHooks::State>& state, int64_t i) {
+  for (const auto& h : torch::autograd::impl::hooks(p)) {
+    const auto* ours = dynamic_cast<const TensorHook*>(h.get());
+    if (ours != nullptr && ours->state == state && ours->index == i) return true;
+  }
+  return false;
+}
+
+// After whatever the tensor has (torch's add_hook insists on an empty list: it is how Python installs
+// its one hook, the dict of the user's p.register_hook hooks, which then run before ours).
+void append_hook(const at::Tensor& p, std::unique_ptr<torch::autograd::FunctionPreHook> hook) {
+  TORCH_CHECK(torch::autograd::impl::get_autograd_meta(p), "a parameter that requires grad has autograd metadata");
+  torch::autograd::impl::hooks(p).push_back(std::move(hook));
+}
 
 }  // namespace
 
@@ -154,6 +188,12 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
   const auto& ps = state_->params;
   for (size_t i = 0; i < ps.size(); ++i) {
     TORCH_CHECK(ps[i].requires_grad() && ps[i].is_leaf(), "parameter ", i, " is not a leaf that requires grad");
+    if (stage == 3) {  // on the parameter itself (Note [Stage 3's gradient hooks in C++])
+      auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
+      ++tensor_hooks_;
+      append_hook(ps[i], std::move(hook));
+      continue;
+    }
     auto acc = torch::autograd::impl::grad_accumulator(ps[i]);
     TORCH_CHECK(acc, "parameter ", i, " has no gradient accumulator");
     auto pre = std::make_unique<PreHook>(state_, static_cast<int64_t>(i));
@@ -167,17 +207,12 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
 
 GradHooks::~GradHooks() { remove(); }
 
-void GradHooks::stage3(at::Tensor placeholder, std::vector<std::vector<int64_t>> param_buckets,
-                       std::vector<std::vector<int64_t>> shapes, py::object bucket_done) {
+void GradHooks::stage3(std::vector<std::vector<int64_t>> param_buckets, py::object bucket_done) {
   auto& s = *state_;
   TORCH_CHECK(s.stage == 3, "GradHooks.stage3() is for hooks built with stage=3");
-  TORCH_CHECK(param_buckets.size() == s.params.size() && shapes.size() == s.params.size(),
-              "GradHooks.stage3(): one bucket list and one shape per parameter");
+  TORCH_CHECK(param_buckets.size() == s.params.size(), "GradHooks.stage3(): one bucket list per parameter");
   std::lock_guard<std::mutex> g(s.mu);
-  s.placeholder = std::move(placeholder);
   s.param_buckets = std::move(param_buckets);
-  s.shapes = std::move(shapes);
-  s.stand_in.assign(s.params.size(), 0);
   s.bucket_done = std::move(bucket_done);
 }
 
@@ -194,28 +229,15 @@ void GradHooks::arm(std::vector<int64_t> pending) {
 }
 
 int64_t GradHooks::ensure() {
-  int64_t moved = 0;
+  int64_t put_back = 0;
   const auto& ps = state_->params;
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    auto now = torch::autograd::impl::try_get_grad_accumulator(ps[i]);  // never made here: only from a full shape
-    if (!now || now.get() == accumulators_[i].get()) continue;
-    auto& old = accumulators_[i];
-    old->del_post_hook(post_keys_[i]);
-    auto& pres = old->pre_hooks();
-    for (auto it = pres.begin(); it != pres.end(); ++it) {
-      if (it->get() == pre_hooks_[i]) {
-        pres.erase(it);
-        break;
-      }
-    }
-    auto pre = std::make_unique<PreHook>(state_, static_cast<int64_t>(i));
-    pre_hooks_[i] = pre.get();
-    now->add_pre_hook(std::move(pre));
-    post_keys_[i] = now->add_post_hook(std::make_unique<PostHook>(state_, static_cast<int64_t>(i)));
-    accumulators_[i] = std::move(now);
-    ++moved;
+  for (size_t i = 0; i < (tensor_hooks_ > 0 ? ps.size() : 0); ++i) {
+    if (has_hook(ps[i], state_, static_cast<int64_t>(i))) continue;
+    auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
+    append_hook(ps[i], std::move(hook));
+    ++put_back;
   }
-  return moved;
+  return put_back;
 }
 
 void GradHooks::disarm() {
@@ -235,12 +257,25 @@ void GradHooks::remove() {
       }
     }
   }
+  for (size_t i = 0; i < (tensor_hooks_ > 0 ? state_->params.size() : 0); ++i) {
+    auto& hooks = torch::autograd::impl::hooks(state_->params[i]);
+    for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+      const auto* ours = dynamic_cast<const TensorHook*>(it->get());
+      if (ours != nullptr && ours->state == state_ && ours->index == static_cast<int64_t>(i)) {
+        hooks.erase(it);
+        break;
+      }
+    }
+  }
   accumulators_.clear();
   pre_hooks_.clear();
   post_keys_.clear();
+  tensor_hooks_ = 0;
 }
 
-int64_t GradHooks::num_hooks() const { return 2 * static_cast<int64_t>(accumulators_.size()); }
+int64_t GradHooks::num_hooks() const {
+  return 2 * static_cast<int64_t>(accumulators_.size()) + tensor_hooks_;
+}
 
 }  // namespace shardopt
 

@@ -16,21 +16,9 @@ def install(store, wrapper_ref, module: nn.Module, optimizer, waits) -> list:
     # Note [Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h: no Python per parameter in backward.
     store_ref = weakref.ref(store)
     n = len(store.params)
-    # The hooks keep each parameter's gradient accumulator, and autograd checks every gradient against the
-    # shape its accumulator took when it was made: make them while each parameter has its whole shape (a
-    # one-element stand-in where it holds the empty placeholder), never from the placeholder.
-    held = [p.data for p in store.params]
-    for p, slot in zip(store.params, store.layout.params[:n]):
-        if tuple(p.shape) != tuple(slot.shape):
-            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(slot.shape)
-    try:
-        grad_hooks = _ext._C.GradHooks(list(store.params), store.engine, [], 3,
-                                       _begin_backward_hook(wrapper_ref, store_ref))
-    finally:
-        for p, data in zip(store.params, held):
-            p.data = data
-    grad_hooks.stage3(store.placeholder, [list(bs) for bs in store._bucket_of_param[:n]],
-                      [list(slot.shape) for slot in store.layout.params[:n]], _bucket_done_hook(store_ref))
+    grad_hooks = _ext._C.GradHooks(list(store.params), store.engine, [], 3,
+                                   _begin_backward_hook(wrapper_ref, store_ref))
+    grad_hooks.stage3([list(bs) for bs in store._bucket_of_param[:n]], _bucket_done_hook(store_ref))
     store.grad_hooks = grad_hooks
     return [grad_hooks] + _module_hooks(module, store, optimizer, waits)
 
@@ -80,7 +68,7 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
             saved.pop().__exit__(None, None, None)
         shard.end_forward(torch.is_grad_enabled())
         if torch.is_grad_enabled() and shard.grad_hooks is not None:
-            shard.grad_hooks.ensure()  # the accumulators this forward's graph feeds carry the hooks
+            shard.grad_hooks.ensure()  # a user's first p.register_hook cleared the tensor's hooks: ours back
         optimizer._note_model_version()  # a compiled forward counts as an edit (Note [Weights edited in place])
 
     handles.append(module.register_forward_pre_hook(begin))

@@ -28,17 +28,18 @@ Note [Gradients of parameters not gathered]
 -------------------------------------------
 Some weights are never read in backward: an embedding's (its backward needs
 the indices only), a first Linear's on an input without grad (grad_W needs
-the input, not W). Its bucket may then be free (or still gathering) when
-autograd accumulates the gradient, and autograd's AccumulateGrad checks the
-new gradient's layout against the parameter's sizes and strides: against an
+the input, not W). Its bucket may then be free (or still gathering) when its
+gradient arrives, and autograd's AccumulateGrad would check the new
+gradient's layout against the parameter's sizes and strides: against an
 empty placeholder a 2-d gradient fails ("The size of tensor a (0) must match
 the size of tensor b (64)"). Gathering the bucket only for that check would
 cost a collective and the memory of, say, a vocabulary embedding, for
-nothing. Instead the parameter gets a stand-in of its shape that holds one
-element (a zero-stride expansion) just before the accumulation (ShardedDDP's
-pre-hook), which autograd accepts without copying, and the placeholder back
-once the gradient is handed on (the post hook). Both hooks are C++ (Note
-[Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h).
+nothing. So nothing is ever accumulated into a stage-3 parameter: its C++
+hook takes the gradient before AccumulateGrad runs and hands it to the
+bucket engine (or, under no_sync, into p.grad itself), leaving AccumulateGrad
+nothing to check (Note [Stage 3's gradient hooks in C++] in
+csrc/comm/grad_hooks.h). (Before, a one-element stand-in of the parameter's
+shape was swapped in for the accumulation and out after it.)
 """
 from __future__ import annotations
 
@@ -527,6 +528,15 @@ class ShardedStore(ParamStore):
         if self.round is not None and self.round.kind is Pass.BACKWARD:
             self._close_round()
             self.backwards_owed = max(0, self.backwards_owed - 1)
+        if self.grad_hooks is not None and self.grad_hooks.ensure():
+            # Python's first p.register_hook on a parameter clears its tensor hooks, ours with them (Note
+            # [Stage 3's gradient hooks in C++]); put back after each forward, they were missing in this
+            # backward only if a hook was registered between its forward and it: gradients went astray.
+            raise RuntimeError("stage 3: a gradient hook was registered on a parameter (p.register_hook) after "
+                               "the forward and before this backward, which removed shardopt's own hook from "
+                               "it, so this backward's gradients were not all reduced; register parameter "
+                               "hooks before the forward (or before wrapping) and restart from the last "
+                               "checkpoint")
 
     def settle(self) -> None:
         """Before a step: backward rounds this rank owes (grad-enabled forwards whose backward reached none
