@@ -17,10 +17,14 @@ freed, the parameter's `.data` becomes an empty tensor of its dtype (as
 DeepSpeed's stage 3 does), so code that reads a weight outside a forward
 gets an obvious shape error instead of freed memory; `opt.full_params()`
 gathers everything for such code. Autograd saves weights for backward
-(x @ W saves W); saved views of a bucket are packed as (bucket, size, stride,
-offset) and unpacked by asking for the bucket again, which is what moves the
-backward round forward (a weight backward never reads: Note [Gradients of
-parameters not gathered]). Gathers write through a second tensor on the same
+(x @ W saves W); a saved view of a bucket is packed as (bucket, the view) and
+unpacked by asking for the bucket again, which is what moves the backward
+round forward (a weight backward never reads: Note [Gradients of parameters
+not gathered]). The view itself stays valid across a free and a gather: a
+free resizes the bucket's storage to nothing and a gather back, keeping the
+storage object the view points at, and a parameter gets its view back as
+`.data` when its bucket is gathered (`_show`). (It was packed as bucket, size,
+stride and offset and rebuilt at unpack: three Python calls per saved weight.) Gathers write through a second tensor on the same
 storage (`_comm`), so autograd's version counter of the parameters' views is
 not bumped by the collective that refills them.
 
@@ -825,14 +829,14 @@ class ShardedStore(ParamStore):
             return t
         if b is None or self.layout.buckets[b].persistent:
             return t
-        return (b, t.size(), t.stride(), t.storage_offset())
+        return (b, t)  # Note [Parameters between gathers]: valid again once bucket b is gathered
 
     def unpack(self, saved):
         if not isinstance(saved, tuple):
             return saved
-        b, size, stride, offset = saved
+        b, t = saved
         self.need((b,))
-        return self.full[b].as_strided(size, stride, offset)
+        return t
 
     # ------------------------------------------------------------- whole weights
     @contextlib.contextmanager
