@@ -8,6 +8,7 @@ from torch import nn
 
 from shardopt import _ext
 from shardopt.loads import masters_after_load, same_values_hook
+from shardopt.zero3.schedule import plan_reuse_scopes
 
 
 def install(store, wrapper_ref, module: nn.Module, optimizer, waits) -> list:
@@ -84,17 +85,18 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
                 return shard.after_backward(frozen, args, kwargs)
         return hook
 
-    def reporter(buckets):
-        return lambda mod, args, out: shard.forward_done(id(mod), buckets)
+    def reporter(buckets, scope):
+        return lambda mod, args, out: shard.forward_done(id(mod), buckets, scope)
 
-    for w in waits:
+    scopes = plan_reuse_scopes(module, waits, shard.reuse_limit())  # Note [A module called again] in store.py
+    for w, scope in zip(waits, scopes):
         frozen = tuple(b for b in w.buckets if shard.frozen_bucket(b))
         if frozen and not w.covered:
             handles.append(w.module.register_forward_pre_hook(frozen_needer(w.buckets, frozen), with_kwargs=True))
         else:
             handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
         if not w.covered:  # its parent's return reports these buckets (prefetch.ForwardWait.covered)
-            handles.append(w.module.register_forward_hook(reporter(w.buckets)))
+            handles.append(w.module.register_forward_hook(reporter(w.buckets, scope)))
 
     whole = []  # the gathered() context of a state_dict / load_state_dict in progress
 

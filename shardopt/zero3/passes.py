@@ -22,7 +22,10 @@ step; an agreement inside backward would wait for it there. So the step's agreem
 has joined every reduction of its peers' backwards (GradSync.finish's `at_step`) and before the step's own
 flags all-reduce, where a peer still running forwards without gradients (generation between backward and
 step) can be shadowed. The forward before and the step after are agreed on, which keeps the rounds in
-order. The cost is one all-gather of two integers per forward and per step, on a gloo group of host
+order. (Each forward also ends with one exchange on the same group, Note [A module called again] in store.py:
+a rank whose forward needed a bucket again after freeing it asks its peers for that gather there; `AGAIN`.)
+The cost is one all-gather of two integers per forward and per step (a second per forward, its end's, with
+reshard_after_forward=True), on a gloo group of host
 tensors (no device synchronisation). A LOOK pass right after a training forward, before its backward,
 shadows correctly only if the shadowing rank holds the same buckets gathered (the seam): run such
 evaluation after the backward.
@@ -40,6 +43,7 @@ class Intent(enum.IntEnum):
     LOOK = 1      # a forward without gradients: other ranks may shadow it
     FORWARD = 2   # a forward that will be differentiated
     STEP = 4      # the optimizer step (after every backward round this rank owes)
+    AGAIN = 8     # not a pass: the end of a forward, serving gathers asked again (Note [A module called again])
 
 
 _WORDS = {Intent.LOOK: "a forward without gradients", Intent.FORWARD: "a training forward",
@@ -57,7 +61,9 @@ def exchange(mine: Intent, count: int, group) -> list[tuple[Intent, int]]:
 
 def describe(everyone: list[tuple[Intent, int]], global_ranks: list[int]) -> str:
     """The error every rank raises when the passes cannot be reconciled (pure)."""
-    said = "; ".join(f"rank {g} started {_WORDS[p]} (its pass {c})" for g, (p, c) in zip(global_ranks, everyone))
+    said = "; ".join(f"rank {g} was at the end of a forward" + (f", asking for bucket {c} again" if c >= 0 else "")
+                     if p is Intent.AGAIN else f"rank {g} started {_WORDS[p]} (its pass {c})"
+                     for g, (p, c) in zip(global_ranks, everyone))
     return (f"stage 3: the ranks are in different passes: {said}. Every rank must run the same training "
             "forwards, backwards and steps (forwards without gradients may differ in number: generation, "
             "rollouts, evaluation); for uneven numbers of batches, give every rank the same number of "

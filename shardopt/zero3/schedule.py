@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from torch import nn
+
 from shardopt.layout import Layout
 from shardopt.prefetch import ForwardWait
 
@@ -43,11 +45,13 @@ from shardopt.prefetch import ForwardWait
 # it, and a gather issued by the first alone would hang both. Such a bucket is
 # walked past; needed after it was freed, it takes the extra gather below.
 # The cost of never hanging is that a skipped module's bucket still crosses
-# the link. The limit: a module that needs a bucket *again* after it was freed
-# in the same pass (a module called twice, far apart) gets one extra gather,
-# issued after the rest of the round; that keeps ranks in step only if every
-# rank does it, as it does when the reuse is structural (weight sharing by
-# calling a module twice) rather than data-dependent.
+# the link. A module called again within a pass, as often as each rank's data
+# says (adaptive depth, an MoE expert per token group), is Note [A module
+# called again] in store.py: a forward keeps a bucket its modules are done
+# with until a module outside its scope starts, so a module called again at
+# once gathers nothing; one that needs a bucket again after it was freed asks
+# every rank for it in an exchange that every forward ends with, so the extra
+# gathers pair on every rank.
 @dataclasses.dataclass(frozen=True)
 class Stage3Schedule:
     """Gather rounds of stage 3 (Note [Stage-3 schedule]); pure, the same on every rank."""
@@ -95,3 +99,27 @@ def plan_stage3_schedule(layout: Layout, waits: Sequence[ForwardWait]) -> Stage3
     rank = {b: i for i, b in enumerate(forward)}
     backward += tuple(sorted((b for b in forward if b not in backward), key=lambda b: (-last.get(b, -1), -rank[b])))
     return Stage3Schedule(forward=forward, backward=backward, users=tuple(users))
+
+
+def plan_reuse_scopes(model: nn.Module, waits: Sequence[ForwardWait], most: int) -> tuple[frozenset, ...]:
+    """Per wait: the buckets a forward keeps gathered after the module returns, while the modules that start
+    need no others (Note [A module called again] in store.py). A module's own buckets; for a module inside an
+    nn.Sequential below the root (a block built as a Sequential: its layers wait one by one), the buckets of
+    every wait in that Sequential, if at most `most` of them are not the root's own (those are gathered for the
+    whole pass anyway), so that the block called again finds
+    its first layers' buckets still gathered. Pure: the same on every rank."""
+    modules = dict(model.named_modules())
+    inside: dict[str, set] = {}
+    for w in waits:
+        parent = w.name.rpartition(".")[0]
+        while parent:  # every Sequential the wait lies in, below the root
+            if isinstance(modules.get(parent), nn.Sequential):
+                inside.setdefault(parent, set()).update(w.buckets)
+            parent = parent.rpartition(".")[0]
+    root = {b for w in waits if w.name == "" for b in w.buckets}  # gathered for the whole pass anyway
+    scopes = []
+    for w in waits:
+        parent = w.name.rpartition(".")[0]
+        block = inside.get(parent) if parent else None
+        scopes.append(frozenset(block) if block is not None and len(block - root) <= most else frozenset(w.buckets))
+    return tuple(scopes)

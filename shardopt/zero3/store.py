@@ -114,6 +114,11 @@ class _Round:
         self.needed = -1                 # the furthest position a module has asked for
         self.users = list(users)         # forward: modules still to run per bucket
         self.ran: set[int] = set()       # forward: ids of the modules that ran (first call counts)
+        # forward: buckets every waiting module has used, kept until a module needs another bucket (or the
+        # forward ends), so that a module called again at once finds them (Note [A module called again]).
+        self.spent: dict[int, frozenset] = {}  # bucket -> its scope
+        self.serves = False              # forward: it ends by serving gathers asked again (_serve)
+        self.training = False            # forward: a backward will follow (it keeps the seam)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -206,6 +211,7 @@ class ShardedStore(ParamStore):
         self.round: _Round | None = None
         self.backwards_owed = 0  # grad-enabled forwards whose backward round has not run on this rank
         self.num_gathers = 0
+        self.num_again = 0  # of those, gathers some rank asked for again (Note [A module called again])
         self._in_place_seen: list = []  # Note [Parameters in place, checked in C]
         self.live = 0  # bytes of full storage held now
         self.peak_live = 0  # the most `live` has been since construction (or reset_peak())
@@ -415,15 +421,16 @@ class ShardedStore(ParamStore):
         self.state[b] = GATHERING
         self.num_gathers += 1
 
-    def _launch_gather(self, b: int):
-        """Starts every rank's chunk of bucket b into its full storage (through `_comm`): flat, or in two
-        levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
+    def _launch_gather(self, b: int, out: torch.Tensor | None = None):
+        """Starts every rank's chunk of bucket b into its full storage (through `_comm`; or into `out`): flat,
+        or in two levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
         if self.aliased:
             return _NOTHING_TO_GATHER  # Note [One rank holds the whole bucket]
+        out = self._comm[b] if out is None else out
         if self.nodes is not None:
-            return comm.start_two_level_all_gather(self.every_chunk[b], self._comm[b], self.node_group,
+            return comm.start_two_level_all_gather(self.every_chunk[b], out, self.node_group,
                                                    self.across_group, impl=self.impl)
-        return comm.start_all_gather(self.every_chunk[b], self._comm[b], group=self.group, impl=self.impl)
+        return comm.start_all_gather(self.every_chunk[b], out, group=self.group, impl=self.impl)
 
     def finish_gather(self, b: int) -> None:
         t0 = time.perf_counter()
@@ -459,6 +466,13 @@ class ShardedStore(ParamStore):
             self._close_round()
         self._start(Intent.FORWARD if torch.is_grad_enabled() else Intent.LOOK)
         self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
+        self.round.serves = self._serving()
+        self.round.training = torch.is_grad_enabled()
+
+    def _serving(self) -> bool:
+        """Whether forwards end with `_serve` (Note [A module called again]): with several ranks, and only where
+        a forward frees buckets (reshard_after_forward=False frees nothing before the backward)."""
+        return self.agree_group is not None and self.reshard_after_forward
 
     def _start(self, intent: Intent) -> None:
         """Every rank starts the same pass: a rank whose peers start a forward without gradients walks its
@@ -471,6 +485,9 @@ class ShardedStore(ParamStore):
             return
         while True:
             everyone = exchange(intent, self.passes_started, self.agree_group)
+            if any(p is Intent.AGAIN for p, _ in everyone):  # a peer's forward ends here: out of step (a bug)
+                ranks = [dist.get_global_rank(self.agree_group, r) for r in range(len(everyone))]
+                raise RuntimeError(describe(everyone, ranks))
             if intent is Intent.LOOK or all(p is intent for p, _ in everyone):
                 return  # a forward without gradients goes ahead: the others shadow it
             if any(p is Intent.LOOK for p, _ in everyone):
@@ -485,6 +502,8 @@ class ShardedStore(ParamStore):
             if self.state[b] == FREE:
                 self.start_gather(b)
                 self.reshard(b)
+        if self._serving():  # the LOOK ends by serving what it asks for again (Note [A module called again])
+            self._serve(-1)
 
     def _new_round(self, kind: Pass, order: tuple) -> _Round:
         return _Round(kind, order, self.schedule.users, frozenset(b for b in order if self.state[b] != FREE))
@@ -504,6 +523,8 @@ class ShardedStore(ParamStore):
             self._finish_round_gathers()
         else:
             self._drain_round(keep=seam)
+        if self.round.serves:  # the gathers peers ask for again, until every rank's forward has ended
+            self._serve(-1)
         for b in range(len(self.full)):
             if keep_all or b in seam:
                 if self.state[b] == GATHERING:
@@ -606,6 +627,57 @@ class ShardedStore(ParamStore):
         live = sum(1 for b, s in enumerate(self.state) if s != FREE and not self.layout.buckets[b].persistent)
         return live < self.max_live
 
+    # Note [A module called again]
+    # ---------------------------
+    # Within one pass a module may run as often as the data says, differently
+    # on every rank: adaptive depth (a block called 1-3 times), recurrent
+    # refinement, an MoE layer running an expert once per token group routed
+    # to it. Every rank still walks the whole round; what differs is buckets
+    # needed again after the walk has passed them. Two rules serve them.
+    #   Kept for their scope. In forward, a bucket whose waiting modules have
+    #   all returned is not freed at once: it is `spent`, with a scope (the
+    #   module's own buckets; for a layer of an nn.Sequential below the root, a
+    #   block built as a Sequential, the Sequential's buckets if at most
+    #   reuse_limit() = 1 + prefetch of them are not the root's own, which it
+    #   holds for the whole pass anyway: schedule.plan_reuse_scopes). It is
+    #   freed when a module starts that needs a bucket outside that scope, or
+    #   when the forward ends. Releases are local, so this changes no
+    #   collective, and a module called again at once (`for _ in range(k):
+    #   x = block(x)`, one expert for consecutive token groups) finds its
+    #   buckets gathered: no gather, no exchange. Memory: spent buckets go
+    #   before the next module's walk gathers or prefetches anything, so the
+    #   most held at once grows only while a Sequential block's later layers
+    #   run, by its earlier layers' buckets (at most reuse_limit()).
+    #   Asked again. A module that needs a bucket after it was freed (A, B, A:
+    #   an expert again after another one) has no local answer, and a gather
+    #   of its own would pair with whatever collective each peer issues next
+    #   (issue 56: gloo's "collective mismatch", or wrong values at equal
+    #   sizes). So the rank first issues the rest of the round's gathers (every
+    #   collective before is paired; each freed as it arrives, as at the
+    #   forward's end, so the memory bound holds, unless it was gathered
+    #   already or is the seam's: then the walk is at its end, and each bucket
+    #   a later module needs is asked again too), then says which bucket it needs in an
+    #   all-gather on the agreement group (passes.exchange: AGAIN, bucket), and
+    #   every forward ends with the same exchange saying -1 (this forward has
+    #   ended), repeated until no rank asks. Every rank reads the same outcome
+    #   and gathers each bucket asked for, in rank order (kept by the ranks that
+    #   asked; a rank holding it gathers into scratch memory). A rank whose
+    #   forward ended first waits in its end exchange, before any collective
+    #   of its backward, so the extra gathers pair rank by rank whatever each
+    #   rank's data did. Forwards without gradients do the same, and so do the
+    #   ranks that shadow them (shadow_look; a joined rank under Join shadows
+    #   through end_forward and shadow_look).
+    # The cost: one all-gather of two integers per forward with several ranks
+    # and reshard_after_forward=True; none with False, where nothing a forward
+    # gathered is freed before its backward. Backward needs neither rule: it
+    # frees a bucket only once all of its parameters have their gradient, and
+    # autograd accumulates a parameter used k times once, after all k uses
+    # (a checkpointed call recomputes inside that backward and finds the bucket
+    # gathered). A round that began without the root's forward (a submodule
+    # called on its own) does not end with the exchange: there a bucket needed
+    # again takes a gather of this rank's alone, as before. An AGAIN exchange
+    # that meets a pass agreement (ranks out of step) raises on every rank,
+    # naming what each was doing, instead of pairing different collectives.
     # Note [A module whose buckets are gathered]
     # -----------------------------------------
     # need() runs for every module that waits (twice per block of a stack: the
@@ -620,6 +692,8 @@ class ShardedStore(ParamStore):
     def need(self, buckets) -> None:
         """A module is about to use these buckets (its forward, or a saved weight in backward)."""
         r = self.round
+        if r is not None and r.spent:  # Note [A module called again]: a module of another bucket frees them
+            self._spend(r, buckets)
         if r is not None:  # Note [A module whose buckets are gathered]
             state, position, needed = self.state, r.position, r.needed
             for b in buckets:
@@ -648,25 +722,88 @@ class ShardedStore(ParamStore):
                 at = r.position.get(b, -1)
                 if at < r.pos or b in r.carried:
                     # Needed again after it was freed in this pass: the rest of the round first, then one
-                    # extra gather (Note [Stage-3 schedule], the limit).
-                    self._finish_round_gathers()
-                    self.start_gather(b)
+                    # extra gather, which every rank joins (Note [A module called again]).
+                    if r.serves:
+                        self._drain_round(keep=self._seam if r.training else ())
+                        self._serve(b)
+                    else:
+                        self._finish_round_gathers()
+                        self.start_gather(b)
                 else:
                     self._advance(at)
-            self.finish_gather(b)
+            if self.state[b] == GATHERING:
+                self.finish_gather(b)
         self._advance(None)
 
-    def forward_done(self, module_id: int, buckets) -> None:
+    def _spend(self, r: _Round, buckets) -> None:
+        """A module starts: a bucket kept after its modules returned stays while the module needs only buckets
+        of the kept one's scope (the module again, or its block), and goes otherwise (Note [A module called
+        again])."""
+        spent = r.spent
+        for b, scope in list(spent.items()):
+            if not all(x in scope for x in buckets):
+                del spent[b]
+                self.reshard(b)
+
+    def reuse_limit(self) -> int:
+        """The most buckets a scope of Note [A module called again] may keep: as many as a module's wait and
+        its prefetch gather (the seam's depth)."""
+        return 1 + self.prefetch if self.max_live is None else max(1, min(1 + self.prefetch, self.max_live))
+
+    def _serve(self, want: int) -> None:
+        """Asks every rank for bucket `want` again (or, -1, says this rank's forward has ended) and gathers
+        every bucket some rank asks for, in rank order; with -1, until no rank asks (Note [A module called
+        again])."""
+        while True:
+            everyone = exchange(Intent.AGAIN, want, self.agree_group)
+            if any(p is not Intent.AGAIN for p, _ in everyone):
+                if self.round is not None:
+                    self.round.serves = False  # the forward's end (its hook runs on the way out) asks no more
+                ranks = [dist.get_global_rank(self.agree_group, r) for r in range(len(everyone))]
+                raise RuntimeError(describe(everyone, ranks))
+            asked = list(dict.fromkeys(b for _, b in everyone if b >= 0))
+            if not asked:
+                return
+            self.num_again += len(asked)
+            for b in asked:
+                self._gather_again(b, keep=b == want)
+            if want >= 0:
+                return
+
+    def _gather_again(self, b: int, keep: bool) -> None:
+        """Bucket b's gather that some rank asked for again; this rank keeps it only if it asked."""
+        if self.state[b] == FREE:
+            self.start_gather(b)
+            self.finish_gather(b)
+            if not keep:
+                self.reshard(b)
+            return
+        if self.state[b] == GATHERING:
+            self.finish_gather(b)
+        # Live here (this rank's own use, the seam), but the collective needs this rank's chunk: gathered into
+        # scratch memory, not over the values its modules may be reading.
+        scratch = torch.empty(self.layout.buckets[b].numel, dtype=self.full[b].dtype, device=self.device)
+        self._launch_gather(b, scratch).wait()
+        self.num_gathers += 1
+
+    def forward_done(self, module_id: int, buckets, scope: frozenset | None = None) -> None:
         """A module's forward returned: buckets every waiting module has now used may go."""
         r = self.round
-        if r is None or r.kind is not Pass.FORWARD or module_id in r.ran:
+        if r is None or r.kind is not Pass.FORWARD:
             return
-        r.ran.add(module_id)
-        seam = self._seam if torch.is_grad_enabled() else ()
-        for b in buckets:
-            r.users[b] -= 1
-            if r.users[b] == 0 and self.reshard_after_forward and b not in seam:
-                self.reshard(b)
+        if module_id not in r.ran:  # a module called again counts once
+            r.ran.add(module_id)
+            for b in buckets:
+                r.users[b] -= 1
+        if not self.reshard_after_forward:
+            return
+        # The seam of a training forward, even where a module returns under no_grad inside it (end_forward keeps
+        # the seam by the grad mode at the root's return, as a forward's start has it).
+        seam = self._seam if r.training or torch.is_grad_enabled() else ()
+        scope = frozenset(buckets) if scope is None else scope
+        for b in buckets:  # kept until a module outside its scope starts (Note [A module called again])
+            if r.users[b] <= 0 and b not in seam and self.state[b] != FREE:
+                r.spent[b] = scope
 
     def bucket_grads_done(self, b: int) -> None:
         """Every parameter of bucket b has its gradient of this backward (the C++ hooks' count): it may go."""
