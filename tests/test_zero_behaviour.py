@@ -660,6 +660,16 @@ def _user_hooks(rank):
         out["late hook"] = None
     except RuntimeError as e:
         out["late hook"] = str(e)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    model[1].bias.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        wrapper(torch.randn(2, 4)).square().sum().backward()
+        out["post-accumulate hook"] = None
+    except RuntimeError as e:
+        out["post-accumulate hook"] = str(e)
     return out
 
 
@@ -697,8 +707,10 @@ def test_stage_3_hook_survives_user_hooks_and_refuses_a_late_one():
     # A user's p.register_hook after wrapping (the tensor's first: Python's setter clears the tensor's
     # hooks, stage 3's C++ one with them) trains as stage 2 does with the same hook (its hook sees and
     # changes the gradient first); one registered between a forward and its backward raises at the end
-    # of that backward, naming the fix, instead of losing gradients.
+    # of that backward, naming the fix, instead of losing gradients; a post-accumulate hook is refused.
     out = _hook_results()
     assert torch.allclose(out["hooked 3"], out["hooked 2"], atol=1e-6), (out["hooked 3"], out["hooked 2"])
     assert (out["hooked 3"] - out["plain 3"]).abs().max() > 1e-3  # the hook did change the result
     assert out["late hook"] and "register parameter hooks before the forward" in out["late hook"], out
+    # A post-accumulate hook could never run at stage 3 (nothing accumulates into the parameter): refused.
+    assert out["post-accumulate hook"] and "register_post_accumulate_grad_hook" in out["post-accumulate hook"], out

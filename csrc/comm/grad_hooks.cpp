@@ -232,6 +232,11 @@ int64_t GradHooks::ensure() {
   int64_t put_back = 0;
   const auto& ps = state_->params;
   for (size_t i = 0; i < (tensor_hooks_ > 0 ? ps.size() : 0); ++i) {
+    // Nothing is accumulated into a stage-3 parameter, so such a hook would never run: refused, not ignored.
+    TORCH_CHECK(!torch::autograd::impl::post_acc_grad_hooks(ps[i]), "stage 3: parameter ", i,
+                " of the optimizer has a register_post_accumulate_grad_hook, which never runs at stage 3 (its "
+                "gradient goes to the shard before any accumulation into the parameter); use p.register_hook "
+                "(it sees the gradient first), or stage 1 or 2");
     if (has_hook(ps[i], state_, static_cast<int64_t>(i))) continue;
     auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
     append_hook(ps[i], std::move(hook));
