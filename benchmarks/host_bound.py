@@ -190,7 +190,7 @@ GROUPS = (
                                                                      "end_forward", "_begin_backward",
                                                                      "end_backward", "_close_round",
                                                                      "_drain_round", "forward_done",
-                                                                     "grad_ready", "before_accumulate",
+                                                                     "bucket_grads_done",
                                                                      "__init__ (store.py)", "pack", "unpack",
                                                                      "_finish_round_gathers", "settle")),
     ("waits (finish_gather, Work.wait)", ("finish_gather", "wait")),

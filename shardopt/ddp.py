@@ -255,19 +255,6 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.copy_(v)
 
-    def _on_grad(self, index: int, p: torch.Tensor) -> None:
-        """A parameter's gradient is complete: hand it to the bucket engine."""
-        opt = self.optimizer
-        engine = opt.engine
-        if not self._sync or opt._local_grads():  # OneBitAdam's flat compression stage: exchanged at step()
-            engine.note_used(index)
-            return
-        if not self._callback_queued:
-            # Runs once the whole backward pass is done: reduce what is left.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._callback_queued = True
-        opt.grads.on_grad(index, p)
-
     def _begin_backward(self) -> int:
         """The first gradient hook of a backward pass (Note [Gradient hooks in C++]): what the pass does."""
         opt = self.optimizer

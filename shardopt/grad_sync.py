@@ -1,9 +1,8 @@
 """Gradient sync: the end of each backward pass, the one all-reduce of flags a step needs, and what p.grad
 holds in between (Note [Sharded p.grad] in sharded_grad.py).
 
-    backward   -> ShardedDDP's hooks. Stages 1-2 (C++, Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h):
-                  begin_backward() once, then the engine takes each gradient without Python; stage 3
-                  (Python hooks): before_accumulate(i), then on_grad(i)
+    backward   -> ShardedDDP's hooks (C++ at every stage, Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h):
+                  begin_backward() once, then the engine takes each gradient without Python
     end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms, the step's
                   flags), every reached parameter's p.grad becomes its ShardedGrad
     step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step:
@@ -89,7 +88,6 @@ class GradSync:
         # stage-1 view, or None.
         self.installed: list = list(resting_grads)
         self.last_used = torch.zeros(len(params), dtype=torch.bool)  # global, at the last step
-        self.reconciled = False    # this backward pass already reconciled user changes to p.grad
         self.handles_out = False   # some installed[i] may be a ShardedGrad (else reconcile has nothing to do)
         self.backwards = 0         # backward passes reduced since the last step
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
@@ -151,28 +149,11 @@ class GradSync:
         return used | self.last_used | self.shard.kept
 
     # ------------------------------------------------------------- backward
-    def before_accumulate(self, index: int) -> None:
-        """A backward pass is about to accumulate into parameter `index`'s .grad (ShardedDDP's pre-hook).
-
-        Autograd must not accumulate into a ShardedGrad: the reduced part stays
-        in the shard, and the new gradient is reduced into it; stage 1 puts back
-        the flat-buffer view autograd accumulates into.
-        """
-        if not self.reconciled:
-            # First parameter of this backward: take in what user code did to p.grad
-            # before anything of this pass is reduced (Note [Sharded p.grad]).
-            self.reconcile()
-            self.reconciled = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_reconciled)
-        p = self.params[index]
-        if isinstance(p.grad, ShardedGrad):
-            p.grad = self.installed[index] = self.resting[index]
-
     def begin_backward(self) -> None:
         """A backward pass starts (the first C++ hook: Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h).
 
-        As before_accumulate, for every parameter at once: take in what user code
-        did to p.grad, then no p.grad holds a ShardedGrad while autograd accumulates.
+        Take in what user code did to p.grad (Note [Sharded p.grad]), then no p.grad
+        holds a ShardedGrad while autograd accumulates.
         """
         if not self.handles_out:
             return  # no ShardedGrad was installed since the last zero_grad
@@ -180,16 +161,6 @@ class GradSync:
         for i, p in enumerate(self.params):
             if isinstance(p.grad, ShardedGrad):
                 p.grad = self.installed[i] = self.resting[i]
-
-    def _end_reconciled(self) -> None:
-        self.reconciled = False
-
-    def on_grad(self, index: int, p: torch.Tensor) -> None:
-        """Parameter `index`'s gradient is complete and reducing: hand it to the engine, release it."""
-        self.engine.mark_ready(index, p.grad)
-        # Stage 1: its view of the flat buffer (if user code replaced it, the engine copied it back in);
-        # else None: the full-size gradient is released here.
-        p.grad = self.installed[index] = self.resting[index]
 
     # Note [The step's flags ride the end of backward]
     # --------------------------------------------------
@@ -225,7 +196,6 @@ class GradSync:
         engine.flush()
         self.phase["reduce"] += time.perf_counter() - t0
         self.backwards += 1
-        self.reconciled = False
         # The gradients now live in the shard (Note [Sharded p.grad]). As with DDP, a parameter
         # has one if some rank's backward reached it (or it had one before); the others keep None.
         # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.

@@ -40,9 +40,10 @@ parameter's pieces and its "got a gradient" flag are cleared, as DDP's
 gradient would be; with a tensor (a full gradient, the same on every rank),
 that tensor becomes its gradient. Replacements are noticed (reconciled) at the
 start of the next backward pass, and before clip_grad_norm / step read the
-shard. Autograd must never accumulate into a ShardedGrad: each parameter's
-tensor pre-hook swaps it out (for None at stage 2, for the flat-buffer view at
-stage 1) before AccumulateGrad runs (GradSync.before_accumulate in grad_sync.py).
+shard. Autograd must never accumulate into a ShardedGrad: the first gradient
+hook of a backward pass swaps them all out (for None at stages 2-3, for the
+flat-buffer view at stage 1) before AccumulateGrad runs (GradSync.begin_backward
+in grad_sync.py).
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 Every failure test says what bad thing it tries; tests/README.md lists them.
 """
+import functools
 import os
 
 import pytest
@@ -584,8 +585,10 @@ def _python_calls_in_backward(rank, world_size):
 
     import shardopt
 
+    import collections
+
     out = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for layers in (5, 40):
             torch.manual_seed(0)
             model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
@@ -594,15 +597,17 @@ def _python_calls_in_backward(rank, world_size):
             wrapper = shardopt.ShardedDDP(model, opt)
             python_hooks = sum(bool(p._backward_hooks) + (p._post_accumulate_grad_hooks is not None)
                                for p in model.parameters())
-            calls = []
+            calls, most = [], []
             for step in range(3):
                 x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
                 loss = wrapper(x).square().sum()
                 count = [0]
+                per_function = collections.Counter()
 
                 def profile(frame, event, arg):
                     if event == "call":
                         count[0] += 1
+                        per_function[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
 
                 sys.setprofile(profile)
                 try:
@@ -614,20 +619,98 @@ def _python_calls_in_backward(rank, world_size):
                 finally:
                     sys.setprofile(None)
                 calls.append(count[0])
+                most.append(max(per_function.values(), default=0))
                 if step != 1:
                     opt.step()
                     wrapper.zero_grad()
-            out[(stage, 2 * layers)] = (python_hooks, opt.store.grad_hooks.num_hooks, calls)
+            out[(stage, 2 * layers)] = (python_hooks, opt.store.grad_hooks.num_hooks, calls, most)
+    out.update(_user_hooks(rank))
     return out
+
+
+def _user_hooks(rank):
+    """Stage 3's C++ hook sits on the parameter itself, where a user's first p.register_hook clears it."""
+    import shardopt
+
+    def train(stage, hook_after_wrapping):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+        opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=stage,
+                                        reduce_bucket_size=37)
+        wrapper = shardopt.ShardedDDP(model, opt)
+        if hook_after_wrapping:
+            model[1].weight.register_hook(lambda g: 3 * g)  # (the first: Python's setter clears the list)
+        for step in range(2):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            wrapper(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.full_params(writeback=False):
+            return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+    out = {"hooked 3": train(3, True), "hooked 2": train(2, True), "plain 3": train(3, False)}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    loss = wrapper(torch.randn(2, 4)).square().sum()
+    model[0].weight.register_hook(lambda g: g)  # between the forward and its backward
+    try:
+        loss.backward()
+        out["late hook"] = None
+    except RuntimeError as e:
+        out["late hook"] = str(e)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    model[1].bias.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        wrapper(torch.randn(2, 4)).square().sum().backward()
+        out["post-accumulate hook"] = None
+    except RuntimeError as e:
+        out["post-accumulate hook"] = str(e)
+    return out
+
+
+@functools.cache
+def _hook_results():
+    return run_ranks(_python_calls_in_backward, 2)[0]
 
 
 def test_stage_1_2_gradient_hooks_are_cpp():
     # Note [Gradient hooks in C++]: no Python hook on any parameter, and the Python called during a
     # backward pass (one call at its start, the end-of-backward reduction) does not grow with the number
     # of parameters - a Python hook per parameter (or a per-parameter Python call) coming back fails here.
-    out = run_ranks(_python_calls_in_backward, 2)[0]
+    out = _hook_results()
     for stage in (1, 2):
-        (hooks_few, cpp_few, few), (hooks_many, cpp_many, many) = out[(stage, 10)], out[(stage, 80)]
+        (hooks_few, cpp_few, few, _), (hooks_many, cpp_many, many, _) = out[(stage, 10)], out[(stage, 80)]
         assert hooks_few == hooks_many == 0, out
         assert cpp_few == 2 * 10 and cpp_many == 2 * 80, out
         assert few == many and 0 < few[1] <= few[0], f"stage {stage}: Python calls per backward {few} vs {many}"
+
+
+def test_stage_3_gradient_hooks_are_cpp():
+    # Note [Stage 3's gradient hooks in C++]: no Python hook on any parameter, one C++ hook on each. Stage
+    # 3's backward still runs Python per saved weight (unpack asks for its bucket) and per bucket (freed
+    # once its gradients are in), so the calls grow with the layers; but no Python function runs once per
+    # parameter or more: with 80 parameters in 40 layers the busiest one ran 80+ times per backward while
+    # the hooks were Python.
+    out = _hook_results()
+    (hooks_few, cpp_few, _, _), (hooks_many, cpp_many, _, most) = out[(3, 10)], out[(3, 80)]
+    assert hooks_few == hooks_many == 0, out
+    assert cpp_few == 10 and cpp_many == 80, out
+    assert 0 < max(most) < 80, f"stage 3: a Python function ran {most} times per backward over 80 parameters"
+
+
+def test_stage_3_hook_survives_user_hooks_and_refuses_a_late_one():
+    # A user's p.register_hook after wrapping (the tensor's first: Python's setter clears the tensor's
+    # hooks, stage 3's C++ one with them) trains as stage 2 does with the same hook (its hook sees and
+    # changes the gradient first); one registered between a forward and its backward raises at the end
+    # of that backward, naming the fix, instead of losing gradients; a post-accumulate hook is refused.
+    out = _hook_results()
+    assert torch.allclose(out["hooked 3"], out["hooked 2"], atol=1e-6), (out["hooked 3"], out["hooked 2"])
+    assert (out["hooked 3"] - out["plain 3"]).abs().max() > 1e-3  # the hook did change the result
+    assert out["late hook"] and "register parameter hooks before the forward" in out["late hook"], out
+    # A post-accumulate hook could never run at stage 3 (nothing accumulates into the parameter): refused.
+    assert out["post-accumulate hook"] and "register_post_accumulate_grad_hook" in out["post-accumulate hook"], out

@@ -90,6 +90,10 @@ void init_comm_bindings(pybind11::module& m) {
       .def(py::init<std::vector<at::Tensor>, std::shared_ptr<BucketEngine>, std::vector<at::Tensor>, int64_t,
                     py::object>(),
            py::arg("params"), py::arg("engine"), py::arg("views"), py::arg("stage"), py::arg("begin"))
+      .def("stage3", &GradHooks::stage3, py::arg("param_buckets"), py::arg("bucket_done"), "Stage 3's part (Note [Stage 3's gradient hooks in C++] in grad_hooks.h).")
+      .def("arm", &GradHooks::arm, py::arg("pending"), "A backward round begins: parameters to wait for, per bucket.")
+      .def("disarm", &GradHooks::disarm, "The backward round closed.")
+      .def("ensure", &GradHooks::ensure, "Stage 3: puts back tensor hooks a Python register_hook cleared; how many.")
       .def("remove", &GradHooks::remove, "Takes every hook off the parameters (idempotent).")
       .def_property_readonly("num_hooks", &GradHooks::num_hooks);
   m.def("set_grads", &set_grads, py::arg("params"), py::arg("grads"),

@@ -18,24 +18,39 @@ struct GradHooks::State {
   int64_t stage;
   py::object begin;
   std::mutex mu;
+  std::mutex begin_mu;
   int pass_id = -1;  // autograd graph task of the current pass (-1: none)
   PassMode mode = PassMode::kIgnore;
+  // Stage 3 (Note [Stage 3's gradient hooks in C++]).
+  std::vector<std::vector<int64_t>> param_buckets;
+  std::vector<int64_t> pending;   // per bucket: parameters still without a gradient (-1: not counted)
+  bool armed = false;
+  py::object bucket_done;
 
   ~State() {
     py::gil_scoped_acquire gil;
     begin = py::object();
+    bucket_done = py::object();
   }
 
   // A new graph task is a new backward pass: ask Python once what it does.
+  // `begin_mu` serialises the call into Python; `mu` is never held while Python runs (it may arm or disarm).
   PassMode mode_for_pass() {
     const int id = torch::autograd::get_current_graph_task_id();
-    std::lock_guard<std::mutex> g(mu);
-    if (id != pass_id || id == -1) {
-      py::gil_scoped_acquire gil;
-      mode = static_cast<PassMode>(begin().cast<int64_t>());
-      pass_id = id;
+    std::lock_guard<std::mutex> b(begin_mu);
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (id == pass_id && id != -1) return mode;
     }
-    return mode;
+    PassMode m;
+    {
+      py::gil_scoped_acquire gil;
+      m = static_cast<PassMode>(begin().cast<int64_t>());
+    }
+    std::lock_guard<std::mutex> g(mu);
+    mode = m;
+    pass_id = id;
+    return m;
   }
 
   void on_grad(int64_t i) {
@@ -44,8 +59,8 @@ struct GradHooks::State {
       std::lock_guard<std::mutex> g(mu);
       m = mode;
     }
-    if (m == PassMode::kIgnore) return;
     at::Tensor& p = params[i];
+    if (m == PassMode::kIgnore) return;
     if (m == PassMode::kNoteUsed) {
       engine->note_used(i);
       return;
@@ -59,17 +74,53 @@ struct GradHooks::State {
       p.mutable_grad() = at::Tensor();  // stage 2: the full-size gradient is released here
     }
   }
+
+  // Stage 3, before accumulation (Note [Stage 3's gradient hooks in C++]): the gradient goes where
+  // AccumulateGrad's post hook would have sent it, and AccumulateGrad gets none.
+  at::Tensor take(int64_t i, const at::Tensor& incoming) {
+    const PassMode m = mode_for_pass();
+    if (m == PassMode::kIgnore) return incoming;
+    at::Tensor& p = params[i];
+    at::Tensor held = p.grad();  // a gradient kept from earlier backwards (no_sync), whole
+    if (m == PassMode::kNoteUsed) {
+      // Accumulates locally as AccumulateGrad would; a copy, since autograd may reuse `incoming`.
+      p.mutable_grad() = held.defined() ? held + incoming : incoming.clone(at::MemoryFormat::Contiguous);
+      engine->note_used(i);
+    } else {
+      engine->mark_ready(i, held.defined() ? held + incoming : incoming);
+      if (held.defined()) p.mutable_grad() = at::Tensor();
+    }
+    count_down(i);
+    return at::Tensor();
+  }
+
+  // Stage 3: parameter i has its gradient of this backward; a bucket whose parameters all have theirs goes.
+  void count_down(int64_t i) {
+    std::vector<int64_t> done;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (!armed) return;
+      for (int64_t b : param_buckets[i]) {
+        int64_t& left = pending[b];
+        if (left > 0 && --left == 0) done.push_back(b);
+      }
+    }
+    if (done.empty()) return;
+    py::gil_scoped_acquire gil;
+    for (int64_t b : done) bucket_done(b);
+  }
 };
 
 namespace {
 
 struct PreHook : torch::autograd::FunctionPreHook {
-  explicit PreHook(std::shared_ptr<GradHooks::State> s) : state(std::move(s)) {}
+  PreHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
   variable_list operator()(const variable_list& grads) override {
     state->mode_for_pass();
     return grads;
   }
   std::shared_ptr<GradHooks::State> state;
+  int64_t index;
 };
 
 struct PostHook : torch::autograd::FunctionPostHook {
@@ -82,13 +133,52 @@ struct PostHook : torch::autograd::FunctionPostHook {
   int64_t index;
 };
 
+// Whether this backward runs the accumulator of parameter `p` (not so where torch.autograd.grad only
+// captures its gradient, or backward(inputs=...) leaves it out).
+bool runs_accumulator(const at::Tensor& p) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;  // .backward(): every node runs
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(p);
+  if (!acc) return false;
+  const auto it = exec_info->find(acc.get());
+  return it != exec_info->end() && it->second.needed_;
+}
+
+// Stage 3: a hook on the parameter itself (Note [Stage 3's gradient hooks in C++]).
+struct TensorHook : torch::autograd::FunctionPreHook {
+  TensorHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (grads.size() != 1 || !grads[0].defined() || !runs_accumulator(state->params[index])) return grads;
+    return {state->take(index, grads[0])};
+  }
+  std::shared_ptr<GradHooks::State> state;
+  int64_t index;
+};
+
+// Whether parameter i still carries this state's hook (by type and owner, not by address: a hook the list
+// dropped is freed, and another may be allocated where it was).
+bool has_hook(const at::Tensor& p, const std::shared_ptr<GradHooks::State>& state, int64_t i) {
+  for (const auto& h : torch::autograd::impl::hooks(p)) {
+    const auto* ours = dynamic_cast<const TensorHook*>(h.get());
+    if (ours != nullptr && ours->state == state && ours->index == i) return true;
+  }
+  return false;
+}
+
+// After whatever the tensor has (torch's add_hook insists on an empty list: it is how Python installs
+// its one hook, the dict of the user's p.register_hook hooks, which then run before ours).
+void append_hook(const at::Tensor& p, std::unique_ptr<torch::autograd::FunctionPreHook> hook) {
+  TORCH_CHECK(torch::autograd::impl::get_autograd_meta(p), "a parameter that requires grad has autograd metadata");
+  torch::autograd::impl::hooks(p).push_back(std::move(hook));
+}
+
 }  // namespace
 
 GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngine> engine,
                      std::vector<at::Tensor> views, int64_t stage, py::object begin)
     : state_(std::make_shared<State>()) {
-  TORCH_CHECK(stage == 1 || stage == 2, "GradHooks serve stages 1 and 2, got stage ", stage);
-  TORCH_CHECK(stage == 2 || views.size() == params.size(), "stage 1 needs one gradient view per parameter");
+  TORCH_CHECK(stage == 1 || stage == 2 || stage == 3, "GradHooks serve stages 1 to 3, got stage ", stage);
+  TORCH_CHECK(stage != 1 || views.size() == params.size(), "stage 1 needs one gradient view per parameter");
   TORCH_CHECK(engine, "GradHooks need a bucket engine");
   state_->params = std::move(params);
   state_->views = std::move(views);
@@ -98,9 +188,15 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
   const auto& ps = state_->params;
   for (size_t i = 0; i < ps.size(); ++i) {
     TORCH_CHECK(ps[i].requires_grad() && ps[i].is_leaf(), "parameter ", i, " is not a leaf that requires grad");
+    if (stage == 3) {  // on the parameter itself (Note [Stage 3's gradient hooks in C++])
+      auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
+      ++tensor_hooks_;
+      append_hook(ps[i], std::move(hook));
+      continue;
+    }
     auto acc = torch::autograd::impl::grad_accumulator(ps[i]);
     TORCH_CHECK(acc, "parameter ", i, " has no gradient accumulator");
-    auto pre = std::make_unique<PreHook>(state_);
+    auto pre = std::make_unique<PreHook>(state_, static_cast<int64_t>(i));
     pre_hooks_.push_back(pre.get());
     acc->add_pre_hook(std::move(pre));
     post_keys_.push_back(acc->add_post_hook(std::make_unique<PostHook>(state_, static_cast<int64_t>(i))));
@@ -110,6 +206,49 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
 }
 
 GradHooks::~GradHooks() { remove(); }
+
+void GradHooks::stage3(std::vector<std::vector<int64_t>> param_buckets, py::object bucket_done) {
+  auto& s = *state_;
+  TORCH_CHECK(s.stage == 3, "GradHooks.stage3() is for hooks built with stage=3");
+  TORCH_CHECK(param_buckets.size() == s.params.size(), "GradHooks.stage3(): one bucket list per parameter");
+  std::lock_guard<std::mutex> g(s.mu);
+  s.param_buckets = std::move(param_buckets);
+  s.bucket_done = std::move(bucket_done);
+}
+
+void GradHooks::arm(std::vector<int64_t> pending) {
+  std::lock_guard<std::mutex> g(state_->mu);
+  for (const auto& buckets : state_->param_buckets) {
+    for (int64_t b : buckets) {
+      TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(pending.size()), "GradHooks.arm(): bucket ", b,
+                  " of a parameter has no count (", pending.size(), " given)");
+    }
+  }
+  state_->pending = std::move(pending);
+  state_->armed = true;
+}
+
+int64_t GradHooks::ensure() {
+  int64_t put_back = 0;
+  const auto& ps = state_->params;
+  for (size_t i = 0; i < (tensor_hooks_ > 0 ? ps.size() : 0); ++i) {
+    // Nothing is accumulated into a stage-3 parameter, so such a hook would never run: refused, not ignored.
+    TORCH_CHECK(!torch::autograd::impl::post_acc_grad_hooks(ps[i]), "stage 3: parameter ", i,
+                " of the optimizer has a register_post_accumulate_grad_hook, which never runs at stage 3 (its "
+                "gradient goes to the shard before any accumulation into the parameter); use p.register_hook "
+                "(it sees the gradient first), or stage 1 or 2");
+    if (has_hook(ps[i], state_, static_cast<int64_t>(i))) continue;
+    auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
+    append_hook(ps[i], std::move(hook));
+    ++put_back;
+  }
+  return put_back;
+}
+
+void GradHooks::disarm() {
+  std::lock_guard<std::mutex> g(state_->mu);
+  state_->armed = false;
+}
 
 void GradHooks::remove() {
   for (size_t i = 0; i < accumulators_.size(); ++i) {
@@ -123,12 +262,25 @@ void GradHooks::remove() {
       }
     }
   }
+  for (size_t i = 0; i < (tensor_hooks_ > 0 ? state_->params.size() : 0); ++i) {
+    auto& hooks = torch::autograd::impl::hooks(state_->params[i]);
+    for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+      const auto* ours = dynamic_cast<const TensorHook*>(it->get());
+      if (ours != nullptr && ours->state == state_ && ours->index == static_cast<int64_t>(i)) {
+        hooks.erase(it);
+        break;
+      }
+    }
+  }
   accumulators_.clear();
   pre_hooks_.clear();
   post_keys_.clear();
+  tensor_hooks_ = 0;
 }
 
-int64_t GradHooks::num_hooks() const { return 2 * static_cast<int64_t>(accumulators_.size()); }
+int64_t GradHooks::num_hooks() const {
+  return 2 * static_cast<int64_t>(accumulators_.size()) + tensor_hooks_;
+}
 
 }  // namespace shardopt
 

@@ -21,8 +21,43 @@
 // The hooks hold the engine and the parameters but nothing of Python except
 // `begin`, which holds the wrapper weakly (Note [Hooks die with the wrapper]
 // in shardopt/ddp.py); remove() (the wrapper's finalizer) takes them off
-// the accumulators. Stage 3 keeps Python hooks (its parameter shards need
-// Python per parameter anyway: ParamShard.grad_ready).
+// the accumulators.
+//
+// Note [Stage 3's gradient hooks in C++]
+// --------------------------------------
+// Stage 3 ran two Python hooks per parameter per backward (before and after
+// accumulation): on a GPU, where autograd runs them on its device thread and
+// each one takes the GIL, about 29 us per parameter (292 parameters: 8.5 ms
+// of a 48 ms step; benchmarks/results/2026-11-28-gpu-check-h200.md). What
+// they did per parameter needs no Python, so Python now runs once per pass
+// (`begin`) and once per bucket (`bucket_done`), and each parameter has one
+// C++ hook that does the rest *before* accumulation:
+//  * it hands the incoming gradient to the bucket engine itself (kReduce),
+//    or adds it to p.grad itself (kNoteUsed: no_sync, OneBitAdam's local
+//    phase), and returns no gradient, so AccumulateGrad has nothing to do;
+//    then
+//  * the backward round's count of parameters still without a gradient, per
+//    bucket, which the store arms when its backward round begins (arm) and
+//    disarms when the round closes: a bucket whose count reaches zero is
+//    handed to `bucket_done` (the store frees it).
+// Nothing is accumulated into a stage-3 parameter, so the one-element
+// stand-in that AccumulateGrad's shape check needed while the bucket is not
+// gathered (Note [Gradients of parameters not gathered] in
+// shardopt/zero3/store.py) is gone too.
+//
+// Why a hook on the *tensor*, not on its AccumulateGrad node as at stages
+// 1-2: a parameter holds its accumulator weakly and autograd makes a new one
+// when the old is gone; torch.compile's graphs (after a recompile) feed
+// accumulators of their own. A node hook is lost with its node, while
+// autograd reads a tensor's pre hooks from the tensor (autograd meta) each
+// time any of its accumulators runs. Two caveats: Python's first
+// `p.register_hook(...)` on a leaf replaces the tensor's pre-hook list (its
+// setter clears it), so ensure() (after each forward) puts ours back, behind
+// the user's, which then run first and see the gradient; and a call that
+// only captures a gradient (torch.autograd.grad) must get it, so the hook
+// acts only when the graph task will run the parameter's accumulator.
+// The counts and the mode are read under one mutex; Python is called without
+// it held (it may arm or disarm).
 #pragma once
 
 #include <memory>
@@ -56,9 +91,19 @@ class GradHooks {
   GradHooks(const GradHooks&) = delete;
   GradHooks& operator=(const GradHooks&) = delete;
 
+  // Stage 3 (Note [Stage 3's gradient hooks in C++]): each parameter's buckets, and bucket_done(b)
+  // (called with the GIL when bucket b's count reaches zero).
+  void stage3(std::vector<std::vector<int64_t>> param_buckets, pybind11::object bucket_done);
+  // A backward round begins: per bucket, how many of its parameters it waits for (-1: not counted).
+  void arm(std::vector<int64_t> pending);
+  // The round closed: nothing is counted until the next arm().
+  void disarm();
+  // Stage 3: puts back each parameter's tensor hook where Python's first register_hook on it cleared the
+  // list (Note [Stage 3's gradient hooks in C++]). Returns how many it put back.
+  int64_t ensure();
   // Takes every hook off (idempotent).
   void remove();
-  // Hooks installed (2 per parameter until remove()).
+  // Hooks installed (stages 1-2: 2 per parameter, stage 3: 1, until remove()).
   int64_t num_hooks() const;
 
   struct State;
@@ -71,6 +116,7 @@ class GradHooks {
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<torch::autograd::FunctionPreHook*> pre_hooks_;
   std::vector<uintptr_t> post_keys_;
+  int64_t tensor_hooks_ = 0;  // stage 3: parameters with a hook on the tensor itself (TensorHook)
 };
 
 }  // namespace shardopt

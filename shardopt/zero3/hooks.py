@@ -6,6 +6,7 @@ import weakref
 import torch
 from torch import nn
 
+from shardopt import _ext
 from shardopt.loads import masters_after_load, same_values_hook
 from shardopt.zero3.schedule import plan_reuse_scopes
 
@@ -13,29 +14,35 @@ from shardopt.zero3.schedule import plan_reuse_scopes
 def install(store, wrapper_ref, module: nn.Module, optimizer, waits) -> list:
     """Every hook stage 3 needs on `module` (a ShardedDDP's, held weakly: Note [Hooks die with the wrapper]
     in ddp.py); returns their handles."""
-    handles = []
-    for i, p in enumerate(store.params):  # Python hooks: the parameter shards need Python per parameter anyway
-        handles.append(p.register_hook(_pre_accumulate_hook(wrapper_ref, store, i)))
-        handles.append(p.register_post_accumulate_grad_hook(_grad_hook(wrapper_ref, store, i)))
-    return handles + _module_hooks(module, store, optimizer, waits)
+    # Note [Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h: no Python per parameter in backward.
+    store_ref = weakref.ref(store)
+    n = len(store.params)
+    grad_hooks = _ext._C.GradHooks(list(store.params), store.engine, [], 3,
+                                   _begin_backward_hook(wrapper_ref, store_ref))
+    grad_hooks.stage3([list(bs) for bs in store._bucket_of_param[:n]], _bucket_done_hook(store_ref))
+    store.grad_hooks = grad_hooks
+    return [grad_hooks] + _module_hooks(module, store, optimizer, waits)
 
 
-def _grad_hook(wrapper_ref, store, index: int):
-    def hook(p: torch.Tensor) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is not None:
-            store.grad_ready(index)  # its bucket may go once all of its parameters have their gradient
-            wrapper._on_grad(index, p)
-    return hook
+def _begin_backward_hook(wrapper_ref, store_ref):
+    """The first gradient hook of a backward pass (once, with the GIL): what the pass does with gradients,
+    and the store's backward round if no saved weight has begun it yet."""
+    def begin() -> int:
+        wrapper, store = wrapper_ref(), store_ref()
+        if wrapper is None or store is None:
+            return _ext._C.PASS_IGNORE
+        if store.round is None:  # first: its end-of-backward callback runs before the wrapper's reductions end
+            store._begin_backward()
+        return wrapper._begin_backward()
+    return begin
 
 
-def _pre_accumulate_hook(wrapper_ref, store, index: int):
-    def hook(grad: torch.Tensor) -> None:
-        wrapper = wrapper_ref()
-        if wrapper is not None:
-            wrapper.optimizer.grads.before_accumulate(index)
-            store.before_accumulate(index)  # Note [Gradients of parameters not gathered] in store.py
-    return hook
+def _bucket_done_hook(store_ref):
+    def done(b: int) -> None:
+        store = store_ref()
+        if store is not None:
+            store.bucket_grads_done(b)
+    return done
 
 
 # Note [Stage-3 hooks]
@@ -61,6 +68,8 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
         if saved:
             saved.pop().__exit__(None, None, None)
         shard.end_forward(torch.is_grad_enabled())
+        if torch.is_grad_enabled() and shard.grad_hooks is not None:
+            shard.grad_hooks.ensure()  # a user's first p.register_hook cleared the tensor's hooks: ours back
         optimizer._note_model_version()  # a compiled forward counts as an edit (Note [Weights edited in place])
 
     handles.append(module.register_forward_pre_hook(begin))

@@ -17,10 +17,14 @@ freed, the parameter's `.data` becomes an empty tensor of its dtype (as
 DeepSpeed's stage 3 does), so code that reads a weight outside a forward
 gets an obvious shape error instead of freed memory; `opt.full_params()`
 gathers everything for such code. Autograd saves weights for backward
-(x @ W saves W); saved views of a bucket are packed as (bucket, size, stride,
-offset) and unpacked by asking for the bucket again, which is what moves the
-backward round forward (a weight backward never reads: Note [Gradients of
-parameters not gathered]). Gathers write through a second tensor on the same
+(x @ W saves W); a saved view of a bucket is packed as (bucket, the view) and
+unpacked by asking for the bucket again, which is what moves the backward
+round forward (a weight backward never reads: Note [Gradients of parameters
+not gathered]). The view itself stays valid across a free and a gather: a
+free resizes the bucket's storage to nothing and a gather back, keeping the
+storage object the view points at, and a parameter gets its view back as
+`.data` when its bucket is gathered (`_show`). (It was packed as bucket, size,
+stride and offset and rebuilt at unpack: three Python calls per saved weight.) Gathers write through a second tensor on the same
 storage (`_comm`), so autograd's version counter of the parameters' views is
 not bumped by the collective that refills them.
 
@@ -28,17 +32,18 @@ Note [Gradients of parameters not gathered]
 -------------------------------------------
 Some weights are never read in backward: an embedding's (its backward needs
 the indices only), a first Linear's on an input without grad (grad_W needs
-the input, not W). Its bucket may then be free (or still gathering) when
-autograd accumulates the gradient, and autograd's AccumulateGrad checks the
-new gradient's layout against the parameter's sizes and strides: against an
+the input, not W). Its bucket may then be free (or still gathering) when its
+gradient arrives, and autograd's AccumulateGrad would check the new
+gradient's layout against the parameter's sizes and strides: against an
 empty placeholder a 2-d gradient fails ("The size of tensor a (0) must match
 the size of tensor b (64)"). Gathering the bucket only for that check would
 cost a collective and the memory of, say, a vocabulary embedding, for
-nothing. Instead the parameter gets a stand-in of its shape that holds one
-element (a zero-stride expansion) just before the accumulation (ShardedDDP's
-pre-hook), which autograd accepts without copying, and the placeholder back
-once the gradient is handed on (`grad_ready`), unless the bucket was
-gathered meanwhile.
+nothing. So nothing is ever accumulated into a stage-3 parameter: its C++
+hook takes the gradient before AccumulateGrad runs and hands it to the
+bucket engine (or, under no_sync, into p.grad itself), leaving AccumulateGrad
+nothing to check (Note [Stage 3's gradient hooks in C++] in
+csrc/comm/grad_hooks.h). (Before, a one-element stand-in of the parameter's
+shape was swapped in for the accumulation and out after it.)
 """
 from __future__ import annotations
 
@@ -114,7 +119,6 @@ class _Round:
         self.spent: dict[int, frozenset] = {}  # bucket -> its scope
         self.serves = False              # forward: it ends by serving gathers asked again (_serve)
         self.training = False            # forward: a backward will follow (it keeps the seam)
-        self.pending: dict[int, int] = {}  # backward: parameters still without a gradient, per bucket
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -161,6 +165,7 @@ class ShardedStore(ParamStore):
         self.dtype, self.device = params[0].dtype, device
         self.flat_grad, self.resting_grads = None, [None] * len(params)  # gradients: only this rank's chunks
         self.engine = None
+        self.grad_hooks = None  # the C++ gradient hooks of the wrapper attached now (hooks.install)
         self.world_size = dist.get_world_size(process_group)
         # Parameter gathers run on groups of their own, with the world's timeout: the bucket engine's
         # reduce-scatters run on `process_group` (or its node groups) in backward at the same time, in an
@@ -534,7 +539,12 @@ class ShardedStore(ParamStore):
         # store's buckets walks this round in settle(), after collectives its peers' backward runs first.
         order = self.schedule.backward if self.reshard_after_forward else ()
         self.round = self._new_round(Pass.BACKWARD, order)
-        self.round.pending = {b: len(self.bucket_params[b]) for b in order if b < self.trainable_buckets}
+        pending = [-1] * len(self.full)  # per bucket: parameters still without a gradient (-1: not counted)
+        for b in order:
+            if b < self.trainable_buckets:
+                pending[b] = len(self.bucket_params[b])
+        if self.grad_hooks is not None:
+            self.grad_hooks.arm(pending)  # Note [Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h
         if torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -543,6 +553,15 @@ class ShardedStore(ParamStore):
         if self.round is not None and self.round.kind is Pass.BACKWARD:
             self._close_round()
             self.backwards_owed = max(0, self.backwards_owed - 1)
+        if self.grad_hooks is not None and self.grad_hooks.ensure():
+            # Python's first p.register_hook on a parameter clears its tensor hooks, ours with them (Note
+            # [Stage 3's gradient hooks in C++]); put back after each forward, they were missing in this
+            # backward only if a hook was registered between its forward and it: gradients went astray.
+            raise RuntimeError("stage 3: a gradient hook was registered on a parameter (p.register_hook) after "
+                               "the forward and before this backward, which removed shardopt's own hook from "
+                               "it, so this backward's gradients were not all reduced; register parameter "
+                               "hooks before the forward (or before wrapping) and restart from the last "
+                               "checkpoint")
 
     def settle(self) -> None:
         """Before a step: backward rounds this rank owes (grad-enabled forwards whose backward reached none
@@ -558,6 +577,8 @@ class ShardedStore(ParamStore):
         self._start(Intent.STEP)
 
     def _close_round(self) -> None:
+        if self.grad_hooks is not None and self.round.kind is Pass.BACKWARD:
+            self.grad_hooks.disarm()
         self._drain_round()
         for b in range(len(self.full)):
             self.reshard(b)
@@ -784,32 +805,11 @@ class ShardedStore(ParamStore):
             if r.users[b] <= 0 and b not in seam and self.state[b] != FREE:
                 r.spent[b] = scope
 
-    def before_accumulate(self, index: int) -> None:
-        """Autograd is about to accumulate parameter `index`'s gradient (Note [Gradients of parameters not
-        gathered]): a parameter whose bucket is not live gets a one-element stand-in of its shape."""
-        p = self.params[index]
-        if p.untyped_storage()._cdata == self._empty_storage:
-            shape = self.layout.params[index].shape
-            p.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
-
-    def grad_ready(self, index: int) -> None:
-        """Parameter `index` has its gradient of this backward: its bucket may go once all have."""
-        buckets, state = self._bucket_of_param[index], self.state
-        if LIVE not in [state[b] for b in buckets]:
-            self.params[index].data = self.placeholder  # the stand-in goes (before_accumulate)
+    def bucket_grads_done(self, b: int) -> None:
+        """Every parameter of bucket b has its gradient of this backward (the C++ hooks' count): it may go."""
         r = self.round
-        if r is None:
-            self._begin_backward()
-            r = self.round
-        if r.kind is not Pass.BACKWARD:
-            return
-        pending = r.pending
-        for b in buckets:
-            left = pending.get(b)
-            if left is not None:
-                pending[b] = left - 1
-                if left == 1:
-                    self.reshard(b)
+        if r is not None and r.kind is Pass.BACKWARD:
+            self.reshard(b)
 
     # ------------------------------------------------------------- attaching
     # Note [The seam between forward and backward]
@@ -966,14 +966,14 @@ class ShardedStore(ParamStore):
             return t
         if b is None or self.layout.buckets[b].persistent:
             return t
-        return (b, t.size(), t.stride(), t.storage_offset())
+        return (b, t)  # Note [Parameters between gathers]: valid again once bucket b is gathered
 
     def unpack(self, saved):
         if not isinstance(saved, tuple):
             return saved
-        b, size, stride, offset = saved
+        b, t = saved
         self.need((b,))
-        return self.full[b].as_strided(size, stride, offset)
+        return t
 
     # ------------------------------------------------------------- whole weights
     @contextlib.contextmanager
