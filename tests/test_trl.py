@@ -139,6 +139,54 @@ def test_sft_matches_sft_trainer_with_ddp(tmp_path):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
+def _sft_save_and_resume(rank, world_size, tmp):
+    """Stage 3 SFT for 4 steps saving checkpoints at 2 and 4, then save_model(); then a new trainer resumed
+    from checkpoint-2 to step 4. Returns what rank 0 checks."""
+    from accelerate.state import AcceleratorState
+
+    _env(rank, world_size)
+    tokenizer = char_tokenizer()
+
+    def trainer(out, other_start=False):
+        AcceleratorState._reset_state()
+        model = tiny_llama(tokenizer)
+        if other_start:  # only the checkpoint's weights (and Adam state) can bring it back on course
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05)
+        args = _config(trl.SFTConfig, out, save_strategy="steps", save_steps=2)
+        return sharded(trl.SFTTrainer)(model=model, args=args, processing_class=tokenizer,
+                                       train_dataset=sft_dataset(), shardopt_kwargs=STAGE3), model
+
+    first, model = trainer(f"{tmp}/run")
+    logs, weights, _ = _fit(first, model, True)
+    first.save_model(f"{tmp}/saved")  # every rank calls it; rank 0 writes whole weights
+    again, model = trainer(f"{tmp}/run", other_start=True)
+    again.torch_clips = 0
+    again.train(resume_from_checkpoint=f"{tmp}/run/checkpoint-2")
+    resumed = [{k: v for k, v in e.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
+               for e in again.state.log_history if "loss" in e]
+    with again._sharded()[1].full_params(writeback=False):
+        resumed_weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return logs, weights, resumed, resumed_weights, sorted(os.listdir(f"{tmp}/run"))
+
+
+def test_sft_save_model_and_resume_at_stage_3(tmp_path):
+    """The sharded SFTTrainer at stage 3: save_model() writes whole weights that transformers loads (equal to
+    the trained ones), and a run resumed from its step-2 checkpoint ends as the uninterrupted run did."""
+    logs, weights, resumed, resumed_weights, kept = run_ranks(_sft_save_and_resume, 2, str(tmp_path),
+                                                              timeout=600)[0]
+    assert [f for f in kept if f.startswith("checkpoint-")] == ["checkpoint-2", "checkpoint-4"], kept
+    saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    for n, p in saved.named_parameters():
+        assert torch.equal(p, weights[n]), n
+    resumed = [e for e in resumed if e["step"] > 2]  # (the log history holds the checkpoint's steps too)
+    assert [e["step"] for e in resumed] == [3, 4], resumed
+    for a, b in zip(logs[2:], resumed):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) <= 1e-5 * max(1, abs(a["loss"])), (a, b)
+    assert all(torch.allclose(weights[n], resumed_weights[n], rtol=1e-5, atol=1e-6) for n in weights)
+
+
 def test_dpo_matches_dpo_trainer_with_ddp(tmp_path):
     """ShardedTrainer mixed into DPOTrainer with a frozen reference model at stages 2 and 3: DPOTrainer + DDP's
     numbers."""
