@@ -253,3 +253,34 @@ def test_barrier_waits_for_every_rank_and_raises_for_a_dead_or_late_one():
     with pytest.raises(RuntimeError, match=r"for rank\(s\) \[0\] \(global rank\(s\) \[4\]\), which are alive but "
                                            r"did not arrive"):
         barrier.arrive().wait()
+
+
+def _agreements(rank, world_size):
+    """Stage 3's pass agreements through shared memory (Note [Agreements in shared memory]): the same answers
+    as gloo's all-gather, round after round (rounds of different values: the slots alternate by epoch);
+    a stage-3 store uses it."""
+    import torch.distributed as dist
+
+    import shardopt
+    from shardopt.parallel.shm_exchange import open_shm_exchange
+
+    ex = open_shm_exchange(dist.group.WORLD)
+    rounds = []
+    for i in range(7):
+        if rank == 1 and i == 3:
+            time.sleep(0.2)  # a slow rank: the fast ones must not read a slot it is about to fill
+        mine = (10 * rank + i, i * i - rank)
+        theirs = [None] * world_size
+        dist.all_gather_object(theirs, mine)
+        rounds.append(ex.exchange(*mine) == [tuple(t) for t in theirs])
+    model = nn.Linear(4, 4)
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3)
+    return rounds, opt.store.agree_shm is not None
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage_3_agreements_through_shared_memory_equal_gloos(world_size):
+    for rounds, used in run_ranks(_agreements, world_size):
+        assert all(rounds) and len(rounds) == 7, rounds
+        assert used  # one host: the store agrees through shared memory
+    assert not _ours()  # no file left behind

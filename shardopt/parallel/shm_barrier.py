@@ -95,6 +95,7 @@ class ShmBarrier:
         self.pids = pids
         self.timeout_s = timeout_s
         self.epoch = 0
+        self.what = "the barrier of the parameter gather through shared memory"  # where errors say it waited
         # Group rank r is global rank global_ranks[r]: errors name both (Note [Naming a peer] in
         # csrc/comm/peer_names.h). None: the group ranks are the global ones.
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(len(counters)))
@@ -134,13 +135,11 @@ class Arrival:
                     raise RuntimeError(
                         f"shardopt: rank(s) {dead} of this host's shard group exited (global rank(s) "
                         f"{[g[r] for r in dead]}, pids {[b.pids[r] for r in dead]}) while rank {b.rank} (global "
-                        f"rank {g[b.rank]}) waited for them at the barrier of the parameter gather through shared "
-                        f"memory; see their logs.")
+                        f"rank {g[b.rank]}) waited for them at {b.what}; see their logs.")
                 if now - start > b.timeout_s:
                     raise RuntimeError(
                         f"shardopt: rank {b.rank} (global rank {g[b.rank]}) waited {now - start:.0f} s (the "
-                        f"group's timeout) at the barrier of the parameter gather through shared memory for "
-                        f"rank(s) {late} (global rank(s) {[g[r] for r in late]}), which are alive but did not "
+                        f"group's timeout) at {b.what} for rank(s) {late} (global rank(s) {[g[r] for r in late]}), which are alive but did not "
                         f"arrive: are they running the same sequence of step() calls?")
                 check = now + CHECK_S
             if now - start < SPIN_S:

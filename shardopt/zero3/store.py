@@ -63,6 +63,7 @@ from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
 from shardopt.prefetch import plan_forward_waits
 from shardopt.zero3 import hooks
+from shardopt.parallel.shm_exchange import open_shm_exchange
 from shardopt.zero3.passes import Intent, describe, exchange
 from shardopt.zero3.schedule import Stage3Schedule, plan_stage3_schedule
 
@@ -181,6 +182,8 @@ class ShardedStore(ParamStore):
             self.group = copy_group(process_group) if self.world_size > 1 else process_group
         # Which pass each rank starts next (Note [Passes every rank agrees on] in passes.py).
         self.agree_group = copy_group(process_group, backend="gloo") if self.world_size > 1 else None
+        # On one host through shared memory (Note [Agreements in shared memory] in parallel/shm_exchange.py).
+        self.agree_shm = open_shm_exchange(self.agree_group) if self.agree_group is not None else None
         self.passes_started, self.last_intent = 0, None
         self.join_agree = None  # under torch's Join the agreement is its (Note [Join] in shardopt/join.py)
         self.members = list(params)  # every parameter held: the trainable ones, then frozen ones (adopt)
@@ -484,7 +487,7 @@ class ShardedStore(ParamStore):
         if self.agree_group is None or (self.join_agree is not None and self.join_agree(intent)):
             return
         while True:
-            everyone = exchange(intent, self.passes_started, self.agree_group)
+            everyone = exchange(intent, self.passes_started, self.agree_group, self.agree_shm)
             if any(p is Intent.AGAIN for p, _ in everyone):  # a peer's forward ends here: out of step (a bug)
                 ranks = [dist.get_global_rank(self.agree_group, r) for r in range(len(everyone))]
                 raise RuntimeError(describe(everyone, ranks))
@@ -755,7 +758,7 @@ class ShardedStore(ParamStore):
         every bucket some rank asks for, in rank order; with -1, until no rank asks (Note [A module called
         again])."""
         while True:
-            everyone = exchange(Intent.AGAIN, want, self.agree_group)
+            everyone = exchange(Intent.AGAIN, want, self.agree_group, self.agree_shm)
             if any(p is not Intent.AGAIN for p, _ in everyone):
                 if self.round is not None:
                     self.round.serves = False  # the forward's end (its hook runs on the way out) asks no more
