@@ -162,7 +162,10 @@ def _held(rank, world_size):
         est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, device="cpu"))
         out[stage] = dict(storages=storages, peers=peers, pages=pages, total=est.total, staging=est.staging,
                           gathered=est.gathered, tensors=len(shapes), stats=opt.memory_stats(),
-                          shared=getattr(opt.store, "shared_gather", None) is not None)
+                          shared=getattr(opt.store, "shared_gather", None) is not None,
+                          # stage 3's pass agreements through shared memory: each peer's slots mapped here
+                          # (Note [Agreements in shared memory]: 4 int64 per rank)
+                          agree=32 * (world_size - 1) if getattr(opt.store, "agree_shm", None) is not None else 0)
         del model, opt, wrapper
         gc.collect()
     return out
@@ -183,6 +186,7 @@ def test_estimate_matches_memory_held():
             # Nothing the estimate leaves out but bookkeeping (Note [Memory measured two ways]): far inside 10%.
             assert abs(m["storages"] - visible) <= BOOKKEEPING + PER_TENSOR * m["tensors"], where
             # The other rank's shared-memory flat buffer is mapped, and read, not held (stages 1-2, where
-            # /dev/shm holds both buffers; else the process group gathers and nothing is mapped).
+            # /dev/shm holds both buffers; else the process group gathers and nothing is mapped but, at stage 3,
+            # the peers' 32-byte agreement slots).
             assert not (m["shared"] and stage == 3), where
-            assert m["peers"] == (m["stats"]["params"] if m["shared"] else 0), where
+            assert m["peers"] == (m["stats"]["params"] if m["shared"] else m["agree"]), where
