@@ -18,7 +18,9 @@ rank has arrived, every slot of that epoch is read. The slots alternate by the e
 write the next exchange's slot while a slower one still reads this one's, but not the one after (writing
 that needs the slower rank's arrival at the next epoch, which comes after its reads). The barrier's
 ordering argument (x86 only), its dead-peer checks and its timeout hold as they are; where it cannot be
-used (another machine, pid namespaces, ranks on several hosts) the exchange stays on gloo.
+used (another machine, pid namespaces, ranks on several hosts) the exchange stays on gloo. The emulated
+cluster (shardopt/cluster: network namespaces on one VM) shares /dev/shm, so there the agreements take this
+path and not the emulated links; the data paths still cross them.
 """
 from __future__ import annotations
 
