@@ -1,6 +1,7 @@
 // See Note [Gradient hooks in C++] in grad_hooks.h.
 #include "grad_hooks.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include <torch/csrc/autograd/graph_task.h>
@@ -59,8 +60,8 @@ struct GradHooks::State {
       std::lock_guard<std::mutex> g(mu);
       m = mode;
     }
-    at::Tensor& p = params[i];
     if (m == PassMode::kIgnore) return;
+    at::Tensor& p = params[i];
     if (m == PassMode::kNoteUsed) {
       engine->note_used(i);
       return;
@@ -114,13 +115,12 @@ struct GradHooks::State {
 namespace {
 
 struct PreHook : torch::autograd::FunctionPreHook {
-  PreHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
+  explicit PreHook(std::shared_ptr<GradHooks::State> s) : state(std::move(s)) {}
   variable_list operator()(const variable_list& grads) override {
     state->mode_for_pass();
     return grads;
   }
   std::shared_ptr<GradHooks::State> state;
-  int64_t index;
 };
 
 struct PostHook : torch::autograd::FunctionPostHook {
@@ -155,14 +155,12 @@ struct TensorHook : torch::autograd::FunctionPreHook {
   int64_t index;
 };
 
-// Whether parameter i still carries this state's hook (by type and owner, not by address: a hook the list
+// Whether `h` is this state's hook of parameter i (by type and owner, not by address: a hook the list
 // dropped is freed, and another may be allocated where it was).
-bool has_hook(const at::Tensor& p, const std::shared_ptr<GradHooks::State>& state, int64_t i) {
-  for (const auto& h : torch::autograd::impl::hooks(p)) {
-    const auto* ours = dynamic_cast<const TensorHook*>(h.get());
-    if (ours != nullptr && ours->state == state && ours->index == i) return true;
-  }
-  return false;
+bool is_ours(const torch::autograd::FunctionPreHook* h, const std::shared_ptr<GradHooks::State>& state,
+             int64_t i) {
+  const auto* ours = dynamic_cast<const TensorHook*>(h);
+  return ours != nullptr && ours->state == state && ours->index == i;
 }
 
 // After whatever the tensor has (torch's add_hook insists on an empty list: it is how Python installs
@@ -189,14 +187,13 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
   for (size_t i = 0; i < ps.size(); ++i) {
     TORCH_CHECK(ps[i].requires_grad() && ps[i].is_leaf(), "parameter ", i, " is not a leaf that requires grad");
     if (stage == 3) {  // on the parameter itself (Note [Stage 3's gradient hooks in C++])
-      auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
-      ++tensor_hooks_;
-      append_hook(ps[i], std::move(hook));
+      append_hook(ps[i], std::make_unique<TensorHook>(state_, static_cast<int64_t>(i)));
+      on_tensors_ = true;
       continue;
     }
     auto acc = torch::autograd::impl::grad_accumulator(ps[i]);
     TORCH_CHECK(acc, "parameter ", i, " has no gradient accumulator");
-    auto pre = std::make_unique<PreHook>(state_, static_cast<int64_t>(i));
+    auto pre = std::make_unique<PreHook>(state_);
     pre_hooks_.push_back(pre.get());
     acc->add_pre_hook(std::move(pre));
     post_keys_.push_back(acc->add_post_hook(std::make_unique<PostHook>(state_, static_cast<int64_t>(i))));
@@ -231,15 +228,19 @@ void GradHooks::arm(std::vector<int64_t> pending) {
 int64_t GradHooks::ensure() {
   int64_t put_back = 0;
   const auto& ps = state_->params;
-  for (size_t i = 0; i < (tensor_hooks_ > 0 ? ps.size() : 0); ++i) {
+  if (!on_tensors_) return 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
     // Nothing is accumulated into a stage-3 parameter, so such a hook would never run: refused, not ignored.
     TORCH_CHECK(!torch::autograd::impl::post_acc_grad_hooks(ps[i]), "stage 3: parameter ", i,
                 " of the optimizer has a register_post_accumulate_grad_hook, which never runs at stage 3 (its "
                 "gradient goes to the shard before any accumulation into the parameter); use p.register_hook "
                 "(it sees the gradient first), or stage 1 or 2");
-    if (has_hook(ps[i], state_, static_cast<int64_t>(i))) continue;
-    auto hook = std::make_unique<TensorHook>(state_, static_cast<int64_t>(i));
-    append_hook(ps[i], std::move(hook));
+    const auto& hooks = torch::autograd::impl::hooks(ps[i]);
+    const auto i64 = static_cast<int64_t>(i);
+    if (std::any_of(hooks.begin(), hooks.end(), [&](const auto& h) { return is_ours(h.get(), state_, i64); })) {
+      continue;
+    }
+    append_hook(ps[i], std::make_unique<TensorHook>(state_, i64));
     ++put_back;
   }
   return put_back;
@@ -262,24 +263,21 @@ void GradHooks::remove() {
       }
     }
   }
-  for (size_t i = 0; i < (tensor_hooks_ > 0 ? state_->params.size() : 0); ++i) {
+  for (size_t i = 0; i < (on_tensors_ ? state_->params.size() : 0); ++i) {
     auto& hooks = torch::autograd::impl::hooks(state_->params[i]);
-    for (auto it = hooks.begin(); it != hooks.end(); ++it) {
-      const auto* ours = dynamic_cast<const TensorHook*>(it->get());
-      if (ours != nullptr && ours->state == state_ && ours->index == static_cast<int64_t>(i)) {
-        hooks.erase(it);
-        break;
-      }
-    }
+    const auto i64 = static_cast<int64_t>(i);
+    const auto ours = [&](const auto& h) { return is_ours(h.get(), state_, i64); };
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(), ours), hooks.end());
   }
   accumulators_.clear();
   pre_hooks_.clear();
   post_keys_.clear();
-  tensor_hooks_ = 0;
+  on_tensors_ = false;
 }
 
 int64_t GradHooks::num_hooks() const {
-  return 2 * static_cast<int64_t>(accumulators_.size()) + tensor_hooks_;
+  return 2 * static_cast<int64_t>(accumulators_.size()) +
+         (on_tensors_ ? static_cast<int64_t>(state_->params.size()) : 0);
 }
 
 }  // namespace shardopt

@@ -116,7 +116,7 @@ class GradHooks {
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<torch::autograd::FunctionPreHook*> pre_hooks_;
   std::vector<uintptr_t> post_keys_;
-  int64_t tensor_hooks_ = 0;  // stage 3: parameters with a hook on the tensor itself (TensorHook)
+  bool on_tensors_ = false;  // stage 3: each parameter has a hook on the tensor itself (TensorHook)
 };
 
 }  // namespace shardopt
