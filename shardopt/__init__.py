@@ -19,9 +19,10 @@ from shardopt.optimizer import ShardedOptimizer
 from shardopt.precision import LossScaleConfig
 from shardopt.view import wrapper_of
 from shardopt.weights import WeightsError, from_pretrained, load_weights, save_weights
+from shardopt.zero3.inference import ShardedInference, shard_for_inference
 
 
-__all__ = ["CPUAdam", "CheckpointError", "LossScaleConfig", "OneBitAdam", "WarmupLR", "ShardConfig", "ShardedDDP", "ShardedOptimizer",
+__all__ = ["CPUAdam", "CheckpointError", "LossScaleConfig", "OneBitAdam", "WarmupLR", "ShardConfig", "ShardedDDP", "ShardedInference", "ShardedOptimizer",
            "WeightsError", "cpu_features", "from_pretrained", "load_checkpoint", "load_weights", "register_elementwise_optimizer",
-           "save_checkpoint", "save_weights", "wrapper_of"]
+           "save_checkpoint", "save_weights", "shard_for_inference", "wrapper_of"]
 __version__ = "0.1.0"

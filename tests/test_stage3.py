@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_harness import run_ranks
-from models import VOCAB, AwkwardNet, StackNet, batch, expert_of, uses_branch
+from models import DIM, VOCAB, AwkwardNet, StackNet, batch, expert_of, uses_branch
 
 STEPS = 8
 
@@ -504,3 +504,84 @@ def test_stage3_staging_pool_stays_small(impl):
     # reduce-scatter copies on every wait] in csrc/comm/gloo_reduce_scatter.h).
     for staging, buckets in run_ranks(_staging_pool, 2, impl):
         assert buckets == 16 and staging <= 4, (impl, staging, buckets)
+
+
+def _inference(rank, world_size):
+    """A frozen StackNet sharded for inference against the same model whole: (failures, facts)."""
+    import shardopt
+
+    torch.manual_seed(0)
+    whole = StackNet().requires_grad_(False)
+    model = copy.deepcopy(whole)
+    ref = shardopt.shard_for_inference(model, reduce_bucket_size=300, param_persistence_threshold=30)
+    store, failures = ref._store, []
+
+    def held():  # bytes of the model's parameters on this rank: their storages, and the chunks behind them
+        storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in model.parameters()}
+        return sum(storages.values()) + ref.memory_stats()["shard"]
+
+    total = sum(p.numel() * p.element_size() for p in whole.parameters())
+    facts = {"held": held(), "whole": total, "buckets": len(store.layout.buckets)}
+
+    def check(step, expert, grad=False):
+        x, _ = batch(step, rank)
+        with torch.no_grad():
+            want = whole(x, expert)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            got = ref(x, expert=expert)
+        if not torch.equal(got, want) or got.requires_grad:
+            failures.append(f"step {step} expert {expert}: differs by {(got - want).abs().max():.3e}")
+        if held() != facts["held"]:
+            failures.append(f"step {step}: {held()} bytes held after a forward, {facts['held']} before")
+
+    # The same forwards on every rank (experts some ranks skip), one under grad mode (its input needs none).
+    for step in range(3):
+        check(step, expert_of(step, rank), grad=step == 1)
+    # Different numbers of forwards per rank (3 on rank 0, 1 on the others), then sync(): no hang, and every
+    # rank has issued the same gathers.
+    for step in range(3 if rank == 0 else 1):
+        check(10 + step, None)
+    ref.sync()
+    ref.sync()  # twice in a row: a no-op pair, not a skipped exchange
+    check(20, 1)
+    facts["gathers"] = store.num_gathers
+    facts["peak_gathered"] = ref.memory_stats()["peak_gathered"]
+    state = ref.state_dict()
+    if sorted(state) != sorted(f"module.{k}" for k in whole.state_dict()) or not all(
+            torch.equal(state[f"module.{k}"], v) for k, v in whole.state_dict().items()):
+        failures.append("state_dict() is not the whole model's")
+    if held() != facts["held"]:
+        failures.append("state_dict() left parameters gathered")
+    # Refused, naming the problem (all before any collective).
+    x, _ = batch(0, rank)
+    emb = whole.emb(x).requires_grad_()
+    linear = shardopt.shard_for_inference(torch.nn.Linear(DIM, DIM).requires_grad_(False))
+    refusals = [(lambda: linear(emb), RuntimeError, "input that requires grad"),
+                (lambda: ref.module.blocks[0](emb), RuntimeError, "called on its own under grad mode"),
+                (lambda: shardopt.shard_for_inference(StackNet(), stage=3), ValueError, "requires grad"),
+                (lambda: shardopt.shard_for_inference(copy.deepcopy(whole), stage=2), ValueError, "stage 3"),
+                (lambda: shardopt.shard_for_inference(copy.deepcopy(whole), offload="cpu"), TypeError, "offload"),
+                (lambda: shardopt.shard_for_inference(model), ValueError, "already")]
+    for call, error, says in refusals:
+        try:
+            call()
+            failures.append(f"not refused: {says}")
+        except error as e:
+            if says not in str(e):
+                failures.append(f"refused without saying {says!r}: {e}")
+    return failures, facts
+
+
+def test_a_frozen_model_sharded_for_inference():
+    """shardopt.shard_for_inference (Note [Models sharded for inference]): a frozen StackNet at 2 ranks gives the
+    whole model's outputs bit for bit (experts some ranks skip, a forward under grad mode), each rank holds its
+    chunks (about 1/2 of the model's bytes) and nothing else between forwards, ranks that ran 3 and 1 forwards
+    meet at sync() with the same gathers, state_dict() is the whole model's, and bad input is refused by name."""
+    ranks = run_ranks(_inference, 2, timeout=120)
+    for rank, (failures, facts) in enumerate(ranks):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+        # Its chunks (padded to 128 elements per bucket and rank) plus the persistent norm parameters.
+        assert facts["held"] <= facts["whole"] / 2 + facts["buckets"] * 128 * 4 + 2 * 24 * 4, facts
+        assert facts["peak_gathered"] < facts["whole"], facts
+    assert ranks[0][1]["gathers"] == ranks[1][1]["gathers"], [f for _, f in ranks]
+    print(f"\ninference shard of StackNet at 2 ranks: {[f for _, f in ranks]}")

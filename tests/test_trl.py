@@ -105,7 +105,8 @@ def _train(kind, out, shardopt_kwargs=None):
         cls, kw = trl.SFTTrainer, dict(train_dataset=sft_dataset())
         args = _config(trl.SFTConfig, out)
     else:
-        # The frozen reference model: a copy of the initial policy, on every rank whole (see docs).
+        # The frozen reference model: a copy of the initial policy (at stage 3 ShardedTrainer shards it: Note
+        # [The reference model at stage 3]).
         cls, kw = trl.DPOTrainer, dict(train_dataset=dpo_dataset(), ref_model=copy.deepcopy(model))
         args = _config(trl.DPOConfig, out, beta=0.5, learning_rate=1e-3)
     if shardopt_kwargs is not None:
@@ -113,12 +114,34 @@ def _train(kind, out, shardopt_kwargs=None):
     return _fit(cls(model=model, args=args, processing_class=tokenizer, **kw), model, shardopt_kwargs is not None)
 
 
+def _reference_model(trainer, stage, world_size, what):
+    """DPO's reference model after training (Note [The reference model at stage 3]): at stage 3 sharded for
+    inference, each rank holding about 1/world_size of its parameters' bytes between forwards; whole below.
+    Returns (failures, the bytes held on this rank and the whole model's)."""
+    from shardopt import ShardedInference
+
+    ref = trainer.ref_model
+    if stage < 3:
+        whole = isinstance(ref, torch.nn.Module) and not isinstance(ref, ShardedInference)
+        return ([] if whole else [f"{what}: reference model {type(ref).__name__}, not whole"]), {}
+    if not isinstance(ref, ShardedInference):
+        return [f"{what}: reference model {type(ref).__name__}, not sharded"], {}
+    # Every storage its parameters point at between forwards (the persistent ones: norms), and its chunks.
+    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in ref.module.parameters()}
+    stats = ref.memory_stats()
+    facts = {"held": sum(storages.values()) + stats["shard"], "whole": stats["whole"],
+             "peak_gathered": stats["peak_gathered"]}
+    if facts["held"] > 1.05 * facts["whole"] / world_size:
+        return [f"{what}: the reference model holds {facts['held']} bytes on this rank of {facts['whole']}"], facts
+    return [], facts
+
+
 def _parity(rank, world_size, tmp, kind, stages):
     """The DDP reference once, then the sharded trainer at each stage against it (one launch: the ranks
-    import TRL once and train the reference once)."""
+    import TRL once and train the reference once). Returns (failures, facts about DPO's reference model)."""
     _env(rank, world_size)
     ref = _train(kind, f"{tmp}/{kind}-ddp")
-    failures = []
+    failures, facts = [], {}
     if not any(e["grad_norm"] > 0.5 for e in ref[0]):
         failures.append(f"clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")
     if len(ref[0]) != 4:
@@ -129,13 +152,16 @@ def _parity(rank, world_size, tmp, kind, stages):
         failures += _compare(ref, ours, 1e-5, what) + _is_sharded(ours[2], what)
         if ours[2]._sharded()[1].config.stage != stage:
             failures.append(f"{what}: trained at stage {ours[2]._sharded()[1].config.stage}")
-    return failures
+        if kind == "dpo":
+            more, facts[stage] = _reference_model(ours[2], stage, world_size, what)
+            failures += more
+    return failures, facts
 
 
 def test_sft_matches_sft_trainer_with_ddp(tmp_path):
     """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss) at stages 1, 2 and 3:
     SFTTrainer + DDP's numbers."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", (1, 2, 3), timeout=600)):
+    for rank, (failures, _) in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", (1, 2, 3), timeout=600)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
@@ -189,9 +215,13 @@ def test_sft_save_model_and_resume_at_stage_3(tmp_path):
 
 def test_dpo_matches_dpo_trainer_with_ddp(tmp_path):
     """ShardedTrainer mixed into DPOTrainer with a frozen reference model at stages 2 and 3: DPOTrainer + DDP's
-    numbers."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3), timeout=600)):
+    numbers. At stage 3 the reference model is sharded for inference too (Note [The reference model at stage 3]):
+    each rank holds about half of its parameters' bytes between forwards; at stage 2 it is whole."""
+    ranks = run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3), timeout=600)
+    for rank, (failures, facts) in enumerate(ranks):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+        assert facts[3]["held"] > 0, facts
+    print(f"\nDPO's reference model at stage 3, bytes per rank: {[facts[3] for _, facts in ranks]}")
 
 
 def _reward(completions, **kw):

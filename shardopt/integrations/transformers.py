@@ -74,8 +74,37 @@ model outside training steps, and what changes for it:
     weights file, and says how to get whole weights; checkpoint folders then
     hold no weights file either (their `shardopt/` has the weights, and resume
     reads them from there).
+  * a frozen reference model beside the policy (TRL's DPOTrainer keeps one in
+    `self.ref_model`, passed as `ref_model=` or built by TRL from the policy's
+    path) is sharded too when the policy is wrapped: Note [The reference model
+    at stage 3].
 After train() the model stays sharded (the Trainer keeps its ShardedDDP):
 read weights with `with opt.full_params(): ...` on every rank, or save_model().
+
+Note [The reference model at stage 3]
+-------------------------------------
+TRL's DPOTrainer keeps a frozen reference model (`self.ref_model`) as big as the
+policy and runs it, under no_grad, once per micro-batch on every rank. Whole on
+every rank it would cost the whole model once more per rank at stage 3, where
+the policy costs 1/N. So, where the Trainer's model is wrapped for training at
+stage 3 (_wrap_model, once the optimizer exists), a `ref_model` attribute that is
+a module is replaced by shardopt.shard_for_inference(ref_model, ...) with the
+policy's stage-3 options (the same buckets, persistence threshold, prefetch and
+collectives; over the policy's shard group), as TRL's prepare_deepspeed makes it
+a ZeRO-3 inference engine under DeepSpeed ZeRO-3 (its parameters are frozen
+first: TRL runs it under no_grad only and leaves requires_grad as loaded) (Note [Models sharded for
+inference] in shardopt/zero3/inference.py): P/N of it per rank, gathered bucket
+by bucket in each of its forwards. Every rank runs the same number of reference
+forwards (one per micro-batch; evaluation gets as many batches on every rank
+from accelerate), so nothing needs a sync(). It is done at wrap time, not at
+construction: TRL's construction may precompute reference log-probabilities
+with it first (precompute_ref_log_probs), and a Trainer that never trains keeps
+it as TRL left it. With PEFT TRL has no reference model (it disables the
+adapters of the policy): nothing to shard. At stages 1 and 2 the policy's
+parameters are whole on every rank, and so is the reference model, as TRL's
+prepare_deepspeed leaves it below ZeRO-3. `sync_ref_model=True` is refused at
+stage 3: TRL's callback mixes the policy's weights into the reference model's in
+place, and at stage 3 both are empty tensors between uses.
 """
 from __future__ import annotations
 
@@ -94,6 +123,7 @@ from shardopt.elementwise import check_elementwise
 from shardopt.optimizer import ShardedOptimizer
 from shardopt.weights.names import peft_adapters
 from shardopt.weights.stream import save_weights
+from shardopt.zero3.inference import ShardedInference, inference_options, shard_for_inference
 
 try:
     import transformers
@@ -132,7 +162,8 @@ GENERATING_TRAINERS = frozenset({"PPOTrainer", "OnlineDPOTrainer", "XPOTrainer",
 # accelerate's unwrap_model takes off the wrappers it knows (DDP, DeepSpeed, FSDP, torch.compile) and would
 # hand a ShardedDDP back as it is; code that asks it for the bare model then reads a model's attributes on
 # the wrapper (TRL's generation does: `unwrap_model(model).is_gradient_checkpointing`, then generate()).
-# ShardedTrainer's accelerator takes ShardedDDP off too, as it takes off DDP. At stage 3 the bare model's
+# ShardedTrainer's accelerator takes ShardedDDP off too, as it takes off DDP (and a ShardedInference, the
+# reference model's wrapper: Note [The reference model at stage 3]). At stage 3 the bare model's
 # forwards still gather through the store's hooks (Note [ShardedTrainer at stage 3]).
 
 
@@ -167,6 +198,7 @@ class ShardedTrainer(Trainer):
         self.gather_weights_on_save = (gather_weights_on_save if gather_weights_on_save is not None
                                        else from_config if from_config is not None else True)
         self._check_generation_in_training()
+        self._check_reference_model()
 
     def _stage(self) -> int:
         """The stage the optimizer will have: shardopt_kwargs', else the config's, else ShardedOptimizer's default."""
@@ -185,6 +217,30 @@ class ShardedTrainer(Trainer):
                 "generates rollouts during training (different numbers of forwards per rank, each of which gathers "
                 "parameters at stage 3), and it has not been run at stage 3 yet (GRPOTrainer and RLOOTrainer have). "
                 "Use stage 1 or 2 (shardopt_kwargs={'stage': 2}), or one process. docs/integrations.md, TRL")
+
+    def _check_reference_model(self) -> None:
+        """Note [The reference model at stage 3]."""
+        if (self._stage() == 3 and getattr(self.args, "sync_ref_model", False)
+                and isinstance(getattr(self, "ref_model", None), torch.nn.Module)):
+            raise ValueError(
+                "ShardedTrainer at stage 3 cannot sync_ref_model=True: TRL's callback mixes the policy's weights into "
+                "the reference model's in place, and at stage 3 both are sharded (empty tensors between uses). Use "
+                "sync_ref_model=False, or stage 1 or 2 (shardopt_kwargs={'stage': 2}). docs/integrations.md, TRL")
+
+    def _shard_reference_model(self, opt: ShardedOptimizer) -> None:
+        """A frozen reference model (TRL's `self.ref_model`) sharded as the policy is (Note [The reference model
+        at stage 3]); whole at stages 1 and 2."""
+        ref = getattr(self, "ref_model", None)
+        if not opt.params_sharded or not isinstance(ref, torch.nn.Module) or isinstance(ref, ShardedInference):
+            return
+        ref.requires_grad_(False)  # TRL runs it under no_grad only, and leaves requires_grad as loaded
+        view = opt.view
+        options = inference_options(view.config)
+        if view.sharding.shape.hybrid:  # sharded over the policy's shard group, replicated across the others
+            options.pop("node_aware")
+            self.ref_model = shard_for_inference(ref, process_group=view.process_group, **options)
+        else:
+            self.ref_model = shard_for_inference(ref, **options)
 
     # ------------------------------------------------------------ validation
     def _check_arguments(self, optimizers) -> None:
@@ -286,6 +342,7 @@ class ShardedTrainer(Trainer):
         wrapped = ShardedDDP(model, opt, broadcast_buffers=True if broadcast is None else bool(broadcast))
         if opt.config.stage == 3 and self.args.world_size > 1:
             _synced_generate(model, opt)
+        self._shard_reference_model(opt)  # Note [The reference model at stage 3]
         if self.args.torch_compile:
             wrapped = torch.compile(wrapped, backend=self.args.torch_compile_backend or "inductor",
                                     mode=self.args.torch_compile_mode)
@@ -329,7 +386,7 @@ class ShardedTrainer(Trainer):
         def unwrap_model(model, *args, **kwargs):
             # Note [Unwrapping ShardedDDP]
             model = unwrap(model, *args, **kwargs)
-            return unwrap(model.module, *args, **kwargs) if isinstance(model, ShardedDDP) else model
+            return unwrap(model.module, *args, **kwargs) if isinstance(model, (ShardedDDP, ShardedInference)) else model
 
         acc.unwrap_model = unwrap_model
 

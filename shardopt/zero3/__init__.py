@@ -5,4 +5,6 @@ store.py      the sharded parameter store (Note [One parameter store] in param_s
               (BucketState) and of a pass (Pass), meta-device models built shard by shard
 schedule.py   which bucket every rank gathers when (pure: Note [Stage-3 schedule])
 hooks.py      where the model's modules and autograd call into the store
+inference.py  a frozen model sharded for forwards without gradients (shard_for_inference: a DPO reference,
+              a teacher), the same store with no optimizer (Note [Models sharded for inference])
 """

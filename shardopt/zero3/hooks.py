@@ -75,7 +75,30 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
     handles.append(module.register_forward_pre_hook(begin))
     handles.append(module.register_forward_hook(end, always_call=True))
 
+    handles += _wait_hooks(module, shard, waits, frozen_backward=True)
+    whole = []  # the gathered() context of a state_dict / load_state_dict in progress
+    handles += _state_dict_hooks(module, shard, optimizer.full_params, whole)
+    same, finer = [], {}
+
+    def load_and_free(mod, incompatible):
+        whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
+        masters_after_load(optimizer, same, finer)  # and the masters, whole (Note [A load of the values held])
+
+    handles.append(module.register_load_state_dict_pre_hook(same_values_hook(optimizer, same, finer)))  # after gather
+    handles.append(module.register_load_state_dict_post_hook(load_and_free))
+    return handles
+
+
+def _wait_hooks(module: nn.Module, shard, waits, frozen_backward: bool, before=None) -> list:
+    """Each module that waits asks for its buckets before its forward and reports after it (Note [Stage-3
+    hooks]); with `frozen_backward`, a module that waits for frozen buckets also frees them after its backward
+    (Note [Frozen parameters at stage 3] in store.py). `before(module)`, if given, runs first."""
     def needer(buckets):
+        if before is not None:
+            def hook(mod, args):
+                before(mod)
+                shard.need(buckets)
+            return hook
         return lambda mod, args: shard.need(buckets)
 
     def frozen_needer(buckets, frozen):  # Note [Frozen parameters at stage 3] in store.py
@@ -88,25 +111,29 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
     def reporter(buckets, scope):
         return lambda mod, args, out: shard.forward_done(id(mod), buckets, scope)
 
+    handles = []
     scopes = plan_reuse_scopes(module, waits, shard.reuse_limit())  # Note [A module called again] in store.py
     for w, scope in zip(waits, scopes):
         frozen = tuple(b for b in w.buckets if shard.frozen_bucket(b))
-        if frozen and not w.covered:
+        if frozen_backward and frozen and not w.covered:
             handles.append(w.module.register_forward_pre_hook(frozen_needer(w.buckets, frozen), with_kwargs=True))
         else:
             handles.append(w.module.register_forward_pre_hook(needer(w.buckets)))
         if not w.covered:  # its parent's return reports these buckets (prefetch.ForwardWait.covered)
             handles.append(w.module.register_forward_hook(reporter(w.buckets, scope)))
+    return handles
 
-    whole = []  # the gathered() context of a state_dict / load_state_dict in progress
 
+def _state_dict_hooks(module: nn.Module, shard, full_params, whole: list) -> list:
+    """state_dict() and load_state_dict() on `module` see whole parameters (a collective); a load's post hook
+    (the caller's) pops `whole` and exits it, so that this rank's chunks take the loaded values."""
     def gather(writeback: bool):
         def hook(mod, *args):
             # state_dict(keep_vars=True) asks for the parameters themselves (which tensors, not values).
             if not writeback and args[-1]:
                 whole.append(None)
                 return
-            ctx = optimizer.full_params(writeback=writeback)
+            ctx = full_params(writeback=writeback)
             ctx.__enter__()
             whole.append(ctx)
         return hook
@@ -120,17 +147,53 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
                 state_dict[k] = v.clone()
         ctx.__exit__(None, None, None)
 
-    same, finer = [], {}
+    return [module.register_state_dict_pre_hook(gather(writeback=False)),
+            module.register_state_dict_post_hook(copy_and_free),
+            module.register_load_state_dict_pre_hook(gather(writeback=True))]
 
-    def load_and_free(mod, incompatible):
+
+# Note [Models sharded for inference] in inference.py: the hooks of a frozen model that only runs forwards.
+def install_inference(store, module: nn.Module, waits) -> list:
+    """Every hook a model sharded for inference needs (its forwards run without gradients, each a LOOK pass
+    of the store's agreement); returns their handles, which hold `store`."""
+    modes = []  # the no_grad() context of each forward in progress
+
+    def begin(mod, args, kwargs):
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise RuntimeError(
+                f"{type(mod).__name__} is sharded for inference (shardopt.shard_for_inference): its forwards run "
+                "without gradients, and this one got an input that requires grad, whose gradient would silently "
+                "be missing; pass inputs.detach() (or call it under torch.no_grad()), or train the model with "
+                "ShardedOptimizer + ShardedDDP")
+        ctx = torch.no_grad()
+        ctx.__enter__()
+        modes.append(ctx)
+        store.begin_forward()
+
+    def end(mod, args, out):
+        try:
+            store.end_forward(False)
+        finally:
+            if modes:
+                modes.pop().__exit__(None, None, None)
+
+    handles = [module.register_forward_pre_hook(begin, with_kwargs=True),
+               module.register_forward_hook(end, always_call=True)]
+    def alone(mod):  # a submodule called on its own, outside the model's forward: no no_grad() of the root's
+        if store.round is None and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(mod).__name__} is part of a model sharded for inference (shardopt.shard_for_inference) and "
+                "was called on its own under grad mode: call it under torch.no_grad(), or call the whole model")
+
+    handles += _wait_hooks(module, store, waits, frozen_backward=False, before=alone)
+    whole = []
+
+    def load_done(mod, incompatible):
         whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
-        masters_after_load(optimizer, same, finer)  # and the masters, whole (Note [A load of the values held])
 
-    handles.append(module.register_state_dict_pre_hook(gather(writeback=False)))
-    handles.append(module.register_state_dict_post_hook(copy_and_free))
-    handles.append(module.register_load_state_dict_pre_hook(gather(writeback=True)))
-    handles.append(module.register_load_state_dict_pre_hook(same_values_hook(optimizer, same, finer)))  # after gather
-    handles.append(module.register_load_state_dict_post_hook(load_and_free))
+    handles += _state_dict_hooks(module, store, store.gathered, whole)
+    handles.append(module.register_load_state_dict_post_hook(load_done))
     return handles
 
 

@@ -45,10 +45,11 @@ class Intent(enum.IntEnum):
     FORWARD = 2   # a forward that will be differentiated
     STEP = 4      # the optimizer step (after every backward round this rank owes)
     AGAIN = 8     # not a pass: the end of a forward, serving gathers asked again (Note [A module called again])
+    SYNC = 16     # not a pass: a model sharded for inference catches up with its peers' forwards (inference.py)
 
 
 _WORDS = {Intent.LOOK: "a forward without gradients", Intent.FORWARD: "a training forward",
-          Intent.STEP: "the optimizer step"}
+          Intent.STEP: "the optimizer step", Intent.SYNC: "a sync of a model sharded for inference"}
 
 
 def exchange(mine: Intent, count: int, group, shm=None) -> list[tuple[Intent, int]]:

@@ -163,7 +163,9 @@ class ShardedStore(ParamStore):
         self.max_live = None if config.max_live_parameters is None else max(1, config.max_live_parameters // bucket)
         self.reshard_after_forward = config.reshard_after_forward
         self.phase = phase
-        self.dtype, self.device = params[0].dtype, device
+        # No trainable parameter: a model sharded for inference, all of it frozen buckets (Note [Models sharded
+        # for inference] in zero3/inference.py); the optimizer's shard is then empty.
+        self.dtype, self.device = params[0].dtype if params else torch.get_default_dtype(), device
         self.flat_grad, self.resting_grads = None, [None] * len(params)  # gradients: only this rank's chunks
         self.engine = None
         self.grad_hooks = None  # the C++ gradient hooks of the wrapper attached now (hooks.install)
@@ -572,6 +574,12 @@ class ShardedStore(ParamStore):
         while self.backwards_owed:
             self._begin_backward()
             self.end_backward()
+
+    def catch_up(self) -> None:
+        """Every rank calls it at the same point of its program: a rank that ran fewer forwards without gradients
+        than a peer walks the peer's extra gathers here (Note [Models sharded for inference] in inference.py)."""
+        self.last_intent = None  # never skipped, as a second step() after clip_grad_norm() is
+        self._start(Intent.SYNC)
 
     def start_step(self) -> None:
         # Once this rank has joined its peers' backward reductions, not in settle(): a rank whose backward
