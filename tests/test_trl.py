@@ -94,8 +94,9 @@ def _fit(trainer, model, is_sharded):
     return logs, weights, trainer
 
 
-def _train(kind, out, shardopt_kwargs=None):
-    """One TRL trainer from the seed, plain (DDP) or, given shardopt_kwargs, sharded: _fit's (logs, weights, trainer)."""
+def _train(kind, out, shardopt_kwargs=None, ref_by_trl=False):
+    """One TRL trainer from the seed, plain (DDP) or, given shardopt_kwargs, sharded: _fit's (logs, weights, trainer).
+    ref_by_trl (DPO): no ref_model=, TRL builds it from the policy's folder (the initial weights, saved here)."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
@@ -108,6 +109,13 @@ def _train(kind, out, shardopt_kwargs=None):
         # The frozen reference model: a copy of the initial policy (at stage 3 ShardedTrainer shards it: Note
         # [The reference model at stage 3]).
         cls, kw = trl.DPOTrainer, dict(train_dataset=dpo_dataset(), ref_model=copy.deepcopy(model))
+        if ref_by_trl:
+            folder = f"{out}-initial"
+            if torch.distributed.get_rank() == 0:  # (transformers writes config.json on rank 0 only)
+                model.save_pretrained(folder)
+            torch.distributed.barrier()
+            model.config._name_or_path = folder  # where TRL's DPOTrainer loads the reference model from
+            del kw["ref_model"]
         args = _config(trl.DPOConfig, out, beta=0.5, learning_rate=1e-3)
     if shardopt_kwargs is not None:
         cls, kw = sharded(cls), dict(kw, shardopt_kwargs=shardopt_kwargs)
@@ -138,7 +146,8 @@ def _reference_model(trainer, stage, world_size, what):
 
 def _parity(rank, world_size, tmp, kind, stages):
     """The DDP reference once, then the sharded trainer at each stage against it (one launch: the ranks
-    import TRL once and train the reference once). Returns (failures, facts about DPO's reference model)."""
+    import TRL once and train the reference once); a stage given as "3-trl": DPO at stage 3 with the reference
+    model TRL builds itself. Returns (failures, facts about DPO's reference model per stage)."""
     _env(rank, world_size)
     ref = _train(kind, f"{tmp}/{kind}-ddp")
     failures, facts = [], {}
@@ -146,14 +155,15 @@ def _parity(rank, world_size, tmp, kind, stages):
         failures.append(f"clipping never active (grad norms {[e['grad_norm'] for e in ref[0]]})")
     if len(ref[0]) != 4:
         failures.append(f"{len(ref[0])} logged steps")
-    for stage in stages:
-        ours = _train(kind, f"{tmp}/{kind}-{stage}", {**STAGE3, "stage": stage})
-        what = f"{kind} stage {stage}"
+    for name in stages:
+        stage = int(str(name)[0])
+        ours = _train(kind, f"{tmp}/{kind}-{name}", {**STAGE3, "stage": stage}, ref_by_trl=name == "3-trl")
+        what = f"{kind} stage {name}"
         failures += _compare(ref, ours, 1e-5, what) + _is_sharded(ours[2], what)
         if ours[2]._sharded()[1].config.stage != stage:
             failures.append(f"{what}: trained at stage {ours[2]._sharded()[1].config.stage}")
         if kind == "dpo":
-            more, facts[stage] = _reference_model(ours[2], stage, world_size, what)
+            more, facts[name] = _reference_model(ours[2], stage, world_size, what)
             failures += more
     return failures, facts
 
@@ -215,12 +225,13 @@ def test_sft_save_model_and_resume_at_stage_3(tmp_path):
 
 def test_dpo_matches_dpo_trainer_with_ddp(tmp_path):
     """ShardedTrainer mixed into DPOTrainer with a frozen reference model at stages 2 and 3: DPOTrainer + DDP's
-    numbers. At stage 3 the reference model is sharded for inference too (Note [The reference model at stage 3]):
-    each rank holds about half of its parameters' bytes between forwards; at stage 2 it is whole."""
-    ranks = run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3), timeout=600)
+    numbers. At stage 3 the reference model is sharded for inference too (Note [The reference model at stage 3]),
+    passed as ref_model= or built by TRL from the policy's folder: each rank holds about half of its parameters'
+    bytes between forwards; at stage 2 it is whole."""
+    ranks = run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3, "3-trl"), timeout=600)
     for rank, (failures, facts) in enumerate(ranks):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
-        assert facts[3]["held"] > 0, facts
+        assert facts[3]["held"] > 0 and facts["3-trl"] == facts[3], facts
     print(f"\nDPO's reference model at stage 3, bytes per rank: {[facts[3] for _, facts in ranks]}")
 
 
@@ -297,6 +308,26 @@ def test_untested_generating_trainers_are_refused_at_stage_3():
     check("PPOTrainer", 2, 2)
     check("PPOTrainer", 3, 1)
     check("GRPOTrainer", 3, 2)
+
+
+def test_sync_ref_model_is_refused_at_stage_3():
+    """TRL's sync_ref_model edits the reference weights in place, which at stage 3 are sharded (Note [The reference
+    model at stage 3]): refused there at construction, naming the way out; not at stage 2, nor without a reference
+    model (PEFT)."""
+    from types import SimpleNamespace
+
+    from shardopt.integrations.transformers import ShardedTrainer
+
+    def check(stage, sync, ref):
+        stub = type("DPO", (), {"_stage": lambda self: stage, "args": SimpleNamespace(sync_ref_model=sync),
+                                "ref_model": ref})()
+        ShardedTrainer._check_reference_model(stub)
+
+    with pytest.raises(ValueError, match=r"sync_ref_model=True.*sync_ref_model=False, or stage 1 or 2"):
+        check(3, True, torch.nn.Linear(2, 2))
+    check(2, True, torch.nn.Linear(2, 2))
+    check(3, False, torch.nn.Linear(2, 2))
+    check(3, True, None)
 
 
 def test_generate_is_synced_only_while_the_parameters_are_sharded():
