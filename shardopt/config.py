@@ -155,13 +155,15 @@ class ShardConfig:
     steps fp32 master values of its 1/W (Note [Parameters across nodes in
     bf16] in parallel/mesh_plan.py)."""
     shared_memory_gather: bool | None = None
-    """Stages 1-2, a CPU model, the ranks that gather on one host (every rank, or
-    a hybrid mesh's shard group inside a node): the flat parameter buffers live
-    in shared memory and the gather after a step copies the other ranks' chunks
-    out of them instead of sending them through the process group (Note
-    [Gathering through shared memory] in parallel/shared_flat.py). None:
-    wherever that is possible; True: required (raises, saying why, where not);
-    False: never."""
+    """A CPU model, the ranks that gather on one host (every rank, or a hybrid
+    mesh's shard group inside a node). Stages 1-2: the flat parameter buffers
+    live in shared memory and the gather after a step copies the other ranks'
+    chunks out of them instead of sending them through the process group (Note
+    [Gathering through shared memory] in parallel/shared_flat.py). Stage 3: each
+    rank's shard lives there and a bucket's gather copies every rank's chunk
+    out of it (Note [Stage 3's gathers through shared memory] in
+    zero3/shared_shard.py). None: wherever that is possible; True: required
+    (raises, saying why, where not); False: never."""
 
     def __post_init__(self):
         if self.offload is None:
@@ -230,12 +232,8 @@ class ShardConfig:
         if self.inter_node_param_dtype not in (None, torch.bfloat16):
             raise ValueError(f"inter_node_param_dtype must be None (the parameters' dtype) or torch.bfloat16, got "
                              f"{self.inter_node_param_dtype!r}")
-        # Stage 3's store gathers each bucket for its use, on its own schedule (zero3/): neither a flat
-        # buffer shared on one host nor the flat gather's phase across nodes exists there.
-        if self.stage == 3 and self.shared_memory_gather:
-            raise ValueError("shared_memory_gather=True cannot be used: stage 3 gathers each bucket for its use "
-                             "(zero3/), not a flat buffer. Drop it (None uses shared memory where it can) or pass "
-                             "False.")
+        # Stage 3's store gathers each bucket for its use, on its own schedule (zero3/): the flat gather's
+        # phase across nodes does not exist there.
         if self.stage == 3 and self.inter_node_param_dtype is not None:
             raise NotImplementedError("inter_node_param_dtype is built for stages 1-2 (stage 3 gathers parameters "
                                       "bucket by bucket on its own schedule); drop it or use stage=2")

@@ -185,8 +185,8 @@ def test_estimate_matches_memory_held():
             assert abs(m["pages"] - held) <= TOLERANCE * held, where
             # Nothing the estimate leaves out but bookkeeping (Note [Memory measured two ways]): far inside 10%.
             assert abs(m["storages"] - visible) <= BOOKKEEPING + PER_TENSOR * m["tensors"], where
-            # The other rank's shared-memory flat buffer is mapped, and read, not held (stages 1-2, where
-            # /dev/shm holds both buffers; else the process group gathers and nothing is mapped but, at stage 3,
-            # the peers' 32-byte agreement slots).
-            assert not (m["shared"] and stage == 3), where
-            assert m["peers"] == (m["stats"]["params"] if m["shared"] else m["agree"]), where
+            # The other rank's shared-memory buffer is mapped, and read, not held (/dev/shm holds both): at
+            # stages 1-2 its flat buffer, at stage 3 its shard (Note [Stage 3's gathers through shared memory]),
+            # both as large as this rank's; at stage 3 also the peer's 32-byte agreement slots. Else the process
+            # group gathers and nothing is mapped but those slots.
+            assert m["peers"] == (m["stats"]["params"] if m["shared"] else 0) + m["agree"], where

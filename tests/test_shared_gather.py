@@ -27,8 +27,7 @@ def test_why_not_names_each_reason(monkeypatch):
     assert why_not_shared(cpu, False, range(4), 4) is None
     assert why_not_shared(cpu, False, range(2), 2) is None
     assert "one rank" in why_not_shared(cpu, False, [3], 4)
-    with pytest.raises(ValueError, match="stage 3"):  # stage 3 has no flat buffer: its config refuses it
-        ShardConfig(stage=3, shared_memory_gather=True)
+    ShardConfig(stage=3, shared_memory_gather=True)  # stage 3's shards (Note [Stage 3's gathers through shared memory])
     assert "cuda" in why_not_shared(torch.device("cuda", 0), False, range(4), 4)
     assert "node-aware" in why_not_shared(cpu, True, range(4), 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun on each of 2 nodes (real or emulated)
@@ -61,19 +60,28 @@ def _parity(rank, world_size):
     out = {}
     for optim, kw in ((torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
                       (torch.optim.SGD, dict(lr=0.1, momentum=0.9))):
-        for stage in (1, 2):
-            models = {}
+        for stage in (1, 2, 3):
+            models, gathers = {}, {}
             for shared in (None, False):
                 model, opt = _train(rank, optim, stage, shared, **kw)
-                models[shared] = model
+                if stage == 3:
+                    with opt.full_params(writeback=False):
+                        models[shared] = [p.detach().clone() for p in model.parameters()]
+                    gathers[shared] = opt.store.num_gathers
+                else:
+                    models[shared] = list(model.parameters())
                 if shared is None:
                     out[f"used {optim.__name__} {stage}"] = opt.store.shared_gather is not None
-                    # On this x86 host the barriers go through shared memory too (Note [Barriers in shared memory]).
-                    out[f"used barrier {optim.__name__} {stage}"] = opt.store.shared_gather.shared.barrier is not None
-                    out[f"gathers {optim.__name__} {stage}"] = opt.store.gatherer.num_all_gathers
+                    # On this x86 host the barriers go through shared memory too (Note [Barriers in shared memory]);
+                    # stage 3 uses shared memory only then.
+                    out[f"used barrier {optim.__name__} {stage}"] = stage == 3 or \
+                        opt.store.shared_gather.shared.barrier is not None
+                    out[f"gathers {optim.__name__} {stage}"] = opt.store.num_gathers if stage == 3 \
+                        else opt.store.gatherer.num_all_gathers
                     out[f"files left {optim.__name__} {stage}"] = _ours()
-            out[f"equal {optim.__name__} {stage}"] = all(
-                torch.equal(p, q) for p, q in zip(models[None].parameters(), models[False].parameters()))
+            out[f"equal {optim.__name__} {stage}"] = all(torch.equal(p, q) for p, q in zip(models[None], models[False]))
+            if stage == 3:  # the same walk: the same gathers counted, whichever way they travel
+                out[f"equal gathers {optim.__name__} {stage}"] = gathers[None] == gathers[False]
     return out
 
 
@@ -135,7 +143,7 @@ def _refusals(rank, world_size, case):
 
     torch.manual_seed(0)
     model = AwkwardNet()
-    if case == "short shm" and rank == 1:
+    if case.startswith("short shm") and rank == 1:
         def full(fd, offset, length):
             raise OSError(28, "No space left on device")
         os.posix_fallocate = full
@@ -147,7 +155,7 @@ def _refusals(rank, world_size, case):
     for want in (None, True):
         try:
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1,
-                                            stage=3 if case == "stage 3" else 2, shared_memory_gather=want)
+                                            stage=3 if case.endswith("stage 3") else 2, shared_memory_gather=want)
             out[want] = "shared" if opt.store.shared_gather is not None else "process group"
         except (ValueError, RuntimeError) as e:
             out[want] = f"{type(e).__name__}: {e}"
@@ -159,15 +167,15 @@ def _refusals(rank, world_size, case):
     return out
 
 
-@pytest.mark.parametrize("case,why", [("stage 3", "ValueError: shared_memory_gather=True cannot be used: stage 3"),
-                                      ("short shm", "RuntimeError: shared_memory_gather=True: "),
+@pytest.mark.parametrize("case,why", [("short shm", "RuntimeError: shared_memory_gather=True: "),
+                                      ("short shm stage 3", "RuntimeError: shared_memory_gather=True: "),
                                       ("other host", "RuntimeError: shared_memory_gather=True: ")])
 def test_where_it_cannot_work_the_default_falls_back_and_true_says_why(case, why):
     for rank, r in enumerate(run_ranks(_refusals, 2, case, timeout=120)):
         assert r[None] == "process group", (rank, r)
         assert r[True].startswith(why), (rank, r)
         assert r["files"] == [], (rank, r)
-    if case == "short shm":
+    if case.startswith("short shm"):
         assert "could not reserve" in r[True] or "another rank" in r[True]
     if case == "other host":
         assert "not on one host" in r[True]
@@ -284,3 +292,67 @@ def test_stage_3_agreements_through_shared_memory_equal_gloos(world_size):
         assert all(rounds) and len(rounds) == 7, rounds
         assert used  # one host: the store agrees through shared memory
     assert not _ours()  # no file left behind
+
+
+def _stage_3_phases(rank, world_size, shared, slow):
+    """Stage 3 through every kind of read phase and write (Note [Stage 3's gathers through shared memory]):
+    training steps, a different number of forwards without gradients per rank, full_params' write-back, a
+    load of the weights; rank 1 copies slowly, so a rank that wrote its shard while a peer still copied it
+    would hand that peer a mix."""
+    import shardopt
+    from shardopt.zero3 import shared_shard
+
+    if slow and rank == 1:
+        copy = shared_shard._Copy.wait
+
+        def slow_copy(self):
+            if self.out is not None:
+                time.sleep(0.01)
+            copy(self)
+        shared_shard._Copy.wait = slow_copy
+    torch.manual_seed(0)
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
+                                    reduce_bucket_size=300, param_persistence_threshold=40,
+                                    shared_memory_gather=shared)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    seen = []
+    for step in range(3):
+        with torch.no_grad():  # rollouts: rank 0 one forward without gradients, rank 1 three (the next
+            for k in range(1 + rank * 2):  # training forward's agreement has rank 0 shadow the other two)
+                seen.append(wrapper(batch(10 + k, rank)[0], uses_branch(k, rank)).sum().item())
+        x, y = batch(step, rank)
+        loss = nn.functional.cross_entropy(wrapper(x, uses_branch(step, rank)).reshape(-1, 37), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with opt.full_params():  # every rank writes its chunks back right after reading its peers'
+            seen.append(sum(p.sum().item() for p in model.parameters()))  # what this rank read of every chunk
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.9)
+        if step == 1:
+            with opt.full_params(writeback=False):
+                saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with opt.full_params():
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()
+            with opt.full_params():
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(saved[n])
+    with opt.full_params(writeback=False):
+        final = [p.detach().clone() for p in model.parameters()]
+    return dict(used=opt.store.shared_gather is not None, seen=seen, final=final,
+                phases=opt.store.shared_gather.read_phases if opt.store.shared_gather is not None else None)
+
+
+def test_stage_3_shared_gathers_never_read_a_write_in_progress():
+    shared = run_ranks(_stage_3_phases, 2, True, True, timeout=180)
+    plain = run_ranks(_stage_3_phases, 2, False, False, timeout=180)
+    for rank, (s, p) in enumerate(zip(shared, plain)):
+        assert s["used"] and not p["used"], rank
+        assert s["seen"] == p["seen"], (rank, s["seen"], p["seen"])
+        assert all(torch.equal(a, b) for a, b in zip(s["final"], p["final"])), rank
+    assert shared[0]["phases"] == shared[1]["phases"] > 0  # every rank walked the same read phases

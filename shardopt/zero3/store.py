@@ -63,7 +63,9 @@ from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
 from shardopt.prefetch import plan_forward_waits
 from shardopt.zero3 import hooks
+from shardopt.parallel.shared_flat import why_not_shared
 from shardopt.parallel.shm_exchange import open_shm_exchange
+from shardopt.zero3.shared_shard import open_frozen_region, open_shared_shard
 from shardopt.zero3.passes import Intent, describe, exchange
 from shardopt.zero3.schedule import Stage3Schedule, plan_stage3_schedule
 
@@ -194,7 +196,19 @@ class ShardedStore(ParamStore):
         self._empty: dict = {}  # dtype -> the one empty tensor freed parameters of that dtype hold
         self.placeholder = self._empty_of(self.dtype)
         self._empty_storage = self.placeholder.untyped_storage()._cdata
-        self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
+        # On one host the shard is in shared memory and gathers copy out of the peers' (Note [Stage 3's gathers
+        # through shared memory] in shared_shard.py).
+        self.shared_gather = None
+        if self.world_size > 1 and nodes is None:
+            why = why_not_shared(device, False, dist.get_process_group_ranks(process_group), dist.get_world_size())
+            self.shared_gather = open_shared_shard(layout, self.dtype, process_group, config.shared_memory_gather, why)
+        elif config.shared_memory_gather:
+            raise ValueError("shared_memory_gather=True cannot be used: " + (
+                "one rank holds the whole shard: nothing to gather" if self.world_size == 1 else
+                "node-aware collectives: the ranks span nodes") + ". Drop it (None uses shared memory where it "
+                "can) or pass False.")
+        self.shard = self.shared_gather.shard if self.shared_gather is not None else \
+            torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
         offsets = layout.chunk_offsets()
         self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
         # Note [One rank holds the whole bucket]: its buckets' full storage is its chunks, found by offset.
@@ -432,10 +446,31 @@ class ShardedStore(ParamStore):
         if self.aliased:
             return _NOTHING_TO_GATHER  # Note [One rank holds the whole bucket]
         out = self._comm[b] if out is None else out
+        if self._in_shared(b):  # Note [Stage 3's gathers through shared memory]: copied when waited for
+            return self.shared_gather.start_gather(b, out)
         if self.nodes is not None:
             return comm.start_two_level_all_gather(self.every_chunk[b], out, self.node_group,
                                                    self.across_group, impl=self.impl)
         return comm.start_all_gather(self.every_chunk[b], out, group=self.group, impl=self.impl)
+
+    def _in_shared(self, b: int) -> bool:
+        """Whether bucket b is gathered out of the shards in shared memory (not a collective)."""
+        return self.shared_gather is not None and self.shared_gather.holds(b)
+
+    def _end_reads(self) -> None:
+        """A read phase of this rank is over (Note [Stage 3's gathers through shared memory])."""
+        if self.shared_gather is not None:
+            self.shared_gather.end_reads()
+
+    def _sync(self) -> None:
+        """A read phase that no pass agreement starts: after every peer's writes (a collective)."""
+        if self.shared_gather is not None:
+            self.shared_gather.sync()
+
+    def wait(self) -> None:
+        """Before this rank writes its shard (a step, a load): no peer still reads it."""
+        if self.shared_gather is not None:
+            self.shared_gather.wait_readers()
 
     def finish_gather(self, b: int) -> None:
         t0 = time.perf_counter()
@@ -445,9 +480,13 @@ class ShardedStore(ParamStore):
         self._show(b)
 
     def reshard(self, b: int, even_persistent: bool = False) -> None:
+        kept = self.layout.buckets[b].persistent and not even_persistent
         if self.state[b] == GATHERING:
-            self.finish_gather(b)  # never free memory a collective is still writing
-        if self.state[b] == FREE or (self.layout.buckets[b].persistent and not even_persistent):
+            if kept or not self._in_shared(b):
+                self.finish_gather(b)  # never free memory a collective is still writing
+            else:
+                self.handles.pop(b).drop()  # nothing was copied yet, and no peer waits for this rank
+        if self.state[b] == FREE or kept:
             return
         empty = self._empty_of(self.full[b].dtype)
         for i in self.bucket_params[b]:
@@ -509,6 +548,7 @@ class ShardedStore(ParamStore):
                 self.reshard(b)
         if self._serving():  # the LOOK ends by serving what it asks for again (Note [A module called again])
             self._serve(-1)
+        self._end_reads()
 
     def _new_round(self, kind: Pass, order: tuple) -> _Round:
         return _Round(kind, order, self.schedule.users, frozenset(b for b in order if self.state[b] != FREE))
@@ -537,6 +577,7 @@ class ShardedStore(ParamStore):
             else:
                 self.reshard(b)
         self.round = None
+        self._end_reads()
         self.backwards_owed += int(grad_enabled)
 
     def _begin_backward(self) -> None:
@@ -596,6 +637,7 @@ class ShardedStore(ParamStore):
         if self.round.kind is Pass.BACKWARD:
             self._forget_owed()
         self.round = None
+        self._end_reads()
 
     def _drain_round(self, keep=()) -> None:
         """The round's gathers no module asked for (a skipped module's, a frozen layer's that no backward
@@ -785,12 +827,16 @@ class ShardedStore(ParamStore):
         """Bucket b's gather that some rank asked for again; this rank keeps it only if it asked."""
         if self.state[b] == FREE:
             self.start_gather(b)
-            self.finish_gather(b)
-            if not keep:
-                self.reshard(b)
+            if keep:
+                self.finish_gather(b)
+            else:
+                self.reshard(b)  # a collective's gather is finished first; one through shared memory copies nothing
             return
         if self.state[b] == GATHERING:
             self.finish_gather(b)
+        if self._in_shared(b):  # no peer waits for this rank's part (Note [Stage 3's gathers through shared memory])
+            self.num_gathers += 1
+            return
         # Live here (this rank's own use, the seam), but the collective needs this rank's chunk: gathered into
         # scratch memory, not over the values its modules may be reading.
         scratch = torch.empty(self.layout.buckets[b].numel, dtype=self.full[b].dtype, device=self.device)
@@ -886,8 +932,11 @@ class ShardedStore(ParamStore):
             self.layout = append_layout(self.layout, part)
             self.members += [p for _, p in named]
             new = self.layout.buckets[len(self.full):]
-            for b in new:
-                chunk = torch.empty(b.chunk_numel, dtype=dtype, device=self.device)
+            chunks = None
+            if self.shared_gather is not None:  # Note [Stage 3's gathers through shared memory]
+                chunks = open_frozen_region(self.shared_gather, new, dtype, self.agree_group)
+            for k, b in enumerate(new):
+                chunk = chunks[k] if chunks is not None else torch.empty(b.chunk_numel, dtype=dtype, device=self.device)
                 self.every_chunk.append(chunk)
                 self.frozen_shard_bytes += chunk.numel() * chunk.element_size()
             self._add_buckets(new, dtype)
@@ -994,6 +1043,7 @@ class ShardedStore(ParamStore):
         if self.round is not None:
             raise RuntimeError("full_params() inside a forward or backward pass: use it between steps")
         was_free = [b for b, s in enumerate(self.state) if s == FREE]
+        self._sync()  # Note [Stage 3's gathers through shared memory]: after the peers' writes
         for b in was_free:
             self.start_gather(b)
         for b in was_free:
@@ -1005,6 +1055,7 @@ class ShardedStore(ParamStore):
             yield
         finally:
             if writeback:
+                self._sync()  # every peer has read this rank's chunk before it is written
                 self.take_chunks()
             elif before is not None:
                 with torch.no_grad():
@@ -1012,6 +1063,8 @@ class ShardedStore(ParamStore):
                         c.copy_(v)
             for b in was_free:
                 self.reshard(b)
+            if not writeback:
+                self._end_reads()
 
     def stream(self, indices):
         by_bucket: dict = {}
@@ -1022,6 +1075,15 @@ class ShardedStore(ParamStore):
                 yield i, self.views[i]
         if by_bucket and self.round is not None:
             raise RuntimeError("weights streamed inside a forward or backward pass: do it between steps")
+        if by_bucket:
+            self._sync()  # Note [Stage 3's gathers through shared memory]: after the peers' writes
+        try:
+            yield from self._stream_buckets(by_bucket)
+        finally:
+            if by_bucket:
+                self._end_reads()
+
+    def _stream_buckets(self, by_bucket: dict):
         for b in sorted(by_bucket):
             was_free = self.state[b] == FREE
             if was_free:
@@ -1053,12 +1115,16 @@ class ShardedStore(ParamStore):
         frozen ones only after a load (a step does not change them)."""
         upto = len(self.full) if frozen else self.trainable_buckets
         keep = [b.index for b in self.layout.buckets[:upto] if b.persistent]
+        if not keep:
+            return
+        self._sync()  # after every rank wrote its chunks (Note [Stage 3's gathers through shared memory])
         for b in keep:
             self.handles[b] = self._launch_gather(b)
             self.state[b] = GATHERING
             self.num_gathers += 1
         for b in keep:
             self.finish_gather(b)
+        self._end_reads()
 
     # ----------------------------------------------------------------- checks
     # Note [Parameters in place, checked in C]
