@@ -295,20 +295,47 @@ def test_end_to_end_on_two_gloo_ranks(tmp_path):
     assert "## Failures\n\nNone." in text
 
 
-def test_gpu_integrations_script_on_the_cpu():
+# The script's parts in two processes at once, each part in the process it shares with the parts of its row:
+# at world size 1 one process keeps one core busy, and this test was the suite's longest with the other core
+# idle (139 s at a load of 4 on the 2-core VM). Run together as on a GPU the parts are .ci/gpu-check's job;
+# each part starts from the same numerics either way (the script's section()). One thread each: two processes
+# of torch's default two OpenMP threads on 2 cores spin against each other (the idioms part took 178 s so,
+# 23 s alone).
+INTEGRATION_PARTS = (("idioms", "compiled", "precision", "host_syncs"),
+                     ("checkpoint", "lightning", "hf_trainer", "dcp", "onebit"))
+
+
+def test_gpu_integrations_script_on_the_cpu(tmp_path):
     """.ci/gpu_integrations.py (the suite's integration parity moved to a GPU) runs every part with DEV=cpu,
-    in one process as on a GPU, so they do not rot between the rare runs on a GPU: resume equals the
-    uninterrupted run, and the suite tests it runs at world size 1 in its own process pass."""
-    parts = ("checkpoint", "lightning", "hf_trainer", "idioms", "compiled", "dcp", "precision", "host_syncs", "onebit")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "gpu_integrations.py"), *parts],
-                          env={**os.environ, "DEV": "cpu"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    so they do not rot between the rare runs on a GPU: resume equals the uninterrupted run, and the suite
+    tests it runs at world size 1 in its own process pass."""
+    procs = []
+    for i, parts in enumerate(INTEGRATION_PARTS):
+        out = open(tmp_path / f"out{i}.txt", "w+")   # files, not pipes: neither process waits on a full pipe
+        procs.append((parts, out, subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, ".ci", "gpu_integrations.py"), *parts],
+            env={**os.environ, "DEV": "cpu", "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT,
+            text=True)))
+    try:
+        for _, _, proc in procs:
+            proc.wait(timeout=300)
+    finally:
+        for _, _, proc in procs:
+            if proc.poll() is None:   # timed out, or the wait above raised
+                proc.kill()
+    stdout = ""
+    for parts, out, proc in procs:
+        out.seek(0)
+        text = out.read()
+        out.close()
+        assert proc.returncode == 0, f"parts {parts}:\n{text}"
+        for part in parts:
+            assert f"{part}: PASS" in text, text
+        stdout += text
     for stage in (2, 3):
-        assert f"stage {stage}: resumed run vs uninterrupted, max abs weight difference 0.0e+00" in proc.stdout
-    for part in parts:
-        assert f"{part}: PASS" in proc.stdout, proc.stdout
+        assert f"stage {stage}: resumed run vs uninterrupted, max abs weight difference 0.0e+00" in stdout
     # Every idiom of tests/test_idioms.py but one that needs 2 ranks, at stages 1-3 (idioms and compiled).
-    assert proc.stdout.count("test_idiom_matches_ddp") >= 75 and ": FAIL" not in proc.stdout, proc.stdout
+    assert stdout.count("test_idiom_matches_ddp") >= 75 and ": FAIL" not in stdout, stdout
 
 
 def test_ci_gpu_check_without_a_gpu_runs_both_parts_and_exits_0(tmp_path):

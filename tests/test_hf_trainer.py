@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import case_results, run_cases
 
 import transformers  # noqa: E402  (the [test] extra installs it)
 
@@ -147,9 +147,9 @@ def _parity(rank, world_size, tmp):
     return failures
 
 
-def test_matches_trainer_with_ddp(tmp_path):
+def test_matches_trainer_with_ddp(launches):
     """Accumulation 2, clipping 0.5 (active), linear warmup: losses, grad_norm, lr and weights as DDP's."""
-    for rank, failures in enumerate(run_ranks(_parity, 2, str(tmp_path), timeout=400)):
+    for rank, failures in enumerate(launches.two("parity")):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
@@ -179,23 +179,16 @@ def _resume(rank, world_size, tmp, ckpt):
     return logs, weights, trainer._sharded()[1].world_size
 
 
-def test_resume_at_other_process_counts(tmp_path):
+def test_resume_at_other_process_counts(launches):
     """Save at 2 processes (every 3 steps, save_total_limit=1), resume step 3 at 1 and 3: as uninterrupted."""
-    import shutil
-
-    run = tmp_path / "run"
-    logs, weights, kept = run_ranks(_train_and_save, 2, str(run), timeout=400)[0]
+    logs, weights, kept = launches.two("train_and_save")[0]
     assert kept == ["checkpoint-6"], kept  # save_total_limit removed checkpoint-3 after checkpoint-6
     # The same run interrupted after step 3 (and its checkpoint).
-    short = tmp_path / "short"
-    run_ranks(_train_and_save_until, 2, str(short), 3, timeout=400)
-    ckpt = short / "checkpoint-3"
+    launches.two("train_and_save_until")
+    ckpt = launches.root / "short" / "checkpoint-3"
     assert (ckpt / "shardopt").is_dir() and (ckpt / "trainer_state.json").is_file()
     for world_size in (1, 3):
-        out = tmp_path / f"resumed-{world_size}"
-        shutil.copytree(short, out)
-        r_logs, r_weights, ws = run_ranks(_resume, world_size, str(out), str(out / "checkpoint-3"),
-                                          timeout=400)[0]
+        r_logs, r_weights, ws = launches.resumed(world_size, "resume")[0]
         assert ws == world_size
         r_logs = [e for e in r_logs if e["step"] > 3]  # the log history before step 3 comes from the checkpoint
         failures = _compare((logs[3:], weights, None), (r_logs, r_weights, None), 1e-5, f"resumed at {world_size}")
@@ -288,9 +281,9 @@ def _stage3_parity(rank, world_size, tmp):
     return failures
 
 
-def test_stage3_with_checkpointing_evaluation_and_generate_matches_ddp(tmp_path):
+def test_stage3_with_checkpointing_evaluation_and_generate_matches_ddp(launches):
     """Stage 3 vs Trainer + DDP at 1e-5 (losses, grad norms, lr, eval losses, weights), and the same generations."""
-    for rank, failures in enumerate(run_ranks(_stage3_parity, 2, str(tmp_path), timeout=400)):
+    for rank, failures in enumerate(launches.two("stage3_parity")):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
@@ -316,15 +309,13 @@ def _stage3_resume(rank, world_size, tmp, ckpt):
     return logs, weights, trainer._sharded()[1].world_size
 
 
-def test_stage3_save_model_and_resume_at_other_process_counts(tmp_path):
+def test_stage3_save_model_and_resume_at_other_process_counts(launches):
     """Stage 3 at 2 processes: save_model() and the checkpoints' weights load with from_pretrained here (one
     process) and equal the trained weights; checkpoint-3 resumed at 1 and 3 processes equals the rest of the run."""
-    import shutil
-
     from shardopt.checkpoint.convert import checkpoint_to_torch
 
-    run = tmp_path / "run"
-    results = run_ranks(_stage3_train_and_save, 2, str(run), timeout=400)
+    run = launches.root / "stage3-run"
+    results = launches.two("stage3_train_and_save")
     logs, weights, kept, said = results[0]
     assert kept == ["checkpoint-3", "checkpoint-6", "saved", "sharded"], kept
     assert len(said) == 1 and not results[1][3], (said, results[1][3])  # rank 0 warns, once
@@ -335,13 +326,8 @@ def test_stage3_save_model_and_resume_at_other_process_counts(tmp_path):
     assert not (run / "sharded" / "model.safetensors").exists()
     whole = checkpoint_to_torch(str(run / "sharded" / "shardopt"))["model"]
     assert all(torch.equal(whole[n], w) for n, w in weights.items())
-    for world_size in (1, 3):
-        out = tmp_path / f"resumed-{world_size}"
-        shutil.copytree(run / "checkpoint-3", out / "checkpoint-3")
-        if world_size == 3:  # as saved with gather_weights_on_save=False: the weights come from shardopt/
-            (out / "checkpoint-3" / "model.safetensors").unlink()
-        r_logs, r_weights, ws = run_ranks(_stage3_resume, world_size, str(out), str(out / "checkpoint-3"),
-                                          timeout=400)[0]
+    for world_size in (1, 3):  # at 3, as saved with gather_weights_on_save=False (Launches.resumed)
+        r_logs, r_weights, ws = launches.resumed(world_size, "stage3_resume")[0]
         assert ws == world_size
         r_logs = [e for e in r_logs if e["step"] > 3]
         assert [e["step"] for e in r_logs] == [4, 5, 6]
@@ -386,8 +372,8 @@ def _deepspeed_config(rank, world_size, tmp):
     return failures
 
 
-def test_deepspeed_config_with_auto_values(tmp_path):
-    for rank, failures in enumerate(run_ranks(_deepspeed_config, 2, str(tmp_path), timeout=400)):
+def test_deepspeed_config_with_auto_values(launches):
+    for rank, failures in enumerate(launches.two("deepspeed_config")):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
@@ -407,8 +393,8 @@ def _onebit(rank, world_size, tmp):
     return [e["grad_norm"] for e in logs], opt.onebit.started_at, opt.onebit.compressing
 
 
-def test_onebit_config_clips_by_the_mean_gradient(tmp_path):
-    (norms0, started, compressing), (norms1, _, _) = run_ranks(_onebit, 2, str(tmp_path), timeout=400)
+def test_onebit_config_clips_by_the_mean_gradient(launches):
+    (norms0, started, compressing), (norms1, _, _) = launches.two("onebit")
     assert started == 3 and compressing and len(norms0) == 6
     assert norms0 == norms1, (norms0, norms1)  # every step, the compressed ones (3-6) included
     assert all(math.isfinite(v) and v > 0 for v in norms0), norms0
@@ -514,16 +500,15 @@ def _from_pretrained_journeys(rank, world_size, tmp, folder):
             for meta, lora in ((False, False), (True, False), (True, True))]
 
 
-def test_trainer_fine_tunes_a_pretrained_model_no_rank_holds(tmp_path):
+def test_trainer_fine_tunes_a_pretrained_model_no_rank_holds(launches):
     """The documented Trainer path for a model too big for one rank: shardopt.from_pretrained (one line for
     from_pretrained) trains as the whole-built model does, save_model's folder is transformers' own, and a
     LoRA model on the sharded base saves the adapter PEFT loads."""
     from peft import PeftModel
 
-    folder = str(tmp_path / "pretrained")
-    torch.manual_seed(3)
-    tiny_gpt2().save_pretrained(folder)
-    whole, meta, lora = run_ranks(_from_pretrained_journeys, 2, str(tmp_path), folder, timeout=600)[0]
+    tmp_path = launches.root / "journeys"
+    folder = str(tmp_path / "pretrained")   # written by Launches.two
+    whole, meta, lora = launches.two("from_pretrained")[0]
     failures = _compare(whole, meta, 1e-6, "from_pretrained on meta vs whole")
     assert not failures, "\n".join(failures)
     saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "meta-full" / "saved"))
@@ -540,3 +525,58 @@ def test_trainer_fine_tunes_a_pretrained_model_no_rank_holds(tmp_path):
                for n, w in lora[1].items() if "lora_" not in n)
     total = sum(v.numel() * v.element_size() for v in base.values())
     assert lora[2] < 0.6 * total, (lora[2], total)
+
+
+# ------------------------------------------------------------ the launches
+# Note [Several cases in one launch] (tests/dist_harness.py): every 2-process case of this file runs in one
+# launch (the ranks import transformers and accelerate once, not eight times), then both resumes, the plain
+# and the stage-3 one, at 1 process in one launch and at 3 in another. Each test asserts its own case; a case
+# that raised fails its test only, naming the case and the rank's traceback.
+class Launches:
+    def __init__(self, root):
+        self.root = root
+        self._two = None
+        self._resumed = {}
+
+    def two(self, case):
+        if self._two is None:
+            r = self.root
+            journeys = r / "journeys"
+            torch.manual_seed(3)
+            tiny_gpt2().save_pretrained(str(journeys / "pretrained"))
+            self._two = run_cases(2, {
+                "parity": (_parity, (str(r / "parity"),)),
+                "train_and_save": (_train_and_save, (str(r / "run"),)),
+                "train_and_save_until": (_train_and_save_until, (str(r / "short"), 3)),
+                "stage3_parity": (_stage3_parity, (str(r / "stage3"),)),
+                "stage3_train_and_save": (_stage3_train_and_save, (str(r / "stage3-run"),)),
+                "from_pretrained": (_from_pretrained_journeys, (str(journeys), str(journeys / "pretrained"))),
+                # Last: they import DeepSpeed.
+                "deepspeed_config": (_deepspeed_config, (str(r / "ds"),)),
+                "onebit": (_onebit, (str(r / "onebit"),)),
+            }, timeout=850)
+        return case_results(self._two, case)
+
+    def resumed(self, world_size, case):
+        """checkpoint-3 of the plain run ("resume") and of the stage-3 run ("stage3_resume") resumed at
+        world_size processes, in one launch."""
+        import shutil
+
+        if world_size not in self._resumed:
+            self.two("train_and_save_until")
+            self.two("stage3_train_and_save")
+            plain, stage3 = self.root / f"resumed-{world_size}", self.root / f"stage3-resumed-{world_size}"
+            shutil.copytree(self.root / "short", plain)
+            shutil.copytree(self.root / "stage3-run" / "checkpoint-3", stage3 / "checkpoint-3")
+            if world_size == 3:  # as saved with gather_weights_on_save=False: the weights come from shardopt/
+                (stage3 / "checkpoint-3" / "model.safetensors").unlink()
+            self._resumed[world_size] = run_cases(world_size, {
+                "resume": (_resume, (str(plain), str(plain / "checkpoint-3"))),
+                "stage3_resume": (_stage3_resume, (str(stage3), str(stage3 / "checkpoint-3"))),
+            }, timeout=800)
+        return case_results(self._resumed[world_size], case)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("hf_trainer"))

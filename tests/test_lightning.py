@@ -234,11 +234,9 @@ def _setup_errors(world_size, trained):
     return out
 
 
-def test_fp32_matches_lightning_ddp():
+def test_fp32_matches_lightning_ddp(launches):
     """Clipping, accumulation, both stages, a scheduler and odd buckets: shardopt == DDP per step."""
-    from dist_harness import run_ranks
-
-    results = run_ranks(_parity, 2, timeout=240)
+    results = launches.two("parity")
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
@@ -295,12 +293,10 @@ def _stage3(rank, world_size, root):
     return fails
 
 
-def test_stage3_matches_lightning_ddp(tmp_path):
+def test_stage3_matches_lightning_ddp(launches):
     """ShardedStrategy(stage=3) vs Lightning's DDP at 1e-5, validation_step included; checkpoints during and
     after fit (sharded and weights-only) hold the trained weights, and fit(ckpt_path=...) continues exactly."""
-    from dist_harness import run_ranks
-
-    for rank, fails in enumerate(run_ranks(_stage3, 2, str(tmp_path), timeout=300)):
+    for rank, fails in enumerate(launches.two("stage3")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -366,13 +362,11 @@ def _weights_only_at_stage3(rank, world_size, root):
     return fails
 
 
-def test_stage3_weights_only_save_gathers_one_bucket_at_a_time(tmp_path):
+def test_stage3_weights_only_save_gathers_one_bucket_at_a_time(launches):
     """A weights-only save at stage 3 streams the weights onto rank 0 (Note [Weights-only saves at stage 3]):
     no rank gathers more than one bucket, rank 0's dict is the scratch file's pages, and the file is
     Lightning's usual one with the trained weights, the tied weight once."""
-    from dist_harness import run_ranks
-
-    for rank, fails in enumerate(run_ranks(_weights_only_at_stage3, 2, str(tmp_path), timeout=300)):
+    for rank, fails in enumerate(launches.two("weights_only_at_stage3")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -417,13 +411,11 @@ def _stage3_kept_sharded(rank, world_size, root):
     return fails
 
 
-def test_stage3_leaves_the_model_sharded_after_fit(tmp_path):
+def test_stage3_leaves_the_model_sharded_after_fit(launches):
     """ShardedStrategy(whole_weights_after_fit=False), for a model too big for one rank: fit ends with the
     module sharded (its wrapper kept, shardopt.wrapper_of finds it); validate after fit, a weights-only save
     and full_params() then give the weights and validation losses of Lightning's DDP within 1e-5."""
-    from dist_harness import run_ranks
-
-    for rank, fails in enumerate(run_ranks(_stage3_kept_sharded, 2, str(tmp_path), timeout=300)):
+    for rank, fails in enumerate(launches.two("stage3_kept_sharded")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -555,16 +547,17 @@ def _ckpt_one_rank(rank, world_size, ckpt, expected):
     return fails
 
 
-def test_checkpoint_resume_other_device_counts_and_from_ddp(tmp_path):
+def test_checkpoint_resume_other_device_counts_and_from_ddp(launches):
     """(After the checkpoints branch merges.) ModelCheckpoint writes sharded directories; fit(ckpt_path=...)
     continues exactly at 2 devices (other stage / buckets) and at 1 device; a "ddp" file continues too."""
     from dist_harness import run_ranks
 
-    results = run_ranks(_ckpt_two_ranks, 2, str(tmp_path), timeout=240)
+    results = launches.two("ckpt_two_ranks")
     for rank, (fails, _) in enumerate(results):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
     expected = _rank_mean([losses[CKPT_STEPS:] for _, losses in results])
-    fails = run_ranks(_ckpt_one_rank, 1, str(tmp_path / "sharded" / "e0.ckpt"), expected, timeout=120)[0]
+    fails = run_ranks(_ckpt_one_rank, 1, str(launches.root / "ckpt" / "sharded" / "e0.ckpt"), expected,
+                      timeout=120)[0]
     assert not fails, "\n".join(fails)
 
 
@@ -618,7 +611,7 @@ def _mixed(rank, world_size):
     return fails
 
 
-def test_mixed_precision_bf16_fp16():
+def test_mixed_precision_bf16_fp16(launches):
     """bf16-mixed and 16-mixed: half model, fp32 masters, loss scaling; near fp32.
 
     Why near our own fp32 run and not equal to plain PyTorch: Lightning has no plain strategy that computes
@@ -628,9 +621,7 @@ def test_mixed_precision_bf16_fp16():
     the Lightning plumbing around it (the cast, the fp32 masters, inputs cast, the loss scale), and a
     plumbing fault (fp32 model, bf16 masters, uncast inputs, a scale never applied) fails the dtype checks or
     moves the losses far past the bar: a few bf16 ulps (2**-8) per step, over the run."""
-    from dist_harness import run_ranks
-
-    for rank, fails in enumerate(run_ranks(_mixed, 2, timeout=240)):
+    for rank, fails in enumerate(launches.two("mixed")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -652,12 +643,10 @@ def _weight_averaging(rank, world_size, root):
     return [name for name, p in loaded.named_parameters() if p.requires_grad and not torch.equal(p, average[name])]
 
 
-def test_weight_averaging_saves_the_average_with_offload(tmp_path):
+def test_weight_averaging_saves_the_average_with_offload(launches):
     # Lightning's WeightAveraging puts the average into the module through p.data at the end of fit; with
     # offload the checkpoint saved after held the fp32 masters from before it (Note [Weights edited in place]).
-    from dist_harness import run_ranks
-
-    for rank, differ in enumerate(run_ranks(_weight_averaging, 2, str(tmp_path), timeout=240)):
+    for rank, differ in enumerate(launches.two("weight_averaging")):
         assert not differ, f"rank {rank}: {differ} are not the average"
 
 
@@ -703,15 +692,13 @@ def _weight_averaging_resume(rank, world_size, root, **averaging):
     return out
 
 
-def test_weight_averaging_resumes_where_it_stopped(tmp_path):
+def test_weight_averaging_resumes_where_it_stopped(launches):
     # Note [Lightning's WeightAveraging] in shardopt/integrations/lightning.py: a fit resumed from a checkpoint
     # that ModelCheckpoint wrote with the callback on raised KeyError 'state_dict' in the callback's
     # on_load_checkpoint. Now the average and the weights (fp32 masters of a bf16 model included) continue
     # bit for bit. At stage 3 the callback is refused at setup. The bf16 model's EMA (foreach ops) raised at its
     # second update (fp32 average, bf16 module: Note [Averages of a cast model]).
-    from dist_harness import run_ranks
-
-    for rank, out in enumerate(run_ranks(_weight_averaging_resume, 2, str(tmp_path), timeout=300)):
+    for rank, out in enumerate(launches.two("weight_averaging_resume")):
         assert "cannot average a ShardedStrategy(stage=3) model" in out.pop("stage 3"), f"rank {rank}"
         for precision, result in out.items():
             assert not isinstance(result, str), f"rank {rank}, {precision}: {result}"
@@ -742,33 +729,68 @@ def _swa(rank, world_size, strategy_name, root=None, resume=False):
             [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()])
 
 
-def test_stochastic_weight_averaging():
+def test_stochastic_weight_averaging(launches):
     # Lightning's StochasticWeightAveraging ends with an epoch of forwards for BatchNorm's statistics (backward
     # skipped) and an optimizer step at its end, which ShardedOptimizer refused (no backward). The strategy
     # skips that step (ShardedStrategy.optimizer_step): the module ends at the average, as the callback says
     # it intends. Under DDP the step is taken with the previous epoch's last gradients (Lightning zeroes
     # gradients at the start of an accumulation window, which that epoch skips), so DDP's final weights are
     # the average plus one AdamW step: compared here are the averages and the statistics, not the weights.
-    from dist_harness import run_ranks
-
-    ddp, ours = run_ranks(_swa, 2, "ddp", timeout=300), run_ranks(_swa, 2, "shardopt", timeout=300)
+    ddp, ours = launches.two("swa ddp"), launches.two("swa shardopt")
     assert not any(isinstance(out, str) for out in ddp + ours), ddp + ours
     for rank, ((ref_avg, _, ref_buffers), (avg, weights, buffers)) in enumerate(zip(ddp, ours)):
         assert max((a - b).abs().max().item() for a, b in zip(ref_avg, avg)) <= 1e-6, f"rank {rank}: averages"
         assert all(torch.equal(a, b) for a, b in zip(avg, weights)), f"rank {rank}: the module is not the average"
         assert all(torch.allclose(a.float(), b.float(), atol=1e-6) for a, b in zip(ref_buffers, buffers)), rank
-    for rank, out in enumerate(run_ranks(_swa, 2, "stage 3", timeout=300)):
+    for rank, out in enumerate(launches.two("swa stage 3")):
         assert "cannot average a ShardedStrategy(stage=3) model" in out, f"rank {rank}: {out}"
 
 
-def test_stochastic_weight_averaging_resumes_mid_average(tmp_path):
+def test_stochastic_weight_averaging_resumes_mid_average(launches):
     # 3 epochs straight against 2 + a fit resumed from the checkpoint after epoch 1 (averaging under way):
     # the average, the weights and BatchNorm's statistics at the end, bit for bit.
-    from dist_harness import run_ranks
-
-    straight = run_ranks(_swa, 2, "shardopt", str(tmp_path), timeout=300)
-    resumed = run_ranks(_swa, 2, "shardopt", str(tmp_path), True, timeout=300)
+    straight, resumed = launches.two("swa straight"), launches.two("swa resumed")
     assert not any(isinstance(out, str) for out in straight + resumed), straight + resumed
     for rank, (a, b) in enumerate(zip(straight, resumed)):
         for what, x, y in zip(("average", "weights", "buffers"), a, b):
             assert all(torch.equal(p, q) for p, q in zip(x, y)), f"rank {rank}: the {what} differ after resuming"
+
+
+# ------------------------------------------------------------ the launches
+# Note [Several cases in one launch] (tests/dist_harness.py): every 2-rank case of this file runs in one launch
+# (the ranks import Lightning once, not fourteen times), each in its own folder, in this order; each test
+# asserts its own case, and a case that raised fails its test only, naming the case and the rank's traceback.
+# The SWA fits that Lightning ends with an error (stage 3, refused) come last.
+class Launches:
+    def __init__(self, root):
+        self.root = root
+        self._two = None
+
+    def two(self, case):
+        from dist_harness import case_results, run_cases
+
+        if self._two is None:
+            r = self.root
+            for d in ("stage3", "weights_only", "kept_sharded", "ckpt", "averaging", "averaging_resume", "swa"):
+                (r / d).mkdir()   # as each test's tmp_path was
+            self._two = run_cases(2, {
+                "parity": (_parity, ()),
+                "stage3": (_stage3, (str(r / "stage3"),)),
+                "weights_only_at_stage3": (_weights_only_at_stage3, (str(r / "weights_only"),)),
+                "stage3_kept_sharded": (_stage3_kept_sharded, (str(r / "kept_sharded"),)),
+                "ckpt_two_ranks": (_ckpt_two_ranks, (str(r / "ckpt"),)),
+                "mixed": (_mixed, ()),
+                "weight_averaging": (_weight_averaging, (str(r / "averaging"),)),
+                "weight_averaging_resume": (_weight_averaging_resume, (str(r / "averaging_resume"),)),
+                "swa ddp": (_swa, ("ddp",)),
+                "swa shardopt": (_swa, ("shardopt",)),
+                "swa straight": (_swa, ("shardopt", str(r / "swa"))),
+                "swa resumed": (_swa, ("shardopt", str(r / "swa"), True)),   # from swa straight's checkpoint
+                "swa stage 3": (_swa, ("stage 3",)),
+            }, timeout=850)
+        return case_results(self._two, case)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("lightning"))

@@ -3,6 +3,7 @@ warm-up bit for bit equal to our AdamW run, the step where compression starts, t
 AdamW after it, and the DeepSpeed config the Lightning docs show (WarmupLR against DeepSpeed's own)."""
 import contextlib
 import copy
+import functools
 import math
 import warnings
 
@@ -630,9 +631,23 @@ def _lightning(rank, world_size, precision, stage):
     return module.seen
 
 
-@pytest.mark.parametrize("precision,stage", [("32-true", 2), ("16-mixed", 2), ("32-true", 3)])
+LIGHTNING_RUNS = [("32-true", 2), ("16-mixed", 2), ("32-true", 3)]
+
+
+@functools.cache
+def _lightning_runs():
+    """The three Lightning runs in one 4-rank launch (the ranks import Lightning once): Note [Several cases in
+    one launch] in dist_harness.py; each test reads its own run, whose failure names it."""
+    from dist_harness import run_cases
+
+    return run_cases(4, {f"{p}, stage {s}": (_lightning, (p, s)) for p, s in LIGHTNING_RUNS}, timeout=600)
+
+
+@pytest.mark.parametrize("precision,stage", LIGHTNING_RUNS)
 def test_docs_config_trains_under_lightning(precision, stage):
-    seen = run_ranks(_lightning, 4, precision, stage)[0]
+    from dist_harness import case_results
+
+    seen = case_results(_lightning_runs(), f"{precision}, stage {stage}")[0]
     # 16 steps: warm-up for 3 applied steps (fp16 skips the first ones while the loss scale settles, and
     # a skipped step does not count, as in DeepSpeed), then compressing; WarmupLR as DeepSpeed steps it.
     assert all(c == (s >= 3) for s, c, _ in seen) and seen[-1][1], seen

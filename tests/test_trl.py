@@ -14,7 +14,6 @@ import random
 import pytest
 import torch
 
-from dist_harness import run_ranks
 from test_hf_trainer import _compare, _env, _is_sharded
 
 import transformers  # noqa: E402  (the [test] extra installs it)
@@ -183,10 +182,10 @@ def _parity(rank, world_size, tmp, kind, stages):
     return failures, facts
 
 
-def test_sft_matches_sft_trainer_with_ddp(tmp_path):
+def test_sft_matches_sft_trainer_with_ddp(launches):
     """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss) at stages 1, 2 and 3:
     SFTTrainer + DDP's numbers."""
-    for rank, (failures, _) in enumerate(run_ranks(_parity, 2, str(tmp_path), "sft", (1, 2, 3), timeout=600)):
+    for rank, (failures, _) in enumerate(launches.two("sft")):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
@@ -222,11 +221,11 @@ def _sft_save_and_resume(rank, world_size, tmp):
     return logs, weights, resumed, resumed_weights, sorted(os.listdir(f"{tmp}/run"))
 
 
-def test_sft_save_model_and_resume_at_stage_3(tmp_path):
+def test_sft_save_model_and_resume_at_stage_3(launches):
     """The sharded SFTTrainer at stage 3: save_model() writes whole weights that transformers loads (equal to
     the trained ones), and a run resumed from its step-2 checkpoint ends as the uninterrupted run did."""
-    logs, weights, resumed, resumed_weights, kept = run_ranks(_sft_save_and_resume, 2, str(tmp_path),
-                                                              timeout=600)[0]
+    logs, weights, resumed, resumed_weights, kept = launches.two("sft_save_and_resume")[0]
+    tmp_path = launches.root / "sft_save_and_resume"
     assert [f for f in kept if f.startswith("checkpoint-")] == ["checkpoint-2", "checkpoint-4"], kept
     saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
     for n, p in saved.named_parameters():
@@ -238,12 +237,12 @@ def test_sft_save_model_and_resume_at_stage_3(tmp_path):
     assert all(torch.allclose(weights[n], resumed_weights[n], rtol=1e-5, atol=1e-6) for n in weights)
 
 
-def test_dpo_matches_dpo_trainer_with_ddp(tmp_path):
+def test_dpo_matches_dpo_trainer_with_ddp(launches):
     """ShardedTrainer mixed into DPOTrainer with a frozen reference model at stages 2 and 3: DPOTrainer + DDP's
     numbers. At stage 3 the reference model is sharded for inference too (Note [The reference model at stage 3]),
     passed as ref_model= or built by TRL from the policy's folder: each rank holds about half of its parameters'
     bytes between forwards; at stage 2 it is whole."""
-    ranks = run_ranks(_parity, 2, str(tmp_path), "dpo", (2, 3, "3-trl"), timeout=600)
+    ranks = launches.two("dpo")
     for rank, (failures, facts) in enumerate(ranks):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
         assert facts[3]["held"] > 0 and facts["3-trl"] == facts[3], facts
@@ -294,11 +293,11 @@ def _generating(rank, world_size, tmp):
     return results
 
 
-def test_generating_trainers_at_stage_3_match_ddp(tmp_path):
+def test_generating_trainers_at_stage_3_match_ddp(launches):
     """GRPOTrainer and RLOOTrainer generate rollouts of different lengths on each rank before every step; at stage
     3 generate() runs synced (Note [Trainers that generate during training]) and the numbers are DDP's: the same
     sampled completions, rewards, losses, grad norms and final weights within 1e-5."""
-    ranks = run_ranks(_generating, 2, str(tmp_path), timeout=400)
+    ranks = launches.two("generating")
     for rank, results in enumerate(ranks):
         for kind, failures, _ in results:
             assert not failures, f"rank {rank}:\n" + "\n".join(failures)
@@ -373,3 +372,33 @@ def test_generate_is_synced_only_while_the_parameters_are_sharded():
     del again
     gc.collect()
     assert model.generate() == {}
+
+
+# ------------------------------------------------------------ the launches
+# Note [Several cases in one launch] (tests/dist_harness.py): the 2-rank cases of this file run in one launch
+# (the ranks import TRL, transformers and accelerate once, not four times), each in its own folder; each test
+# asserts its own case, and a case that raised fails its test only, naming the case and the rank's traceback.
+class Launches:
+    def __init__(self, root):
+        self.root = root
+        self._two = None
+
+    def two(self, case):
+        from dist_harness import case_results, run_cases
+
+        if self._two is None:
+            r = self.root
+            for d in ("sft", "sft_save_and_resume", "dpo", "generating"):
+                (r / d).mkdir()   # as each test's tmp_path was
+            self._two = run_cases(2, {
+                "sft": (_parity, (str(r / "sft"), "sft", (1, 2, 3))),
+                "sft_save_and_resume": (_sft_save_and_resume, (str(r / "sft_save_and_resume"),)),
+                "dpo": (_parity, (str(r / "dpo"), "dpo", (2, 3, "3-trl"))),
+                "generating": (_generating, (str(r / "generating"),)),
+            }, timeout=850)
+        return case_results(self._two, case)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("trl"))

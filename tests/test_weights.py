@@ -126,10 +126,13 @@ CASES = [  # (arch, stage, world, meta): every stage, world sizes 1-4, both arch
 
 
 @pytest.mark.parametrize("arch,stage,world,meta", CASES)
-def test_load_train_save_matches_plain_pytorch(tmp_path, arch, stage, world, meta):
-    folder = _pretrained(tmp_path, arch)
-    out = os.path.join(tmp_path, "saved")
-    results = run_ranks(_journey, world, folder, arch, stage, out, meta, timeout=300)
+def test_load_train_save_matches_plain_pytorch(tmp_path, launches, arch, stage, world, meta):
+    if world == 2:  # in the file's 2-rank launch
+        folder, out, results = launches.journey(arch, stage, meta)
+    else:
+        folder = _pretrained(tmp_path, arch)
+        out = os.path.join(tmp_path, "saved")
+        results = run_ranks(_journey, world, folder, arch, stage, out, meta, timeout=300)
     ref_losses, ref_state = _reference(folder, arch, world)
     losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
@@ -172,12 +175,11 @@ def _lora_journey(rank, world, folder, stage):
     return out
 
 
-def test_lora_on_a_sharded_base_matches_plain_peft(tmp_path):
+def test_lora_on_a_sharded_base_matches_plain_peft(launches):
     """PEFT LoRA at stage 3 with the base sharded 1/N: the plain PEFT run's losses and adapters, the base
     bit for bit unchanged."""
-    folder = _pretrained(tmp_path, "llama")
     world = 2
-    results = run_ranks(_lora_journey, world, folder, 3, timeout=300)
+    folder, results = launches.lora()
     ref_losses, ref_state = _reference(folder, "llama", world, lora=True)
     losses = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
@@ -229,7 +231,7 @@ def _bad_inputs(rank, world, folders):
     return out
 
 
-def test_bad_sources_are_refused_on_every_rank_and_change_nothing(tmp_path):
+def _bad_folders(tmp_path):
     import shutil
 
     good = _pretrained(tmp_path, "llama")
@@ -246,8 +248,12 @@ def test_bad_sources_are_refused_on_every_rank_and_change_nothing(tmp_path):
     missing = os.path.join(tmp_path, "missing")
     shutil.copytree(good, missing)
     os.remove(os.path.join(missing, shard))
-    folders = {"other": other, "wider": wider, "truncated": truncated, "missing": missing, "good": good}
-    results = run_ranks(_bad_inputs, 2, {k: v for k, v in folders.items()}, timeout=300)
+    return {"other": other, "wider": wider, "truncated": truncated, "missing": missing, "good": good}, shard
+
+
+def test_bad_sources_are_refused_on_every_rank_and_change_nothing(launches):
+    (folders, shard), results = launches.bad()
+    good = folders["good"]
     expected = {"other": "missing from the file", "wider": "of another shape", "truncated": "truncated",
                 "missing": "missing"}
     for out in results:
@@ -296,7 +302,7 @@ def _finer_and_single_files(rank, world, folder, single, torch_file):
     return out
 
 
-def test_fp32_weights_into_a_bf16_model_keep_fp32_masters(tmp_path):
+def _finer_files(tmp_path):
     from safetensors.torch import save_file
 
     folder = _pretrained(tmp_path, "llama")
@@ -305,8 +311,74 @@ def test_fp32_weights_into_a_bf16_model_keep_fp32_masters(tmp_path):
     save_file({k: v.contiguous() for k, v in whole.items()}, single)
     torch_file = os.path.join(tmp_path, "state.pt")
     torch.save(whole, torch_file)
-    for out in run_ranks(_finer_and_single_files, 2, folder, single, torch_file, timeout=300):
+    return folder, single, torch_file
+
+
+def test_fp32_weights_into_a_bf16_model_keep_fp32_masters(launches):
+    for out in launches.finer():
         for stage in (2, 3):
             worst, rounded = out[stage]
             assert worst == 0.0 and rounded, (stage, worst, rounded)  # masters: the file's fp32 bits exactly
             assert out[(stage, "single")] and out[(stage, "torch")], out
+
+
+# ------------------------------------------------------------ the launches
+# Note [Several cases in one launch] (tests/dist_harness.py): the file's 2-rank cases (the 2-rank journeys of
+# CASES, LoRA, bad sources, fp32 into bf16) run in one launch, the ranks importing transformers and PEFT once;
+# each case in a folder of its own, made here first as each test made it in its tmp_path. Each test asserts its
+# own case; a case that raised fails its test only, naming the case and the rank's traceback.
+class Launches:
+    def __init__(self, root):
+        self.root = root
+        self._two = None
+
+    def _launch(self):
+        from dist_harness import run_cases
+
+        if self._two is None:
+            cases, self.made = {}, {}
+            for arch, stage, world, meta in CASES:
+                if world == 2:
+                    tmp = self.root / f"journey-{arch}-{stage}-{meta}"
+                    tmp.mkdir()
+                    folder, out = _pretrained(tmp, arch), os.path.join(tmp, "saved")
+                    self.made[("journey", arch, stage, meta)] = (folder, out)
+                    cases[f"journey {arch} stage {stage} meta {meta}"] = (_journey, (folder, arch, stage, out, meta))
+            (self.root / "lora").mkdir()
+            self.made["lora"] = _pretrained(self.root / "lora", "llama")
+            cases["lora"] = (_lora_journey, (self.made["lora"], 3))
+            (self.root / "bad").mkdir()
+            self.made["bad"] = _bad_folders(self.root / "bad")
+            cases["bad"] = (_bad_inputs, (dict(self.made["bad"][0]),))
+            (self.root / "finer").mkdir()
+            cases["finer"] = (_finer_and_single_files, _finer_files(self.root / "finer"))
+            self._two = run_cases(2, cases, timeout=850)
+        return self._two
+
+    def journey(self, arch, stage, meta):
+        from dist_harness import case_results
+
+        results = case_results(self._launch(), f"journey {arch} stage {stage} meta {meta}")
+        return (*self.made[("journey", arch, stage, meta)], results)
+
+    def lora(self):
+        from dist_harness import case_results
+
+        results = case_results(self._launch(), "lora")
+        return self.made["lora"], results
+
+    def bad(self):
+        from dist_harness import case_results
+
+        results = case_results(self._launch(), "bad")
+        return self.made["bad"], results
+
+    def finer(self):
+        from dist_harness import case_results
+
+        return case_results(self._launch(), "finer")
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("weights"))
