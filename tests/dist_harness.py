@@ -41,3 +41,18 @@ def case_results(outcomes, name):
     if failed:
         raise AssertionError("\n".join(failed))
     return [value for _, value in outcomes[name]]
+
+
+class SharedLaunch:
+    """One launch of `world_size` ranks for the cases of a file's tests (Note [Several cases in one launch]),
+    made the first time a test asks for one of them: `cases()` returns run_cases' {name: (fn, args)} (and makes
+    whatever folders they write into, under `root`)."""
+
+    def __init__(self, world_size, cases, timeout, root=None):
+        self.world_size, self.cases, self.timeout, self.root = world_size, cases, timeout, root
+        self.outcomes = None
+
+    def results(self, name):
+        if self.outcomes is None:
+            self.outcomes = run_cases(self.world_size, self.cases(), self.timeout)
+        return case_results(self.outcomes, name)

@@ -236,7 +236,7 @@ def _setup_errors(world_size, trained):
 
 def test_fp32_matches_lightning_ddp(launches):
     """Clipping, accumulation, both stages, a scheduler and odd buckets: shardopt == DDP per step."""
-    results = launches.two("parity")
+    results = launches.results("parity")
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
@@ -296,7 +296,7 @@ def _stage3(rank, world_size, root):
 def test_stage3_matches_lightning_ddp(launches):
     """ShardedStrategy(stage=3) vs Lightning's DDP at 1e-5, validation_step included; checkpoints during and
     after fit (sharded and weights-only) hold the trained weights, and fit(ckpt_path=...) continues exactly."""
-    for rank, fails in enumerate(launches.two("stage3")):
+    for rank, fails in enumerate(launches.results("stage3")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -366,7 +366,7 @@ def test_stage3_weights_only_save_gathers_one_bucket_at_a_time(launches):
     """A weights-only save at stage 3 streams the weights onto rank 0 (Note [Weights-only saves at stage 3]):
     no rank gathers more than one bucket, rank 0's dict is the scratch file's pages, and the file is
     Lightning's usual one with the trained weights, the tied weight once."""
-    for rank, fails in enumerate(launches.two("weights_only_at_stage3")):
+    for rank, fails in enumerate(launches.results("weights_only_at_stage3")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -415,7 +415,7 @@ def test_stage3_leaves_the_model_sharded_after_fit(launches):
     """ShardedStrategy(whole_weights_after_fit=False), for a model too big for one rank: fit ends with the
     module sharded (its wrapper kept, shardopt.wrapper_of finds it); validate after fit, a weights-only save
     and full_params() then give the weights and validation losses of Lightning's DDP within 1e-5."""
-    for rank, fails in enumerate(launches.two("stage3_kept_sharded")):
+    for rank, fails in enumerate(launches.results("stage3_kept_sharded")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -552,7 +552,7 @@ def test_checkpoint_resume_other_device_counts_and_from_ddp(launches):
     continues exactly at 2 devices (other stage / buckets) and at 1 device; a "ddp" file continues too."""
     from dist_harness import run_ranks
 
-    results = launches.two("ckpt_two_ranks")
+    results = launches.results("ckpt_two_ranks")
     for rank, (fails, _) in enumerate(results):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
     expected = _rank_mean([losses[CKPT_STEPS:] for _, losses in results])
@@ -621,7 +621,7 @@ def test_mixed_precision_bf16_fp16(launches):
     the Lightning plumbing around it (the cast, the fp32 masters, inputs cast, the loss scale), and a
     plumbing fault (fp32 model, bf16 masters, uncast inputs, a scale never applied) fails the dtype checks or
     moves the losses far past the bar: a few bf16 ulps (2**-8) per step, over the run."""
-    for rank, fails in enumerate(launches.two("mixed")):
+    for rank, fails in enumerate(launches.results("mixed")):
         assert not fails, f"rank {rank}:\n" + "\n".join(fails)
 
 
@@ -646,7 +646,7 @@ def _weight_averaging(rank, world_size, root):
 def test_weight_averaging_saves_the_average_with_offload(launches):
     # Lightning's WeightAveraging puts the average into the module through p.data at the end of fit; with
     # offload the checkpoint saved after held the fp32 masters from before it (Note [Weights edited in place]).
-    for rank, differ in enumerate(launches.two("weight_averaging")):
+    for rank, differ in enumerate(launches.results("weight_averaging")):
         assert not differ, f"rank {rank}: {differ} are not the average"
 
 
@@ -698,7 +698,7 @@ def test_weight_averaging_resumes_where_it_stopped(launches):
     # on_load_checkpoint. Now the average and the weights (fp32 masters of a bf16 model included) continue
     # bit for bit. At stage 3 the callback is refused at setup. The bf16 model's EMA (foreach ops) raised at its
     # second update (fp32 average, bf16 module: Note [Averages of a cast model]).
-    for rank, out in enumerate(launches.two("weight_averaging_resume")):
+    for rank, out in enumerate(launches.results("weight_averaging_resume")):
         assert "cannot average a ShardedStrategy(stage=3) model" in out.pop("stage 3"), f"rank {rank}"
         for precision, result in out.items():
             assert not isinstance(result, str), f"rank {rank}, {precision}: {result}"
@@ -736,20 +736,20 @@ def test_stochastic_weight_averaging(launches):
     # it intends. Under DDP the step is taken with the previous epoch's last gradients (Lightning zeroes
     # gradients at the start of an accumulation window, which that epoch skips), so DDP's final weights are
     # the average plus one AdamW step: compared here are the averages and the statistics, not the weights.
-    ddp, ours = launches.two("swa ddp"), launches.two("swa shardopt")
+    ddp, ours = launches.results("swa ddp"), launches.results("swa shardopt")
     assert not any(isinstance(out, str) for out in ddp + ours), ddp + ours
     for rank, ((ref_avg, _, ref_buffers), (avg, weights, buffers)) in enumerate(zip(ddp, ours)):
         assert max((a - b).abs().max().item() for a, b in zip(ref_avg, avg)) <= 1e-6, f"rank {rank}: averages"
         assert all(torch.equal(a, b) for a, b in zip(avg, weights)), f"rank {rank}: the module is not the average"
         assert all(torch.allclose(a.float(), b.float(), atol=1e-6) for a, b in zip(ref_buffers, buffers)), rank
-    for rank, out in enumerate(launches.two("swa stage 3")):
+    for rank, out in enumerate(launches.results("swa stage 3")):
         assert "cannot average a ShardedStrategy(stage=3) model" in out, f"rank {rank}: {out}"
 
 
 def test_stochastic_weight_averaging_resumes_mid_average(launches):
     # 3 epochs straight against 2 + a fit resumed from the checkpoint after epoch 1 (averaging under way):
     # the average, the weights and BatchNorm's statistics at the end, bit for bit.
-    straight, resumed = launches.two("swa straight"), launches.two("swa resumed")
+    straight, resumed = launches.results("swa straight"), launches.results("swa resumed")
     assert not any(isinstance(out, str) for out in straight + resumed), straight + resumed
     for rank, (a, b) in enumerate(zip(straight, resumed)):
         for what, x, y in zip(("average", "weights", "buffers"), a, b):
@@ -761,36 +761,29 @@ def test_stochastic_weight_averaging_resumes_mid_average(launches):
 # (the ranks import Lightning once, not fourteen times), each in its own folder, in this order; each test
 # asserts its own case, and a case that raised fails its test only, naming the case and the rank's traceback.
 # The SWA fits that Lightning ends with an error (stage 3, refused) come last.
-class Launches:
-    def __init__(self, root):
-        self.root = root
-        self._two = None
-
-    def two(self, case):
-        from dist_harness import case_results, run_cases
-
-        if self._two is None:
-            r = self.root
-            for d in ("stage3", "weights_only", "kept_sharded", "ckpt", "averaging", "averaging_resume", "swa"):
-                (r / d).mkdir()   # as each test's tmp_path was
-            self._two = run_cases(2, {
-                "parity": (_parity, ()),
-                "stage3": (_stage3, (str(r / "stage3"),)),
-                "weights_only_at_stage3": (_weights_only_at_stage3, (str(r / "weights_only"),)),
-                "stage3_kept_sharded": (_stage3_kept_sharded, (str(r / "kept_sharded"),)),
-                "ckpt_two_ranks": (_ckpt_two_ranks, (str(r / "ckpt"),)),
-                "mixed": (_mixed, ()),
-                "weight_averaging": (_weight_averaging, (str(r / "averaging"),)),
-                "weight_averaging_resume": (_weight_averaging_resume, (str(r / "averaging_resume"),)),
-                "swa ddp": (_swa, ("ddp",)),
-                "swa shardopt": (_swa, ("shardopt",)),
-                "swa straight": (_swa, ("shardopt", str(r / "swa"))),
-                "swa resumed": (_swa, ("shardopt", str(r / "swa"), True)),   # from swa straight's checkpoint
-                "swa stage 3": (_swa, ("stage 3",)),
-            }, timeout=850)
-        return case_results(self._two, case)
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    return Launches(tmp_path_factory.mktemp("lightning"))
+    from dist_harness import SharedLaunch
+
+    r = tmp_path_factory.mktemp("lightning")
+
+    def cases():
+        for d in ("stage3", "weights_only", "kept_sharded", "ckpt", "averaging", "averaging_resume", "swa"):
+            (r / d).mkdir()   # as each test's tmp_path was
+        return {
+            "parity": (_parity, ()),
+            "stage3": (_stage3, (str(r / "stage3"),)),
+            "weights_only_at_stage3": (_weights_only_at_stage3, (str(r / "weights_only"),)),
+            "stage3_kept_sharded": (_stage3_kept_sharded, (str(r / "kept_sharded"),)),
+            "ckpt_two_ranks": (_ckpt_two_ranks, (str(r / "ckpt"),)),
+            "mixed": (_mixed, ()),
+            "weight_averaging": (_weight_averaging, (str(r / "averaging"),)),
+            "weight_averaging_resume": (_weight_averaging_resume, (str(r / "averaging_resume"),)),
+            "swa ddp": (_swa, ("ddp",)),
+            "swa shardopt": (_swa, ("shardopt",)),
+            "swa straight": (_swa, ("shardopt", str(r / "swa"))),
+            "swa resumed": (_swa, ("shardopt", str(r / "swa"), True)),   # from swa straight's checkpoint
+            "swa stage 3": (_swa, ("stage 3",)),
+        }
+
+    return SharedLaunch(2, cases, timeout=850, root=r)

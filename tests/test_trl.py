@@ -185,7 +185,7 @@ def _parity(rank, world_size, tmp, kind, stages):
 def test_sft_matches_sft_trainer_with_ddp(launches):
     """ShardedTrainer mixed into SFTTrainer (prompt-completion data, completion-only loss) at stages 1, 2 and 3:
     SFTTrainer + DDP's numbers."""
-    for rank, (failures, _) in enumerate(launches.two("sft")):
+    for rank, (failures, _) in enumerate(launches.results("sft")):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
@@ -224,7 +224,7 @@ def _sft_save_and_resume(rank, world_size, tmp):
 def test_sft_save_model_and_resume_at_stage_3(launches):
     """The sharded SFTTrainer at stage 3: save_model() writes whole weights that transformers loads (equal to
     the trained ones), and a run resumed from its step-2 checkpoint ends as the uninterrupted run did."""
-    logs, weights, resumed, resumed_weights, kept = launches.two("sft_save_and_resume")[0]
+    logs, weights, resumed, resumed_weights, kept = launches.results("sft_save_and_resume")[0]
     tmp_path = launches.root / "sft_save_and_resume"
     assert [f for f in kept if f.startswith("checkpoint-")] == ["checkpoint-2", "checkpoint-4"], kept
     saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
@@ -242,7 +242,7 @@ def test_dpo_matches_dpo_trainer_with_ddp(launches):
     numbers. At stage 3 the reference model is sharded for inference too (Note [The reference model at stage 3]),
     passed as ref_model= or built by TRL from the policy's folder: each rank holds about half of its parameters'
     bytes between forwards; at stage 2 it is whole."""
-    ranks = launches.two("dpo")
+    ranks = launches.results("dpo")
     for rank, (failures, facts) in enumerate(ranks):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
         assert facts[3]["held"] > 0 and facts["3-trl"] == facts[3], facts
@@ -297,7 +297,7 @@ def test_generating_trainers_at_stage_3_match_ddp(launches):
     """GRPOTrainer and RLOOTrainer generate rollouts of different lengths on each rank before every step; at stage
     3 generate() runs synced (Note [Trainers that generate during training]) and the numbers are DDP's: the same
     sampled completions, rewards, losses, grad norms and final weights within 1e-5."""
-    ranks = launches.two("generating")
+    ranks = launches.results("generating")
     for rank, results in enumerate(ranks):
         for kind, failures, _ in results:
             assert not failures, f"rank {rank}:\n" + "\n".join(failures)
@@ -378,27 +378,20 @@ def test_generate_is_synced_only_while_the_parameters_are_sharded():
 # Note [Several cases in one launch] (tests/dist_harness.py): the 2-rank cases of this file run in one launch
 # (the ranks import TRL, transformers and accelerate once, not four times), each in its own folder; each test
 # asserts its own case, and a case that raised fails its test only, naming the case and the rank's traceback.
-class Launches:
-    def __init__(self, root):
-        self.root = root
-        self._two = None
-
-    def two(self, case):
-        from dist_harness import case_results, run_cases
-
-        if self._two is None:
-            r = self.root
-            for d in ("sft", "sft_save_and_resume", "dpo", "generating"):
-                (r / d).mkdir()   # as each test's tmp_path was
-            self._two = run_cases(2, {
-                "sft": (_parity, (str(r / "sft"), "sft", (1, 2, 3))),
-                "sft_save_and_resume": (_sft_save_and_resume, (str(r / "sft_save_and_resume"),)),
-                "dpo": (_parity, (str(r / "dpo"), "dpo", (2, 3, "3-trl"))),
-                "generating": (_generating, (str(r / "generating"),)),
-            }, timeout=850)
-        return case_results(self._two, case)
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    return Launches(tmp_path_factory.mktemp("trl"))
+    from dist_harness import SharedLaunch
+
+    r = tmp_path_factory.mktemp("trl")
+
+    def cases():
+        for d in ("sft", "sft_save_and_resume", "dpo", "generating"):
+            (r / d).mkdir()   # as each test's tmp_path was
+        return {
+            "sft": (_parity, (str(r / "sft"), "sft", (1, 2, 3))),
+            "sft_save_and_resume": (_sft_save_and_resume, (str(r / "sft_save_and_resume"),)),
+            "dpo": (_parity, (str(r / "dpo"), "dpo", (2, 3, "3-trl"))),
+            "generating": (_generating, (str(r / "generating"),)),
+        }
+
+    return SharedLaunch(2, cases, timeout=850, root=r)
