@@ -345,7 +345,8 @@ def _stage_3_phases(rank, world_size, shared, slow):
     with opt.full_params(writeback=False):
         final = [p.detach().clone() for p in model.parameters()]
     return dict(used=opt.store.shared_gather is not None, seen=seen, final=final,
-                phases=opt.store.shared_gather.read_phases if opt.store.shared_gather is not None else None)
+                # arrivals at the shard's barrier: one per read phase, one per barrier of its own
+                phases=opt.store.shared_gather.barrier.epoch if opt.store.shared_gather is not None else None)
 
 
 def test_stage_3_shared_gathers_never_read_a_write_in_progress():

@@ -64,7 +64,6 @@ class SharedShard:
         self.spans: dict[int, list] = {}
         self.add(shared, buckets)
         self.last_reads = None  # the arrival after this rank's last read phase
-        self.read_phases = 0
 
     def add(self, shared, buckets) -> list[torch.Tensor]:
         """`buckets` (of the store's layout) have their chunks, in order, in `shared` (a shared flat buffer of
@@ -86,7 +85,6 @@ class SharedShard:
     def end_reads(self) -> None:
         """This rank has read nothing of its peers' shards since its last read phase began."""
         self.last_reads = self.barrier.arrive()
-        self.read_phases += 1
 
     def wait_readers(self) -> None:
         """Returns once no peer still reads this rank's shard in a phase this rank has finished."""

@@ -198,15 +198,9 @@ class ShardedStore(ParamStore):
         self._empty_storage = self.placeholder.untyped_storage()._cdata
         # On one host the shard is in shared memory and gathers copy out of the peers' (Note [Stage 3's gathers
         # through shared memory] in shared_shard.py).
-        self.shared_gather = None
-        if self.world_size > 1 and nodes is None:
-            why = why_not_shared(device, False, dist.get_process_group_ranks(process_group), dist.get_world_size())
-            self.shared_gather = open_shared_shard(layout, self.dtype, process_group, config.shared_memory_gather, why)
-        elif config.shared_memory_gather:
-            raise ValueError("shared_memory_gather=True cannot be used: " + (
-                "one rank holds the whole shard: nothing to gather" if self.world_size == 1 else
-                "node-aware collectives: the ranks span nodes") + ". Drop it (None uses shared memory where it "
-                "can) or pass False.")
+        why = why_not_shared(device, nodes is not None, dist.get_process_group_ranks(process_group),
+                             dist.get_world_size())  # one rank, several nodes, a GPU: the reason, or None
+        self.shared_gather = open_shared_shard(layout, self.dtype, process_group, config.shared_memory_gather, why)
         self.shard = self.shared_gather.shard if self.shared_gather is not None else \
             torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
         offsets = layout.chunk_offsets()
