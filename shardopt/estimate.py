@@ -63,6 +63,8 @@ import torch
 from shardopt import onebit as _onebit
 from shardopt.config import auto_bucket_size
 from shardopt.layout import plan_layout
+from shardopt.parallel.page_map import PAGE
+from shardopt.zero3.shared_shard import place
 
 # Optimizer state elements per parameter element (tensors with more than one element, which is what
 # memory_stats() counts: scalar step counters are left out).
@@ -192,6 +194,12 @@ class MemoryEstimate:
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
+def _shard_in_memory(layout, dtype: torch.dtype, paged: bool) -> int:
+    """Elements of a stage-3 shard as the store holds it: in shared memory on the CPU, with the chunks of the
+    buckets it maps on page boundaries (`place`)."""
+    return place(layout.buckets, dtype)[1] if paged else layout.shard_numel()
+
+
 def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> MemoryEstimate:
     """Memory per rank for trainable parameters `shapes` (one param group) under `cfg`; `frozen`: the frozen
     parameters (frozen_shapes), which stage 3 shards too (Note [Frozen parameters at stage 3] in
@@ -206,9 +214,13 @@ def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> Memory
     nodes, in_flight = 1, 0
     if cfg.node_aware:  # flat over the world, node by node (Note [Node-aware chunk order] in layout.py)
         nodes, shards, replicas = replicas, cfg.world_size, 1
-    layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
-                         whole_params=cfg.stage == 3, nodes=nodes)
     pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
+    # Stage 3 on the CPU: big buckets padded to whole pages per chunk, the shard's chunks of them on page
+    # boundaries (Note [Stage-3 buckets mapped, not copied] in zero3/shared_shard.py), as the store plans them.
+    paged = cfg.stage == 3 and cfg.device == "cpu" and nodes == 1 and replicas == 1 and shards > 1
+    page_numel = PAGE // pbytes if paged else 0
+    layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
+                         whole_params=cfg.stage == 3, nodes=nodes, page_numel=page_numel)
     shard = layout.shard_numel()
     # Rank 0 has the most state: later ranks' chunks hold the padding at the end of the region.
     pieces = [pc.numel for pc in layout.pieces(0) if pc.numel > 1]
@@ -234,9 +246,10 @@ def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> Memory
     params, gathered = layout.total_numel * pbytes, 0
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
-        held = plan_layout([list(frozen)], shards, layout.bucket_numel, layout.bucket_numel, whole_params=True,
-                           nodes=nodes).shard_numel() if frozen else 0  # as the store plans them
-        params = (shard + held) * pbytes + gathered
+        held = _shard_in_memory(plan_layout([list(frozen)], shards, layout.bucket_numel, layout.bucket_numel,
+                                            whole_params=True, nodes=nodes, page_numel=page_numel),
+                                cfg.param_dtype, paged) if frozen else 0  # as the store plans them
+        params = (_shard_in_memory(layout, cfg.param_dtype, paged) + held) * pbytes + gathered
     onebit = _onebit.state_bytes(shard, shards, replicas) if cfg.optimizer == "onebit" else None
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight,

@@ -80,6 +80,10 @@ from typing import Sequence
 # to 512 bytes in fp32: whole cache lines and full SIMD vectors for the kernels.
 CHUNK_ALIGN = 128
 
+# A stage-3 bucket whose chunk is at least this many pages is padded to whole pages when the store may map it
+# (`page_numel`: Note [Stage-3 buckets mapped, not copied] in zero3/shared_shard.py); smaller ones are copied.
+MAP_MIN_PAGES = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
@@ -246,7 +250,8 @@ def _round_up(n: int, m: int) -> int:
 
 def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int,
                 reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1, *,
-                whole_params: bool = False, persistent: frozenset = frozenset(), nodes: int = 1) -> Layout:
+                whole_params: bool = False, persistent: frozenset = frozenset(), nodes: int = 1,
+                page_numel: int = 0) -> Layout:
     """Plans the flat buffer for trainable parameters given per param group as (name, shape).
 
     Parameters keep the given order in `Layout.params`; the buffer holds each
@@ -257,7 +262,10 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
     `whole_params` and `persistent` (indices into the flattened parameter list)
     are stage 3's: Note [Stage-3 buckets hold whole parameters]. `nodes` > 1: the
     world_size ranks span that many nodes and use node-aware collectives (Note
-    [Node-aware chunk order]).
+    [Node-aware chunk order]). `page_numel` > 0 (elements per memory page; stage 3 on one host): a bucket that is
+    not persistent and whose chunk has at least MAP_MIN_PAGES pages is padded until every chunk is whole pages,
+    so that the store can map it instead of copying it (Note [Stage-3 buckets mapped, not copied] in
+    zero3/shared_shard.py).
     """
     if world_size < 1 or replicas < 1:
         raise ValueError(f"world_size and replicas must be >= 1, got {world_size} and {replicas}")
@@ -273,6 +281,14 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
         raise ValueError("persistent parameters need whole_params=True (stage 3)")
     align = math.lcm(world_size * replicas, CHUNK_ALIGN)
     bucket_numel = _round_up(reduce_bucket_size, align)
+    page_align = math.lcm(align, world_size * page_numel) if page_numel else 0
+
+    def bucket_end(start: int, offset: int, keep: bool) -> int:
+        """Where a whole-parameter bucket of [start, offset) ends: padded to `align`, or to whole pages per chunk."""
+        end = _round_up(offset, align)
+        if page_align and not keep and (end - start) // world_size >= MAP_MIN_PAGES * page_numel:
+            end = start + _round_up(end - start, page_align)
+        return end
 
     params: list[ParamSlot] = []
     buckets: list[Bucket] = []
@@ -312,13 +328,13 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
                     continue
                 n = params[i].numel
                 if offset > start and offset + n - start > bucket_numel:
-                    offset = close(g, start, _round_up(offset, align), placed, keep)
+                    offset = close(g, start, bucket_end(start, offset, keep), placed, keep)
                     start, placed = offset, []
                 params[i] = dataclasses.replace(params[i], offset=offset)
                 placed.append(i)
                 offset += n
             if offset > start:
-                offset = close(g, start, _round_up(offset, align), placed, keep)
+                offset = close(g, start, bucket_end(start, offset, keep), placed, keep)
 
     span = max(CHUNK_ALIGN, _round_up(max(1, allgather_bucket_size // world_size), CHUNK_ALIGN))
     gather_spans = tuple(GatherSpan(bucket=b.index, lo=lo, hi=min(lo + span, b.chunk_numel))

@@ -4,6 +4,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 VOCAB, DIM, HIDDEN = 37, 24, 53  # primes: nothing divides evenly by 2, 3 or 4
+WIDE = dict(dim=199, hidden=331)  # AwkwardNet's l1, l2, branch 66k and frozen 110k elements: primes again
 
 
 class AwkwardNet(nn.Module):
@@ -11,18 +12,19 @@ class AwkwardNet(nn.Module):
 
     Sizes: emb 37x24=888 (tied with the output head), l1 24x53+53, frozen
     53x53+53, l2 53x24+24, branch 53x24+24 - each larger than the smallest
-    buckets the tests use, so parameters straddle buckets and rank chunks.
+    buckets the tests use, so parameters straddle buckets and rank chunks. `dim` and `hidden` make it wide
+    (WIDE: buckets whose chunks stage 3 maps, Note [Stage-3 buckets mapped, not copied]).
     """
 
-    def __init__(self):
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN):
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.l1 = nn.Linear(DIM, HIDDEN)
-        self.frozen = nn.Linear(HIDDEN, HIDDEN)
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.l1 = nn.Linear(dim, hidden)
+        self.frozen = nn.Linear(hidden, hidden)
         self.frozen.requires_grad_(False)
-        self.norm = nn.BatchNorm1d(HIDDEN)  # a buffer that changes: broadcast_buffers matters
-        self.l2 = nn.Linear(HIDDEN, DIM)
-        self.branch = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.BatchNorm1d(hidden)  # a buffer that changes: broadcast_buffers matters
+        self.l2 = nn.Linear(hidden, dim)
+        self.branch = nn.Linear(hidden, dim)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied
 

@@ -155,3 +155,23 @@ def test_whole_params_worked_example():
 def test_persistent_needs_whole_params():
     with pytest.raises(ValueError, match="whole_params"):
         plan_layout([[("a", (4,))]], 2, 256, 256, persistent=frozenset({0}))
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_stage_3_pads_big_buckets_to_whole_pages_per_chunk(ws):
+    """Note [Stage-3 buckets mapped, not copied]: with page_numel, a non-persistent bucket whose chunk reaches
+    MAP_MIN_PAGES pages is padded until every chunk is whole pages; smaller and persistent ones are not."""
+    from shardopt.layout import MAP_MIN_PAGES
+
+    page = 1024
+    big, small = (MAP_MIN_PAGES * page * ws + 1,), (5000,)
+    groups = [[("big", big), ("small", small), ("norm", (7,))]]
+    plain = plan_layout(groups, ws, 10**4, 10**4, whole_params=True, persistent=frozenset({2}))
+    paged = plan_layout(groups, ws, 10**4, 10**4, whole_params=True, persistent=frozenset({2}), page_numel=page)
+    by_first = {lay: {lay.params[b.params[0]].name: b for b in lay.buckets} for lay in (plain, paged)}
+    for name in ("small", "norm"):  # under the minimum, or persistent: as without pages
+        assert by_first[paged][name].numel == by_first[plain][name].numel
+    b = by_first[paged]["big"]
+    assert b.chunk_numel % page == 0 and b.chunk_numel - by_first[plain]["big"].chunk_numel < page
+    assert b.chunk_numel >= MAP_MIN_PAGES * page and b.numel % CHUNK_ALIGN == 0
+    assert [p.shape for p in paged.params] == [p.shape for p in plain.params]

@@ -107,6 +107,20 @@ def _owner(ptr, mappings):
     return None
 
 
+def _in_shards(ptr, nbytes, mappings):
+    """Whether [ptr, ptr + nbytes) is all pages of shardopt's shared-memory files (mapped again: no memory of its
+    own, Note [Stage-3 buckets mapped, not copied])."""
+    at = ptr
+    for lo, hi, path in mappings:
+        if lo <= at < hi:
+            if "/shardopt-flat-" not in path:
+                return False
+            at = hi
+            if at >= ptr + nbytes:
+                return True
+    return False
+
+
 def _storages():
     """data_ptr -> nbytes of the storage of every tensor the garbage collector reaches."""
     gc.collect()
@@ -156,7 +170,11 @@ def _held(rank, world_size):
         dist.barrier()
         pages = _pages_bytes() - pages_before
         maps = _mappings()
-        grown = [(ptr, n) for ptr, n in _storages().items() if ptr not in before]
+        # Stage 3's big buckets, gathered as every rank's shard mapped again end to end (Note [Stage-3 buckets
+        # mapped, not copied]): not memory of their own, if every page of them is a shard's.
+        again = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in getattr(opt.store, "maps", {}).values()}
+        grown = [(ptr, n) for ptr, n in _storages().items() if ptr not in before and ptr not in again]
         storages = sum(n for ptr, n in grown if _owner(ptr, maps) in (None, rank))
         peers = sum(n for ptr, n in grown if _owner(ptr, maps) not in (None, rank))
         est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, device="cpu"))
@@ -165,7 +183,8 @@ def _held(rank, world_size):
                           shared=getattr(opt.store, "shared_gather", None) is not None,
                           # stage 3's pass agreements through shared memory: each peer's slots mapped here
                           # (Note [Agreements in shared memory]: 4 int64 per rank)
-                          agree=32 * (world_size - 1) if getattr(opt.store, "agree_shm", None) is not None else 0)
+                          agree=32 * (world_size - 1) if getattr(opt.store, "agree_shm", None) is not None else 0,
+                          mapped=(len(again), all(_in_shards(ptr, n, maps) for ptr, n in again.items())))
         del model, opt, wrapper
         gc.collect()
     return out
@@ -190,3 +209,6 @@ def test_estimate_matches_memory_held():
             # both as large as this rank's; at stage 3 also the peer's 32-byte agreement slots. Else the process
             # group gathers and nothing is mapped but those slots.
             assert m["peers"] == (m["stats"]["params"] if m["shared"] else 0) + m["agree"], where
+            # Stage 3's buckets here are big enough to be mapped, all pages of the shards (Note [Stage-3 buckets
+            # mapped, not copied]); stages 1-2 map none.
+            assert m["mapped"][1] and (m["mapped"][0] > 0) == (stage == 3 and m["shared"]), where

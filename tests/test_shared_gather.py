@@ -2,6 +2,7 @@
 shardopt/parallel/shared_flat.py): bitwise what the process group gathers, on by default only where every
 rank shares this host's /dev/shm, refused by name where asked for and impossible, never leaving a file
 behind, and never letting a rank's in-place write after step() reach a slower rank's copy."""
+import mmap
 import os
 import time
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from dist_harness import run_ranks
-from models import AwkwardNet, batch, uses_branch
+from models import WIDE, AwkwardNet, batch, uses_branch
 
 
 def _ours():
@@ -38,13 +39,14 @@ def test_why_not_names_each_reason(monkeypatch):
     assert why_not_shared(cpu, False, range(4), 4) is None
 
 
-def _train(rank, optim, stage, shared, steps=4, **kw):
+def _train(rank, optim, stage, shared, steps=4, wide=False, **kw):
+    """`wide`: buckets big enough to be mapped at stage 3 (Note [Stage-3 buckets mapped, not copied])."""
     import shardopt
 
     torch.manual_seed(0)
-    model = AwkwardNet()
-    opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, stage=stage, reduce_bucket_size=300,
-                                    shared_memory_gather=shared, **kw)
+    model = AwkwardNet(**WIDE) if wide else AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=optim, stage=stage,
+                                    reduce_bucket_size=70000 if wide else 300, shared_memory_gather=shared, **kw)
     wrapper = shardopt.ShardedDDP(model, opt)
     for step in range(steps):
         x, y = batch(step, rank)
@@ -56,14 +58,33 @@ def _train(rank, optim, stage, shared, steps=4, **kw):
     return model, opt
 
 
+def _copies_of():
+    """Buckets copied out of the shards from now on (a list the copies append to)."""
+    from shardopt.zero3 import shared_shard
+
+    copied, wait = [], shared_shard._Copy.wait
+
+    def counted(self):
+        if self.out is not None:
+            copied.append(self.b)
+        wait(self)
+    shared_shard._Copy.wait = counted
+    return copied
+
+
 def _parity(rank, world_size):
     out = {}
+    copied = _copies_of()
     for optim, kw in ((torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
                       (torch.optim.SGD, dict(lr=0.1, momentum=0.9))):
-        for stage in (1, 2, 3):
+        for stage, wide in ((1, False), (2, False), (3, False), (3, True)):
             models, gathers = {}, {}
             for shared in (None, False):
-                model, opt = _train(rank, optim, stage, shared, **kw)
+                copied.clear()
+                model, opt = _train(rank, optim, stage, shared, wide=wide, **kw)
+                if wide and shared is None:  # l1, l2, branch and the frozen layer mapped; the embedding copied
+                    store = opt.store
+                    out[f"mapped {optim.__name__}"] = (sorted(store.maps), store.trainable_buckets, sorted(set(copied)))
                 if stage == 3:
                     with opt.full_params(writeback=False):
                         models[shared] = [p.detach().clone() for p in model.parameters()]
@@ -79,8 +100,9 @@ def _parity(rank, world_size):
                     out[f"gathers {optim.__name__} {stage}"] = opt.store.num_gathers if stage == 3 \
                         else opt.store.gatherer.num_all_gathers
                     out[f"files left {optim.__name__} {stage}"] = _ours()
+            stage = f"{stage}{' wide' if wide else ''}"
             out[f"equal {optim.__name__} {stage}"] = all(torch.equal(p, q) for p, q in zip(models[None], models[False]))
-            if stage == 3:  # the same walk: the same gathers counted, whichever way they travel
+            if gathers:  # the same walk: the same gathers counted, whichever way they travel
                 out[f"equal gathers {optim.__name__} {stage}"] = gathers[None] == gathers[False]
     return out
 
@@ -97,6 +119,10 @@ def test_shared_memory_gather_is_bitwise_the_process_groups(world_size, monkeypa
                 assert v > 0, f"rank {rank} {key}: {r}"
             if key.startswith("files left"):
                 assert v == [], f"rank {rank} {key}: {r}"
+            if key.startswith("mapped"):  # Note [Stage-3 buckets mapped, not copied]
+                maps, trainable, copied = v
+                assert any(b < trainable for b in maps) and any(b >= trainable for b in maps), f"rank {rank}: {v}"
+                assert copied and not set(copied) & set(maps), f"rank {rank}: mapped buckets copied: {v}"
 
 
 def _in_place_after_step(rank, world_size, slow_reader):
@@ -294,11 +320,12 @@ def test_stage_3_agreements_through_shared_memory_equal_gloos(world_size):
     assert not _ours()  # no file left behind
 
 
-def _stage_3_phases(rank, world_size, shared, slow):
+def _stage_3_phases(rank, world_size, shared, slow, wide=False):
     """Stage 3 through every kind of read phase and write (Note [Stage 3's gathers through shared memory]):
     training steps, a different number of forwards without gradients per rank, full_params' write-back, a
     load of the weights; rank 1 copies slowly, so a rank that wrote its shard while a peer still copied it
-    would hand that peer a mix."""
+    would hand that peer a mix. `wide`: buckets mapped (Note [Stage-3 buckets mapped, not copied]), read where
+    the modules compute, so rank 1 computes slowly (forward and backward) instead."""
     import shardopt
     from shardopt.zero3 import shared_shard
 
@@ -311,9 +338,13 @@ def _stage_3_phases(rank, world_size, shared, slow):
             copy(self)
         shared_shard._Copy.wait = slow_copy
     torch.manual_seed(0)
-    model = AwkwardNet()
+    model = AwkwardNet(**WIDE) if wide else AwkwardNet()
+    if slow and rank == 1 and wide:
+        for m in model.modules():
+            m.register_forward_pre_hook(lambda *_: time.sleep(0.01))
+            m.register_full_backward_pre_hook(lambda *_: time.sleep(0.01))
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
-                                    reduce_bucket_size=300, param_persistence_threshold=40,
+                                    reduce_bucket_size=70000 if wide else 300, param_persistence_threshold=40,
                                     shared_memory_gather=shared)
     wrapper = shardopt.ShardedDDP(model, opt)
     seen = []
@@ -344,16 +375,42 @@ def _stage_3_phases(rank, world_size, shared, slow):
                         p.copy_(saved[n])
     with opt.full_params(writeback=False):
         final = [p.detach().clone() for p in model.parameters()]
-    return dict(used=opt.store.shared_gather is not None, seen=seen, final=final,
+    return dict(used=opt.store.shared_gather is not None, seen=seen, final=final, mapped=sorted(opt.store.maps),
                 # arrivals at the shard's barrier: one per read phase, one per barrier of its own
                 phases=opt.store.shared_gather.barrier.epoch if opt.store.shared_gather is not None else None)
 
 
-def test_stage_3_shared_gathers_never_read_a_write_in_progress():
-    shared = run_ranks(_stage_3_phases, 2, True, True, timeout=180)
-    plain = run_ranks(_stage_3_phases, 2, False, False, timeout=180)
+@pytest.mark.parametrize("wide", [False, True], ids=["copied", "mapped"])
+def test_stage_3_shared_gathers_never_read_a_write_in_progress(wide):
+    shared = run_ranks(_stage_3_phases, 2, True, True, wide, timeout=180)
+    plain = run_ranks(_stage_3_phases, 2, False, False, wide, timeout=180)
     for rank, (s, p) in enumerate(zip(shared, plain)):
         assert s["used"] and not p["used"], rank
+        assert bool(s["mapped"]) == wide and not p["mapped"], (rank, s["mapped"])
         assert s["seen"] == p["seen"], (rank, s["seen"], p["seen"])
         assert all(torch.equal(a, b) for a, b in zip(s["final"], p["final"])), rank
     assert shared[0]["phases"] == shared[1]["phases"] > 0  # every rank walked the same read phases
+
+
+def test_map_spans_shares_the_pages_and_refuses_what_it_cannot_map(tmp_path):
+    """Note [Mapping a shared mapping again]: the spans end to end, what reference_spans copies; a write through
+    either mapping seen through the other; a span off a page boundary, or not in shared memory, gives None."""
+    from shardopt.parallel.page_map import PAGE, map_spans, reference_spans
+
+    n = PAGE // 4
+    files = []
+    for k in range(3):
+        path = str(tmp_path / f"buffer{k}")
+        files.append(torch.from_file(path, shared=True, size=4 * n, dtype=torch.float32))
+        files[-1].copy_(torch.arange(4 * n, dtype=torch.float32) + 1000 * k)
+    spans = [(files[0], n, 2 * n), (files[2], 0, n), (files[1], 3 * n, n)]
+    view = map_spans(spans)
+    assert view is not None and torch.equal(view, reference_spans(spans))
+    files[2][5] = -1.0
+    assert view[2 * n + 5] == -1.0
+    view[3 * n] = -2.0
+    assert files[1][3 * n] == -2.0
+    assert map_spans([(files[0], 1, n)]) is None  # not on a page boundary
+    assert map_spans([(files[0], 0, n + 1)]) is None  # not whole pages
+    private = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    assert map_spans([(torch.frombuffer(private, dtype=torch.float32), 0, n)]) is None  # the kernel refuses

@@ -13,7 +13,9 @@ At stage 3 the reduce bucket is also the unit of gathering (a bucket's
 parameters are all-gathered whole before its first module runs), so the grid
 is reduce sizes only (allgather sizes change nothing there and are refused),
 and the table shows what a size costs in memory: the most bytes of whole
-parameters gathered at once (ParamShard.peak_live) next to the staging buffers.
+parameters gathered at once (ParamShard.peak_live) next to the staging buffers, and on one CPU host the
+bytes of the buckets gathered as mappings of every rank's shard, which hold no memory of their own (Note
+[Stage-3 buckets mapped, not copied] in zero3/shared_shard.py).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class GridPoint:
     """Median step time in seconds (slowest rank)."""
     gathered_bytes: int = 0
     """Stage 3: the most bytes of whole parameters gathered at once on a rank (0 at stages 1 and 2)."""
+    mapped_bytes: int = 0
+    """Stage 3 on one CPU host: bytes of the buckets gathered as mappings of the shards (no memory of their own)."""
 
 
 def grid(reduce_sizes: Sequence[int], allgather_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -110,7 +114,8 @@ def _time_point(factory, inputs, stage, rbs, agbs, steps, warmup):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     gathered = opt.store.peak_live if opt.params_sharded else 0
-    info = (len(opt.layout.buckets), opt.memory_stats()["staging"], gathered)
+    mapped = opt.store.mapped_bytes() if opt.params_sharded else 0
+    info = (len(opt.layout.buckets), opt.memory_stats()["staging"], gathered, mapped)
     return times, info
 
 
@@ -147,7 +152,7 @@ def run(factory_spec: str, batch_spec: str | None, reduce_sizes, allgather_sizes
     # A step is as slow as its slowest rank.
     med = torch.tensor([statistics.median(samples[p]) for p in pairs], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    points = [GridPoint(rbs, agbs, info[(rbs, agbs)][0], info[(rbs, agbs)][1], float(t), info[(rbs, agbs)][2])
+    points = [GridPoint(rbs, agbs, info[(rbs, agbs)][0], info[(rbs, agbs)][1], float(t), *info[(rbs, agbs)][2:])
               for (rbs, agbs), t in zip(pairs, med.tolist())]
     best = recommend(points)
     result = {"points": points, "best": best, "png": None, "report": None}
@@ -169,12 +174,13 @@ def snippet(best: GridPoint, stage: int) -> str:
 
 
 def table(points: Sequence[GridPoint], best: GridPoint, stage: int = 2) -> str:
-    second = "gathered MiB (peak)" if stage == 3 else "allgather_bucket_size"
+    second = "gathered MiB (peak; mapped)" if stage == 3 else "allgather_bucket_size"
     lines = [f"| reduce_bucket_size | {second} | buckets | staging MiB | step ms | x best |",
              "|---|---|---|---|---|---|"]
     for p in points:
         mark = " **best**" if p == best else ""
-        col = f"{p.gathered_bytes / 2**20:.2f}" if stage == 3 else f"{p.allgather_bucket_size:,}"
+        col = f"{p.gathered_bytes / 2**20:.2f}; {p.mapped_bytes / 2**20:.2f}" if stage == 3 \
+            else f"{p.allgather_bucket_size:,}"
         lines.append(f"| {p.reduce_bucket_size:,} | {col} | {p.buckets} | "
                      f"{p.staging_bytes / 2**20:.1f} | {p.step_time * 1e3:.1f} | "
                      f"{p.step_time / best.step_time:.2f}{mark} |")

@@ -2,8 +2,9 @@
 rank's chunk straight out of its shard (Note [Stage 3's gathers through shared memory]).
 
     shared = open_shared_shard(layout, dtype, group, want, why_not)   # a collective; None: the process group
-    shard = shared.shard                       # this rank's shard, as torch.zeros(layout.shard_numel())
+    shared.chunks                              # this rank's chunk of every bucket, zeros (page-aligned when mappable)
     copy = shared.start_gather(bucket, out)    # nothing read yet; copy.wait() copies, copy.drop() forgets
+    full = shared.mapping(bucket)              # or: the whole bucket as every rank's chunks mapped end to end
     shared.end_reads()                         # after every read phase (a pass, a whole-weights walk)
     shared.wait_readers()                      # before this rank writes its shard: no peer reads it
     shared.sync()                              # a barrier: the peers' writes before it are seen
@@ -45,36 +46,74 @@ The barrier is the shared-memory one (x86, one pid namespace: Note [Barriers in 
 parallel/shm_barrier.py) with its dead-peer checks and timeout; where it cannot be used, stage 3 keeps the
 process group's gathers. Frozen buckets (Note [Frozen parameters at stage 3] in store.py) have their chunks
 in a shared region of their own per dtype, made when a ShardedDDP takes them, and gather the same way.
+
+Note [Stage-3 buckets mapped, not copied]
+-----------------------------------------
+Copying out of the shards still moved every byte of the model twice a step on the cores that compute, each
+rank's own chunk included: on the 30M GPT of `bench_step.py --peers` stage 3 stayed 1.05-1.21x our stage 2
+(benchmarks/results/2026-11-29-stage3-shared-gather.md). A bucket's full storage is its W chunks end to end,
+and the chunks already lie in shared memory: if each chunk is whole pages, those pages can be mapped a second
+time, end to end, at an address of their own (Note [Mapping a shared mapping again] in parallel/page_map.py),
+and that mapping *is* the bucket gathered: the gather copies nothing and holds no memory, like the one-rank
+case (Note [One rank holds the whole bucket] in store.py). So on one host:
+  - The plan pads a non-persistent bucket whose chunk is at least MAP_MIN_PAGES pages (64 KiB in fp32) until
+    every chunk is whole pages (`page_numel` in layout.plan_layout; at most a page per chunk, under 1/16 of
+    it), and the shard places such chunks on page boundaries (`place`). Smaller buckets (the tests' tiny
+    models among them) are laid out and copied as before.
+  - The store points such a bucket's parameters at its mapping, from the first pass on (construction and
+    materialize write the full buckets, so they keep private storage), and a gather of it, a free, the seam,
+    a gather asked again, are bookkeeping only: the walk, its states, agreements and gather count are the
+    same code. The reads are no longer at the gather's wait but wherever the modules compute; they all lie
+    inside the pass whose end is the arrival above, so the two rules hold as they are.
+  - Whatever writes full parameters works on private copies: full_params() (with or without write-back)
+    copies the buckets out of the shards as before and points the parameters back at the mappings on exit.
+    A write into a parameter inside a pass is the one difference: here it reaches the shards (every rank
+    writing it), where a copied bucket loses it at its free; both differ from DDP (write through
+    full_params() between steps, as at stage 3 anywhere).
+Persistent buckets stay private copies refreshed after the step: they are read between passes too, where a
+peer may be writing its chunk.
 """
 from __future__ import annotations
 
 import torch
 
+from shardopt.layout import MAP_MIN_PAGES
+from shardopt.parallel.page_map import PAGE, map_spans
 from shardopt.parallel.shared_flat import open_shared_flat
 
 
 class SharedShard:
     """Every rank's shard of stage 3's store, mapped; the gathers out of them and the barrier they need."""
 
-    def __init__(self, shared, buckets):
+    def __init__(self, shared, buckets, offsets: list[int]):
         self.shard = shared.flat
         self.barrier = shared.barrier
         self.barrier.what = "the barrier of stage 3's parameter gathers through shared memory"
         # Per bucket: (rank r's shard, where chunk r starts there, where it goes in the full bucket, length).
         self.spans: dict[int, list] = {}
-        self.add(shared, buckets)
+        self.mappable: set[int] = set()  # buckets whose chunks are whole pages on page boundaries
+        self.chunks = self.add(shared, buckets, offsets)
         self.last_reads = None  # the arrival after this rank's last read phase
 
-    def add(self, shared, buckets) -> list[torch.Tensor]:
-        """`buckets` (of the store's layout) have their chunks, in order, in `shared` (a shared flat buffer of
-        their chunk sizes: the shard, or a frozen region's); returns this rank's chunk of each."""
-        chunks, at = [], 0
-        for b in buckets:
+    def add(self, shared, buckets, offsets: list[int]) -> list[torch.Tensor]:
+        """`buckets` (of the store's layout) have their chunks at `offsets` (`place`) in `shared` (a shared flat
+        buffer: the shard, or a frozen region's); returns this rank's chunk of each."""
+        chunks = []
+        for b, at in zip(buckets, offsets):
             self.spans[b.index] = [(shared.buffers[r], at, b.chunk(r)[0] - b.start, b.chunk_numel)
                                    for r in range(b.world_size)]
+            if _mappable(b, shared.flat.dtype):
+                self.mappable.add(b.index)
             chunks.append(shared.flat[at:at + b.chunk_numel])
-            at += b.chunk_numel
         return chunks
+
+    def mapping(self, b: int) -> torch.Tensor | None:
+        """Bucket b whole: every rank's chunk mapped end to end, no copy (Note [Stage-3 buckets mapped, not
+        copied]); None if it cannot be."""
+        if b not in self.mappable:
+            return None
+        spans = sorted(self.spans[b], key=lambda s: s[2])  # in the bucket's order
+        return map_spans([(buffer, src, n) for buffer, src, _, n in spans])
 
     def holds(self, b: int) -> bool:
         return b in self.spans
@@ -119,10 +158,28 @@ class _Copy:
         self.out = None
 
 
+def _mappable(bucket, dtype: torch.dtype) -> bool:
+    page = PAGE // dtype.itemsize
+    return not bucket.persistent and bucket.chunk_numel % page == 0 and bucket.chunk_numel >= MAP_MIN_PAGES * page
+
+
+def place(buckets, dtype: torch.dtype) -> tuple[list[int], int]:
+    """Where each bucket's chunk lies in a shared buffer (elements), and the buffer's size: one after the other,
+    a mappable bucket's on a page boundary (Note [Stage-3 buckets mapped, not copied])."""
+    page, offsets, at = PAGE // dtype.itemsize, [], 0
+    for b in buckets:
+        if _mappable(b, dtype):
+            at = -(-at // page) * page
+        offsets.append(at)
+        at += b.chunk_numel
+    return offsets, at
+
+
 def open_shared_shard(layout, dtype: torch.dtype, group, want: bool | None, why_not: str | None
                       ) -> SharedShard | None:
     """A collective over `group`: every rank's shard in shared memory, or None (the process group gathers)."""
-    shared = open_shared_flat(layout.shard_numel(), dtype, group, want, why_not)
+    offsets, numel = place(layout.buckets, dtype)
+    shared = open_shared_flat(numel, dtype, group, want, why_not)
     if shared is None:
         return None
     if shared.barrier is None:
@@ -130,12 +187,13 @@ def open_shared_shard(layout, dtype: torch.dtype, group, want: bool | None, why_
             raise RuntimeError("shared_memory_gather=True at stage 3 needs the shared-memory barrier (x86, one pid "
                                "namespace: Note [Barriers in shared memory]); pass None to use the process group")
         return None
-    return SharedShard(shared, layout.buckets)
+    return SharedShard(shared, layout.buckets, offsets)
 
 
 def open_frozen_region(shared: SharedShard, buckets, dtype: torch.dtype, group) -> list[torch.Tensor] | None:
     """A collective over `group`: frozen `buckets`' chunks in shared memory beside the shard (Note [Frozen
     parameters at stage 3] in store.py), gathered as the shard's are; returns this rank's chunk of each, or None
     (the process group gathers them: /dev/shm could not hold them)."""
-    region = open_shared_flat(sum(b.chunk_numel for b in buckets), dtype, group, None, None)
-    return shared.add(region, buckets) if region is not None else None
+    offsets, numel = place(buckets, dtype)
+    region = open_shared_flat(numel, dtype, group, None, None)
+    return shared.add(region, buckets, offsets) if region is not None else None

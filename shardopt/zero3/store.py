@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.layout import Layout, append_layout, plan_layout
+from shardopt.parallel.page_map import PAGE
 from shardopt.param_store import ParamStore
 from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
@@ -76,11 +77,13 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 class _Gathered:
-    """The gather of a bucket that one rank holds whole: nothing to wait for."""
+    """The gather of a bucket that one rank holds whole, or that is mapped: nothing to wait for."""
 
     @staticmethod
     def wait():
         return None
+
+    drop = wait
 
 
 _NOTHING_TO_GATHER = _Gathered()
@@ -151,8 +154,13 @@ class ShardedStore(ParamStore):
         """Buckets of whole parameters; those of at most param_persistence_threshold elements stay gathered
         (Note [Stage-3 buckets hold whole parameters] in layout.py)."""
         persistent = frozenset(i for i, p in enumerate(params) if p.numel() <= config.param_persistence_threshold)
+        # On the CPU the big buckets are padded to whole pages per chunk (Note [Stage-3 buckets mapped, not
+        # copied] in shared_shard.py): whether shared memory is used is only known once the ranks try it, and
+        # the layout (so the order of every sum) does not depend on the way the gathers travel.
+        maybe_mapped = (params and nodes == 1 and replicas == 1 and world_size > 1
+                        and params[0].device.type in ("cpu", "meta"))
         return plan_layout(names, world_size, *sizes, replicas=replicas, whole_params=True, persistent=persistent,
-                           nodes=nodes)
+                           nodes=nodes, page_numel=PAGE // params[0].element_size() if maybe_mapped else 0)
 
     def __init__(self, layout: Layout, rank: int, params: list, sharding, config, device, phase: dict):
         process_group, world_group, nodes = sharding.shard, sharding.world, sharding.nodes
@@ -201,10 +209,12 @@ class ShardedStore(ParamStore):
         why = why_not_shared(device, nodes is not None, dist.get_process_group_ranks(process_group),
                              dist.get_world_size())  # one rank, several nodes, a GPU: the reason, or None
         self.shared_gather = open_shared_shard(layout, self.dtype, process_group, config.shared_memory_gather, why)
-        self.shard = self.shared_gather.shard if self.shared_gather is not None else \
-            torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
+        if self.shared_gather is not None:
+            self.shard, self.chunks = self.shared_gather.shard, list(self.shared_gather.chunks)
+        else:
+            self.shard = torch.empty(layout.shard_numel(), dtype=self.dtype, device=self.device)
+            self.chunks = [self.shard[at:at + b.chunk_numel] for b, at in zip(layout.buckets, layout.chunk_offsets())]
         offsets = layout.chunk_offsets()
-        self.chunks = [self.shard[offsets[b.index]:offsets[b.index] + b.chunk_numel] for b in layout.buckets]
         # Note [One rank holds the whole bucket]: its buckets' full storage is its chunks, found by offset.
         self.aliased = self.world_size == 1 and nodes is None
         self._shard_storage = self.shard.untyped_storage()._cdata
@@ -213,6 +223,12 @@ class ShardedStore(ParamStore):
         self.frozen_shard_bytes = 0
         self.views: list = []
         self._lo, self.full, self._comm, self.state, self.owed = [], [], [], [], []
+        # Note [Stage-3 buckets mapped, not copied] in shared_shard.py: bucket -> its mapping, installed at the
+        # first pass (`_install_maps`); `_private[b]`: the storage it had (full_params' copies use it again).
+        self.mapped_now: list[bool] = []
+        self.maps: dict[int, torch.Tensor] = {}
+        self._private: dict[int, tuple] = {}
+        self._to_map: set[int] = set()
         self.bucket_params: list[list[int]] = []
         self._bucket_of_param: list[list[int]] = []  # whole parameters: one bucket each
         self._bucket_of_storage: dict = {}
@@ -231,6 +247,8 @@ class ShardedStore(ParamStore):
         self._world = world_group
         self.on_meta = None  # set by the first values taken
         self._shard_values(range(len(params)), layout.buckets)
+        if self.shared_gather is not None:
+            self._to_map |= self.shared_gather.mappable
         self.reset_peak()
 
     def _empty_of(self, dtype: torch.dtype) -> torch.Tensor:
@@ -252,21 +270,56 @@ class ShardedStore(ParamStore):
                 full = self.every_chunk[b.index]
             else:
                 full = torch.empty(b.numel, dtype=dtype, device=self.device)
-            self.full.append(full)
+            self.full.append(None)
             self._comm.append(torch.empty(0, dtype=dtype, device=self.device).set_(
                 full.untyped_storage(), full.storage_offset(), (b.numel,)))
             self.bucket_params.append([])
             for i in b.params:
-                slot = self.layout.params[i]
-                s = slot.offset - b.start
-                self.views[i] = full[s:s + slot.numel].view(slot.shape)
                 self.bucket_params[b.index].append(i)
                 self._bucket_of_param[i].append(b.index)
+            self._point(b.index, full, self._comm[-1])
             if not self.aliased:
                 full.untyped_storage().resize_(0)
-            self._bucket_of_storage[full.untyped_storage()._cdata] = b.index  # the shard's: _bucket_at
             self.state.append(FREE)
             self.owed.append(0)
+            self.mapped_now.append(False)
+
+    def _point(self, b: int, full: torch.Tensor, comm: torch.Tensor, views: list | None = None) -> None:
+        """Bucket b's full storage is `full` (gathers write it through `comm`): its parameters' views are cut from
+        it (while it has memory; or given), and a tensor in it is known as bucket b's (`_bucket_at`)."""
+        if self.full[b] is not None:
+            del self._bucket_of_storage[self.full[b].untyped_storage()._cdata]
+        self.full[b], self._comm[b] = full, comm
+        bucket = self.layout.buckets[b]
+        for k, i in enumerate(self.bucket_params[b]):
+            slot = self.layout.params[i]
+            s = slot.offset - bucket.start
+            self.views[i] = full[s:s + slot.numel].view(slot.shape) if views is None else views[k]
+        self._bucket_of_storage[full.untyped_storage()._cdata] = b  # the shard's: _bucket_at
+        self._in_place_seen = []
+
+    def _install_maps(self) -> None:
+        """Mappable buckets that are free take their mappings (Note [Stage-3 buckets mapped, not copied] in
+        shared_shard.py): from the first pass on, their gathers copy nothing."""
+        for b in sorted(self._to_map):
+            if self.state[b] != FREE:
+                continue
+            self._to_map.discard(b)
+            full = self.maps.get(b)
+            if full is None:
+                full = self.shared_gather.mapping(b)
+                if full is None:
+                    continue  # the kernel would not: copied, as smaller buckets are
+                self.maps[b] = full
+            self._private[b] = (self.full[b], self._comm[b], [self.views[i] for i in self.bucket_params[b]])
+            self._point(b, full, full)
+            self.mapped_now[b] = True
+
+    def _unmap(self, b: int) -> None:
+        """Bucket b (free) has its private storage again, until `_install_maps` (full_params writes into it)."""
+        self._point(b, *self._private.pop(b))
+        self.mapped_now[b] = False
+        self._to_map.add(b)
 
     def _buckets_of(self, index: int) -> list:
         return self._bucket_of_param[index]
@@ -414,7 +467,7 @@ class ShardedStore(ParamStore):
         """Bucket b's full storage exists again (its contents undefined); with `views`, its parameters are
         its views (a gather sets them when it is waited for, so nothing reads a bucket half written)."""
         full = self.full[b]
-        if not self.aliased:  # Note [One rank holds the whole bucket]: no memory to add
+        if not self.aliased and not self.mapped_now[b]:  # Note [One rank holds the whole bucket]: no memory to add
             nbytes = full.numel() * full.element_size()
             full.untyped_storage().resize_(nbytes)
             self.live += nbytes
@@ -437,8 +490,8 @@ class ShardedStore(ParamStore):
     def _launch_gather(self, b: int, out: torch.Tensor | None = None):
         """Starts every rank's chunk of bucket b into its full storage (through `_comm`; or into `out`): flat,
         or in two levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
-        if self.aliased:
-            return _NOTHING_TO_GATHER  # Note [One rank holds the whole bucket]
+        if self.aliased or self.mapped_now[b]:
+            return _NOTHING_TO_GATHER  # Note [One rank holds the whole bucket], or [Stage-3 buckets mapped, not copied]
         out = self._comm[b] if out is None else out
         if self._in_shared(b):  # Note [Stage 3's gathers through shared memory]: copied when waited for
             return self.shared_gather.start_gather(b, out)
@@ -485,14 +538,19 @@ class ShardedStore(ParamStore):
         empty = self._empty_of(self.full[b].dtype)
         for i in self.bucket_params[b]:
             self.members[i].data = empty
-        if not self.aliased:  # Note [One rank holds the whole bucket]: the chunk stays
+        if not self.aliased and not self.mapped_now[b]:  # [One rank holds the whole bucket]: the chunk stays
             self.full[b].untyped_storage().resize_(0)
             self.live -= self.full[b].numel() * self.full[b].element_size()
         self.state[b] = FREE
 
     def live_bytes(self) -> int:
-        """Bytes of full parameters gathered now (persistent buckets included)."""
+        """Bytes of full parameters gathered now (persistent buckets included), in memory of this rank's own."""
         return self.live
+
+    def mapped_bytes(self) -> int:
+        """Bytes of the buckets gathered as mappings of every rank's shard (Note [Stage-3 buckets mapped, not
+        copied] in shared_shard.py): no memory of their own, not in live_bytes()."""
+        return sum(self.full[b].numel() * self.full[b].element_size() for b in self.maps if self.mapped_now[b])
 
     def reset_peak(self) -> None:
         self.peak_live = self.live
@@ -502,6 +560,8 @@ class ShardedStore(ParamStore):
         """The root module's forward starts: a forward round (Note [Stage-3 schedule])."""
         if self.round is not None:  # a pass that never ended (an exception): close it as every rank does
             self._close_round()
+        if self._to_map:
+            self._install_maps()
         self._start(Intent.FORWARD if torch.is_grad_enabled() else Intent.LOOK)
         self.round = self._new_round(Pass.FORWARD, self.schedule.forward)
         self.round.serves = self._serving()
@@ -922,7 +982,8 @@ class ShardedStore(ParamStore):
                                self.layout.bucket_numel, self.layout.bucket_numel, whole_params=True,
                                persistent=frozenset(i for i, (_, p) in enumerate(named)
                                                     if p.numel() <= self.persistence_threshold),
-                               nodes=self.layout.nodes)
+                               nodes=self.layout.nodes,  # whole pages: Note [Stage-3 buckets mapped, not copied]
+                               page_numel=PAGE // dtype.itemsize if self.shared_gather is not None else 0)
             self.layout = append_layout(self.layout, part)
             self.members += [p for _, p in named]
             new = self.layout.buckets[len(self.full):]
@@ -936,6 +997,8 @@ class ShardedStore(ParamStore):
             self._add_buckets(new, dtype)
             assert len(self.layout.params) == start + len(named)
         self._shard_values(range(first_param, len(self.members)), self.layout.buckets[first_bucket:])
+        if self.shared_gather is not None:
+            self._to_map |= self.shared_gather.mappable - set(self.maps)
 
     def frozen_bucket(self, b: int) -> bool:
         return b >= self.trainable_buckets
@@ -1036,6 +1099,14 @@ class ShardedStore(ParamStore):
         the full parameters hold (writeback) and the buckets gathered for it are freed."""
         if self.round is not None:
             raise RuntimeError("full_params() inside a forward or backward pass: use it between steps")
+        # Written into, so copies: the mapped buckets take their private storage back for it (Note [Stage-3
+        # buckets mapped, not copied] in shared_shard.py), and their mappings after.
+        shown = [b for b in self.maps if self.mapped_now[b] and self.state[b] != FREE]
+        for b in shown:
+            self.reshard(b)
+        unmapped = [b for b in self.maps if self.mapped_now[b]]
+        for b in unmapped:
+            self._unmap(b)
         was_free = [b for b, s in enumerate(self.state) if s == FREE]
         self._sync()  # Note [Stage 3's gathers through shared memory]: after the peers' writes
         for b in was_free:
@@ -1057,6 +1128,9 @@ class ShardedStore(ParamStore):
                         c.copy_(v)
             for b in was_free:
                 self.reshard(b)
+            self._install_maps()
+            for b in shown:
+                self._allocate(b)
             if not writeback:
                 self._end_reads()
 
