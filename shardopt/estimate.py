@@ -62,9 +62,8 @@ import torch
 
 from shardopt import onebit as _onebit
 from shardopt.config import auto_bucket_size
-from shardopt.layout import plan_layout
+from shardopt.layout import place_chunks, plan_layout
 from shardopt.parallel.page_map import PAGE
-from shardopt.zero3.shared_shard import place
 
 # Optimizer state elements per parameter element (tensors with more than one element, which is what
 # memory_stats() counts: scalar step counters are left out).
@@ -196,8 +195,8 @@ Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 def _shard_in_memory(layout, dtype: torch.dtype, paged: bool) -> int:
     """Elements of a stage-3 shard as the store holds it: in shared memory on the CPU, with the chunks of the
-    buckets it maps on page boundaries (`place`)."""
-    return place(layout.buckets, dtype)[1] if paged else layout.shard_numel()
+    buckets it maps on page boundaries (layout.place_chunks)."""
+    return place_chunks(layout.buckets, PAGE // dtype.itemsize)[1] if paged else layout.shard_numel()
 
 
 def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> MemoryEstimate:

@@ -248,6 +248,25 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def mappable(bucket: Bucket, page_numel: int) -> bool:
+    """Whether stage 3 maps `bucket` instead of copying it (Note [Stage-3 buckets mapped, not copied] in
+    zero3/shared_shard.py): not persistent, its chunk whole pages, at least MAP_MIN_PAGES of them."""
+    n = bucket.chunk_numel
+    return not bucket.persistent and n % page_numel == 0 and n >= MAP_MIN_PAGES * page_numel
+
+
+def place_chunks(buckets: Sequence[Bucket], page_numel: int) -> tuple[list[int], int]:
+    """Where each bucket's chunk lies in a stage-3 shard held in shared memory (elements), and the shard's size:
+    one after the other, a mappable bucket's on a page boundary."""
+    offsets, at = [], 0
+    for b in buckets:
+        if mappable(b, page_numel):
+            at = _round_up(at, page_numel)
+        offsets.append(at)
+        at += b.chunk_numel
+    return offsets, at
+
+
 def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int,
                 reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1, *,
                 whole_params: bool = False, persistent: frozenset = frozenset(), nodes: int = 1,

@@ -169,7 +169,7 @@ def test_ci_tests_the_floors_setup_py_admits():
     assert floors.keys() == _INTEGRATION_TESTS.keys(), floors
     pins, runs = {}, []
     for ln in open(os.path.join(ROOT, ".ci", "run")).read().splitlines():
-        if ln.startswith(".venv-oldest/bin/pip install"):
+        if ln.strip().startswith(".venv-oldest/bin/pip install"):  # ci_setup's indented too
             pins.update(re.findall(r"\b(transformers|accelerate|lightning|deepspeed|trl)==([0-9.]+)", ln))
         elif ln.startswith('PYTHONPATH="$PWD" .venv-oldest/bin/python -m pytest'):
             runs.append((ln.split(), dict(pins)))

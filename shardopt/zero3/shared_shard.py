@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import torch
 
-from shardopt.layout import MAP_MIN_PAGES
+from shardopt.layout import mappable, place_chunks
 from shardopt.parallel.page_map import PAGE, map_spans
 from shardopt.parallel.shared_flat import open_shared_flat
 
@@ -159,20 +159,11 @@ class _Copy:
 
 
 def _mappable(bucket, dtype: torch.dtype) -> bool:
-    page = PAGE // dtype.itemsize
-    return not bucket.persistent and bucket.chunk_numel % page == 0 and bucket.chunk_numel >= MAP_MIN_PAGES * page
+    return mappable(bucket, PAGE // dtype.itemsize)
 
 
 def place(buckets, dtype: torch.dtype) -> tuple[list[int], int]:
-    """Where each bucket's chunk lies in a shared buffer (elements), and the buffer's size: one after the other,
-    a mappable bucket's on a page boundary (Note [Stage-3 buckets mapped, not copied])."""
-    page, offsets, at = PAGE // dtype.itemsize, [], 0
-    for b in buckets:
-        if _mappable(b, dtype):
-            at = -(-at // page) * page
-        offsets.append(at)
-        at += b.chunk_numel
-    return offsets, at
+    return place_chunks(buckets, PAGE // dtype.itemsize)
 
 
 def open_shared_shard(layout, dtype: torch.dtype, group, want: bool | None, why_not: str | None
