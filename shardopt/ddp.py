@@ -48,6 +48,12 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         self._buffers_need_sync = True
         self._join_config = _JoinConfig.construct_disabled_join_config()  # torch's Join (Note [Join] in join.py)
         group = optimizer.world_group  # every rank of the mesh (Note [Hybrid sharding] in mesh_plan.py)
+        held = next((name for name, m in module.named_modules() if getattr(m, "_shardopt_inference", False)), None)
+        if held is not None:  # its parameters are another store's (Note [Models sharded for inference])
+            raise ValueError(f"submodule '{held or type(module).__name__}' is sharded for inference "
+                             "(shardopt.shard_for_inference): its parameters are that store's, empty here. Keep "
+                             "the frozen model beside the trained one (as TRL keeps ref_model) and wrap only the "
+                             "trained model with ShardedDDP")
 
         named = list(module.named_parameters())
         positions = [None] * len(optimizer._params)

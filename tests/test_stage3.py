@@ -562,6 +562,10 @@ def _inference(rank, world_size):
                 (lambda: shardopt.shard_for_inference(copy.deepcopy(whole), stage=2), ValueError, "stage 3"),
                 (lambda: shardopt.shard_for_inference(copy.deepcopy(whole), offload="cpu"), TypeError, "offload"),
                 (lambda: shardopt.shard_for_inference(model), ValueError, "already")]
+    policy = torch.nn.Linear(DIM, DIM)  # a trained model holding the frozen one inside (its ShardedDDP would
+    opt = shardopt.ShardedOptimizer(policy.parameters(), torch.optim.SGD, lr=0.1, stage=1)  # take its params)
+    refusals.append((lambda: shardopt.ShardedDDP(torch.nn.ModuleDict({"policy": policy, "ref": ref}), opt),
+                     ValueError, "submodule 'ref' is sharded for inference"))
     for call, error, says in refusals:
         try:
             call()
