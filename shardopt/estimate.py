@@ -62,8 +62,7 @@ import torch
 
 from shardopt import onebit as _onebit
 from shardopt.config import auto_bucket_size
-from shardopt.layout import place_chunks, plan_layout
-from shardopt.parallel.page_map import PAGE
+from shardopt.layout import place_chunks, plan_layout, stage3_page_numel
 
 # Optimizer state elements per parameter element (tensors with more than one element, which is what
 # memory_stats() counts: scalar step counters are left out).
@@ -193,10 +192,10 @@ class MemoryEstimate:
 Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
-def _shard_in_memory(layout, dtype: torch.dtype, paged: bool) -> int:
+def _shard_in_memory(layout, page_numel: int) -> int:
     """Elements of a stage-3 shard as the store holds it: in shared memory on the CPU, with the chunks of the
     buckets it maps on page boundaries (layout.place_chunks)."""
-    return place_chunks(layout.buckets, PAGE // dtype.itemsize)[1] if paged else layout.shard_numel()
+    return place_chunks(layout.buckets, page_numel)[1] if page_numel else layout.shard_numel()
 
 
 def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> MemoryEstimate:
@@ -216,8 +215,7 @@ def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> Memory
     pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
     # Stage 3 on the CPU: big buckets padded to whole pages per chunk, the shard's chunks of them on page
     # boundaries (Note [Stage-3 buckets mapped, not copied] in zero3/shared_shard.py), as the store plans them.
-    paged = cfg.stage == 3 and cfg.device == "cpu" and nodes == 1 and replicas == 1 and shards > 1
-    page_numel = PAGE // pbytes if paged else 0
+    page_numel = stage3_page_numel(shards, nodes, replicas, cfg.device, pbytes) if cfg.stage == 3 else 0
     layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
                          whole_params=cfg.stage == 3, nodes=nodes, page_numel=page_numel)
     shard = layout.shard_numel()
@@ -247,8 +245,8 @@ def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> Memory
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
         held = _shard_in_memory(plan_layout([list(frozen)], shards, layout.bucket_numel, layout.bucket_numel,
                                             whole_params=True, nodes=nodes, page_numel=page_numel),
-                                cfg.param_dtype, paged) if frozen else 0  # as the store plans them
-        params = (_shard_in_memory(layout, cfg.param_dtype, paged) + held) * pbytes + gathered
+                                page_numel) if frozen else 0  # as the store plans them
+        params = (_shard_in_memory(layout, page_numel) + held) * pbytes + gathered
     onebit = _onebit.state_bytes(shard, shards, replicas) if cfg.optimizer == "onebit" else None
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight,

@@ -58,7 +58,7 @@ and that mapping *is* the bucket gathered: the gather copies nothing and holds n
 case (Note [One rank holds the whole bucket] in store.py). So on one host:
   - The plan pads a non-persistent bucket whose chunk is at least MAP_MIN_PAGES pages (64 KiB in fp32) until
     every chunk is whole pages (`page_numel` in layout.plan_layout; at most a page per chunk, under 1/16 of
-    it), and the shard places such chunks on page boundaries (`place`). Smaller buckets (the tests' tiny
+    it), and the shard places such chunks on page boundaries (layout.place_chunks). Smaller buckets (the tests' tiny
     models among them) are laid out and copied as before.
   - The store points such a bucket's parameters at its mapping, from the first pass on (construction and
     materialize write the full buckets, so they keep private storage), and a gather of it, a free, the seam,
@@ -96,13 +96,13 @@ class SharedShard:
         self.last_reads = None  # the arrival after this rank's last read phase
 
     def add(self, shared, buckets, offsets: list[int]) -> list[torch.Tensor]:
-        """`buckets` (of the store's layout) have their chunks at `offsets` (`place`) in `shared` (a shared flat
-        buffer: the shard, or a frozen region's); returns this rank's chunk of each."""
+        """`buckets` (of the store's layout) have their chunks at `offsets` (layout.place_chunks) in `shared` (a
+        shared flat buffer: the shard, or a frozen region's); returns this rank's chunk of each."""
         chunks = []
         for b, at in zip(buckets, offsets):
             self.spans[b.index] = [(shared.buffers[r], at, b.chunk(r)[0] - b.start, b.chunk_numel)
                                    for r in range(b.world_size)]
-            if _mappable(b, shared.flat.dtype):
+            if mappable(b, PAGE // shared.flat.dtype.itemsize):
                 self.mappable.add(b.index)
             chunks.append(shared.flat[at:at + b.chunk_numel])
         return chunks
@@ -158,18 +158,10 @@ class _Copy:
         self.out = None
 
 
-def _mappable(bucket, dtype: torch.dtype) -> bool:
-    return mappable(bucket, PAGE // dtype.itemsize)
-
-
-def place(buckets, dtype: torch.dtype) -> tuple[list[int], int]:
-    return place_chunks(buckets, PAGE // dtype.itemsize)
-
-
 def open_shared_shard(layout, dtype: torch.dtype, group, want: bool | None, why_not: str | None
                       ) -> SharedShard | None:
     """A collective over `group`: every rank's shard in shared memory, or None (the process group gathers)."""
-    offsets, numel = place(layout.buckets, dtype)
+    offsets, numel = place_chunks(layout.buckets, PAGE // dtype.itemsize)
     shared = open_shared_flat(numel, dtype, group, want, why_not)
     if shared is None:
         return None
@@ -185,6 +177,6 @@ def open_frozen_region(shared: SharedShard, buckets, dtype: torch.dtype, group) 
     """A collective over `group`: frozen `buckets`' chunks in shared memory beside the shard (Note [Frozen
     parameters at stage 3] in store.py), gathered as the shard's are; returns this rank's chunk of each, or None
     (the process group gathers them: /dev/shm could not hold them)."""
-    offsets, numel = place(buckets, dtype)
+    offsets, numel = place_chunks(buckets, PAGE // dtype.itemsize)
     region = open_shared_flat(numel, dtype, group, None, None)
     return shared.add(region, buckets, offsets) if region is not None else None

@@ -57,7 +57,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from shardopt.layout import Layout, append_layout, plan_layout
+from shardopt.layout import Layout, append_layout, plan_layout, stage3_page_numel
 from shardopt.parallel.page_map import PAGE
 from shardopt.param_store import ParamStore
 from shardopt.parallel import comm
@@ -154,13 +154,10 @@ class ShardedStore(ParamStore):
         """Buckets of whole parameters; those of at most param_persistence_threshold elements stay gathered
         (Note [Stage-3 buckets hold whole parameters] in layout.py)."""
         persistent = frozenset(i for i, p in enumerate(params) if p.numel() <= config.param_persistence_threshold)
-        # On the CPU the big buckets are padded to whole pages per chunk (Note [Stage-3 buckets mapped, not
-        # copied] in shared_shard.py): whether shared memory is used is only known once the ranks try it, and
-        # the layout (so the order of every sum) does not depend on the way the gathers travel.
-        maybe_mapped = (params and nodes == 1 and replicas == 1 and world_size > 1
-                        and params[0].device.type in ("cpu", "meta"))
+        page_numel = stage3_page_numel(world_size, nodes, replicas, params[0].device.type,
+                                       params[0].element_size()) if params else 0
         return plan_layout(names, world_size, *sizes, replicas=replicas, whole_params=True, persistent=persistent,
-                           nodes=nodes, page_numel=PAGE // params[0].element_size() if maybe_mapped else 0)
+                           nodes=nodes, page_numel=page_numel)
 
     def __init__(self, layout: Layout, rank: int, params: list, sharding, config, device, phase: dict):
         process_group, world_group, nodes = sharding.shard, sharding.world, sharding.nodes
@@ -223,11 +220,11 @@ class ShardedStore(ParamStore):
         self.frozen_shard_bytes = 0
         self.views: list = []
         self._lo, self.full, self._comm, self.state, self.owed = [], [], [], [], []
-        # Note [Stage-3 buckets mapped, not copied] in shared_shard.py: bucket -> its mapping, installed at the
-        # first pass (`_install_maps`); `_private[b]`: the storage it had (full_params' copies use it again).
-        self.mapped_now: list[bool] = []
+        # Note [Stage-3 buckets mapped, not copied] in shared_shard.py: bucket -> its mapping, made at the first
+        # pass (`_install_maps`); `_mapped[b]`, for a bucket shown through its mapping now, the private storage it
+        # had (full_params' copies use it again).
         self.maps: dict[int, torch.Tensor] = {}
-        self._private: dict[int, tuple] = {}
+        self._mapped: dict[int, tuple] = {}
         self._to_map: set[int] = set()
         self.bucket_params: list[list[int]] = []
         self._bucket_of_param: list[list[int]] = []  # whole parameters: one bucket each
@@ -282,7 +279,6 @@ class ShardedStore(ParamStore):
                 full.untyped_storage().resize_(0)
             self.state.append(FREE)
             self.owed.append(0)
-            self.mapped_now.append(False)
 
     def _point(self, b: int, full: torch.Tensor, comm: torch.Tensor, views: list | None = None) -> None:
         """Bucket b's full storage is `full` (gathers write it through `comm`): its parameters' views are cut from
@@ -311,14 +307,12 @@ class ShardedStore(ParamStore):
                 if full is None:
                     continue  # the kernel would not: copied, as smaller buckets are
                 self.maps[b] = full
-            self._private[b] = (self.full[b], self._comm[b], [self.views[i] for i in self.bucket_params[b]])
+            self._mapped[b] = (self.full[b], self._comm[b], [self.views[i] for i in self.bucket_params[b]])
             self._point(b, full, full)
-            self.mapped_now[b] = True
 
     def _unmap(self, b: int) -> None:
         """Bucket b (free) has its private storage again, until `_install_maps` (full_params writes into it)."""
-        self._point(b, *self._private.pop(b))
-        self.mapped_now[b] = False
+        self._point(b, *self._mapped.pop(b))
         self._to_map.add(b)
 
     def _buckets_of(self, index: int) -> list:
@@ -467,7 +461,7 @@ class ShardedStore(ParamStore):
         """Bucket b's full storage exists again (its contents undefined); with `views`, its parameters are
         its views (a gather sets them when it is waited for, so nothing reads a bucket half written)."""
         full = self.full[b]
-        if not self.aliased and not self.mapped_now[b]:  # Note [One rank holds the whole bucket]: no memory to add
+        if not self.aliased and b not in self._mapped:  # Note [One rank holds the whole bucket]: no memory to add
             nbytes = full.numel() * full.element_size()
             full.untyped_storage().resize_(nbytes)
             self.live += nbytes
@@ -490,7 +484,7 @@ class ShardedStore(ParamStore):
     def _launch_gather(self, b: int, out: torch.Tensor | None = None):
         """Starts every rank's chunk of bucket b into its full storage (through `_comm`; or into `out`): flat,
         or in two levels over ranks on several nodes (across the nodes into the node chunk, then inside the node)."""
-        if self.aliased or self.mapped_now[b]:
+        if self.aliased or b in self._mapped:
             return _NOTHING_TO_GATHER  # Note [One rank holds the whole bucket], or [Stage-3 buckets mapped, not copied]
         out = self._comm[b] if out is None else out
         if self._in_shared(b):  # Note [Stage 3's gathers through shared memory]: copied when waited for
@@ -538,7 +532,7 @@ class ShardedStore(ParamStore):
         empty = self._empty_of(self.full[b].dtype)
         for i in self.bucket_params[b]:
             self.members[i].data = empty
-        if not self.aliased and not self.mapped_now[b]:  # [One rank holds the whole bucket]: the chunk stays
+        if not self.aliased and b not in self._mapped:  # [One rank holds the whole bucket]: the chunk stays
             self.full[b].untyped_storage().resize_(0)
             self.live -= self.full[b].numel() * self.full[b].element_size()
         self.state[b] = FREE
@@ -550,7 +544,7 @@ class ShardedStore(ParamStore):
     def mapped_bytes(self) -> int:
         """Bytes of the buckets gathered as mappings of every rank's shard (Note [Stage-3 buckets mapped, not
         copied] in shared_shard.py): no memory of their own, not in live_bytes()."""
-        return sum(self.full[b].numel() * self.full[b].element_size() for b in self.maps if self.mapped_now[b])
+        return sum(self.full[b].numel() * self.full[b].element_size() for b in self._mapped)
 
     def reset_peak(self) -> None:
         self.peak_live = self.live
@@ -1101,11 +1095,10 @@ class ShardedStore(ParamStore):
             raise RuntimeError("full_params() inside a forward or backward pass: use it between steps")
         # Written into, so copies: the mapped buckets take their private storage back for it (Note [Stage-3
         # buckets mapped, not copied] in shared_shard.py), and their mappings after.
-        shown = [b for b in self.maps if self.mapped_now[b] and self.state[b] != FREE]
+        shown = [b for b in self._mapped if self.state[b] != FREE]
         for b in shown:
             self.reshard(b)
-        unmapped = [b for b in self.maps if self.mapped_now[b]]
-        for b in unmapped:
+        for b in list(self._mapped):
             self._unmap(b)
         was_free = [b for b, s in enumerate(self.state) if s == FREE]
         self._sync()  # Note [Stage 3's gathers through shared memory]: after the peers' writes
