@@ -9,7 +9,10 @@ message a dozen ATen passes with allocations. "encode+feedback" is x + residual 
 with what was lost (every message a rank sends); "decode" what a receiver does. Correctness comes first: the
 fused messages equal the reference's (tests/test_onebit.py, bit for bit) and the composed version's bits, with
 scales equal up to the fp64 summation order. Timing interleaved: each trial runs both once, in alternating
-order; medians over trials. Prints a markdown table.
+order; medians over trials. Prints a markdown table, then one of the scales OneBitAdam can take
+(Note [1-bit format]): encode+feedback with the mean |x| (gain 1), the mean |x| times 1.5 (the default's gain
+on the ranks' messages: the same fused pass) and the RMS (PyTorch over the fused codec's signs, then a decode
+for the residual), interleaved the same way.
 """
 from __future__ import annotations
 
@@ -95,6 +98,17 @@ def main() -> None:
           f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}\n")
     print("| operation | composed ms | fused ms | speed-up |\n|---|---|---|---|")
     print("\n".join(rows))
+    kinds = {"mean \\|x\\|": dict(scale="mean"), "mean \\|x\\| x 1.5": dict(scale="mean", gain=1.5),
+             "RMS": dict(scale="rms")}
+    res = {k: torch.zeros(1, n) for k in kinds}
+    times = {k: [] for k in kinds}
+    for trial in range(a.trials):
+        for k in (list(kinds) if trial % 2 == 0 else list(kinds)[::-1]):
+            t = time.perf_counter()
+            onebit.encode_feedback(x, res[k], **kinds[k])
+            times[k].append(time.perf_counter() - t)
+    print("\n| encode+feedback, scale | ms |\n|---|---|")
+    print("\n".join(f"| {k} | {statistics.median(v) * 1e3:.2f} |" for k, v in times.items()))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ single-process simulation of 4 data-parallel ranks (a loop, each rank with its o
   ours      shardopt's OneBitAdam exchange: tests/onebit_training_reference.py (OneBitReference, bit for bit
             with the multi-rank code), flat 4 ranks or a 2 x 2 mesh: since 2026-11-28 each rank's local
             momentum over d (Note [Why the local momentum crosses] in shardopt/onebit.py), every block with
-            its RMS as scale (second pass, 2026-11-28-onebit-suite-2.md; Variant "local-rms");
+            its mean |x| times 1.5 as scale on the ranks' messages and times 1.75 on the owners' (third pass,
+            2026-11-29-onebit-suite-3.md, Note [The gains of the 1-bit scales]; Variant "local-gains"; its
+            RMS from the second pass, 2026-11-28-onebit-suite-2.md, Variant "local-rms");
   deepspeed DeepSpeed's compressed all-reduce (runtime/comm/nccl.py, compressed_allreduce, as OnebitAdam calls
             it), re-implemented here in plain torch: every rank compresses its raw momentum b1*m + (1-b1)*G_i
             plus its worker error, one RMS scale for its whole vector, its own chunk compressed too; every
@@ -213,12 +215,18 @@ def one_bit(x, scale):
     """[k, n] fp32 -> what is decoded: sign (x >= 0: +) times a scale: "mean" |x| or "rms" per BLOCK of a
     row, "row": one RMS per row (DeepSpeed's server), "all": one RMS for the whole [k, n] (its worker)."""
     k, n = x.shape
+    if "*" in scale:
+        kind, factor = scale.split("*")
+        return one_bit(x, kind) * float(factor)
     if scale in ("row", "all"):
         s = x.double().square().mean(1, keepdim=True) if scale == "row" else x.double().square().mean().view(1, 1)
         s = s.sqrt().float()
         return torch.where(x >= 0, s, -s).expand(k, n).contiguous()
     b, count = _blocks(x, BLOCK)
-    s = (b.abs().sum(-1) / count if scale == "mean" else (b.square().sum(-1) / count).sqrt()).float()
+    if scale == "max":
+        s = b.abs().amax(-1).float()
+    else:
+        s = (b.abs().sum(-1) / count if scale == "mean" else (b.square().sum(-1) / count).sqrt()).float()
     out = torch.where(b >= 0, s.unsqueeze(-1).double(), -s.unsqueeze(-1).double()).float()
     return out.view(k, -1)[:, :n].contiguous()
 
@@ -234,8 +242,9 @@ class Variant:
     in what is encoded), "local-minus-m" (L_i - the last decoded mean; M = M + the decoded mean) or
     "momentum-ec" (the momentum crossing, each rank adding b1 times the last change of its worker residual
     and each owner b1 times its server residual's: the last step's encoding error taken back); over_d:
-    divided by the frozen d; worker/server: the scale ("mean", "rms": per BLOCK; "row": per chunk; "all":
-    per rank's whole vector); own: the rank's own chunk "exact" (ours) or "compressed" (DeepSpeed's)."""
+    divided by the frozen d; worker/server: the scale ("mean", "rms", "max": per BLOCK; "row": per chunk;
+    "all": per rank's whole vector; any of them "*g": times g; the server's "sent": the mean |decoded| of the
+    ranks' messages per block); own: the rank's own chunk "exact" (ours) or "compressed" (DeepSpeed's)."""
     cross: str = "momentum"
     over_d: bool = True
     worker: str = "mean"
@@ -252,9 +261,20 @@ VARIANTS = {
     "deviation-rms": Variant("deviation", True, "rms", "rms"),
     "momentum-ec": Variant("momentum-ec"),
     "local-raw-ds": Variant("local", False, "all", "row", "compressed"),
-    "local-rms": Variant("local", True, "rms", "rms"),  # ours since the second pass of 2026-11-28
+    "local-rms": Variant("local", True, "rms", "rms"),  # ours from the second pass of 2026-11-28
     "local-rms-worker": Variant("local", True, "rms", "mean"),  # RMS on the ranks' side only
     "local-rms-server": Variant("local", True, "mean", "rms"),  # RMS on the owners' side only
+    # the third pass (2026-11-29-onebit-suite-3.md): gains on the scales (Note [The gains of the 1-bit scales])
+    "local-gains": Variant("local", True, "mean*1.5", "mean*1.75"),  # ours since 2026-11-29
+    "mean-1.5": Variant("local", True, "mean*1.5", "mean*1.5"),
+    "mean-1.5-1.625": Variant("local", True, "mean*1.5", "mean*1.625"),
+    "mean-1.75": Variant("local", True, "mean*1.75", "mean*1.75"),
+    "mean-1.9": Variant("local", True, "mean*1.9", "mean*1.9"),
+    "rms-1.25-1.5": Variant("local", True, "rms*1.25", "rms*1.5"),
+    "rms-1-1.5": Variant("local", True, "rms", "rms*1.5"),
+    "rms-1-2": Variant("local", True, "rms", "rms*2"),  # diverges
+    "max": Variant("local", True, "max", "max"),  # diverges
+    "server-sent": Variant("local", True, "rms", "sent"),
     "raw": Variant("momentum", False),          # DeepSpeed's raw momentum with our scales
     "rms": Variant("momentum", True, "rms", "rms"),
     "ds-over-d": Variant("momentum", True, "all", "row", "compressed"),
@@ -345,7 +365,14 @@ class Exchange:
             s = (total / P + server[j]).view(1, m)
             if ec:
                 s = s + self.b1 * s_change[j].view(1, m)
-            o = one_bit(s, "row" if self.v.server == "row" else self.v.server)
+            if self.v.server == "sent":  # the magnitude the ranks sent: mean |decoded| over ranks, per block
+                mags, count = _blocks(torch.stack([dec[j] for dec in decs]).abs(), BLOCK)
+                scale = (mags.sum(-1) / count).mean(0).float()
+                b, _ = _blocks(s, BLOCK)
+                o = torch.where(b >= 0, scale.view(1, -1, 1).double(), -scale.view(1, -1, 1).double()).float()
+                o = o.view(1, -1)[:, :m]
+            else:
+                o = one_bit(s, "row" if self.v.server == "row" else self.v.server)
             server[j].copy_((s - o).view(-1))
             out[j] = o.view(-1)
         return out
@@ -390,13 +417,20 @@ class Exchange:
 
 # ---------------------------------------------------------------- a run
 def run(task: Task, seed: int, kind: str, mesh: str = "flat", variant: Variant | None = None,
-        probe: bool = False) -> dict:
+        probe: bool = False, draw: int = 0) -> dict:
     """One run: kind in adamw, exact, ours (OneBitReference), deepspeed, or "variant" with `variant`.
-    probe: also record the sum of v at the warm-up steps where OneBitStep records it (the warning's measure)."""
+    probe: also record the sum of v at the warm-up steps where OneBitStep records it (the warning's measure).
+    draw > 0: the initial weights times (1 + 1e-6 * a normal draw of generator `draw`), rounding-level noise
+    that shows how far a row moves by chance (--draws)."""
     from shardopt.onebit import probe_steps
     torch.manual_seed(seed)
     model, batch_loss, held_loss = task.make(seed)
     params = [p for p in model.parameters()]
+    if draw:
+        g = torch.Generator().manual_seed(draw)
+        with torch.no_grad():
+            for p in params:
+                p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=g))
     replicas, shards = MESHES[mesh]
     layout = plan_layout([[(f"p{i}", tuple(p.shape)) for i, p in enumerate(params)]], shards, 1 << 30, 1 << 30,
                          replicas=replicas)
@@ -480,26 +514,29 @@ def variance_growth(task: Task, probes: dict) -> float | None:
 
 
 # --------------------------------------------------------------- the table
-def table(tasks, seeds, meshes, variants, out_json=None):
+def table(tasks, seeds, meshes, variants, out_json=None, draws=(0,)):
     rows = []
     t0 = time.time()
     for name in tasks:
         task = TASKS[name]
         for seed in seeds:
-            base = run(task, seed, "adamw", probe=True)
-            exact = run(task, seed, "exact")
-            growth = variance_growth(task, base["probes"])
-            for mesh in meshes:
-                row = dict(task=name, seed=seed, mesh=mesh, growth=growth,
-                           adamw=(base["final"], base["held"]), exact=(exact["final"], exact["held"]))
-                for kind in ["ours", "deepspeed"]:
-                    r = run(task, seed, kind, mesh)
-                    row[kind] = (r["final"], r["held"])
-                for v in variants:
-                    r = run(task, seed, "variant", mesh, VARIANTS[v])
-                    row[v] = (r["final"], r["held"])
-                rows.append(row)
-                print(json.dumps(row), f"{time.time() - t0:.0f}s", flush=True)
+            for draw in draws:
+                base = run(task, seed, "adamw", probe=True, draw=draw)
+                exact = run(task, seed, "exact", draw=draw)
+                growth = variance_growth(task, base["probes"])
+                for mesh in meshes:
+                    row = dict(task=name, seed=seed, mesh=mesh, growth=growth,
+                               adamw=(base["final"], base["held"]), exact=(exact["final"], exact["held"]))
+                    if draw:
+                        row["draw"] = draw
+                    for kind in ["ours", "deepspeed"]:
+                        r = run(task, seed, kind, mesh, draw=draw)
+                        row[kind] = (r["final"], r["held"])
+                    for v in variants:
+                        r = run(task, seed, "variant", mesh, VARIANTS[v], draw=draw)
+                        row[v] = (r["final"], r["held"])
+                    rows.append(row)
+                    print(json.dumps(row), f"{time.time() - t0:.0f}s", flush=True)
     if out_json:
         with open(out_json, "w") as f:
             json.dump(rows, f)
@@ -610,6 +647,33 @@ def by_mean(rows, kinds):
     return "\n".join(lines)
 
 
+def by_draw(rows, kinds):
+    """Rows run with --draws: per (task, mesh, seed), over the draws, the mean and spread of each exchange's
+    distance from the exact run (final / held out) and how many draws meet the rule."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def sd(xs):
+        return (sum((x - mean(xs)) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+
+    lines = ["| task | mesh | seed | draws | " + " | ".join(
+        f"{k}: vs exact final / held, mean (sd); draws meeting the rule" for k in kinds) + " |",
+             "|---|---|---|---|" + "---|" * len(kinds)]
+    met = {k: 0 for k in kinds}
+    keys = dict.fromkeys((r["task"], r["mesh"], r["seed"]) for r in rows)
+    for task, mesh, seed in keys:
+        rs = [r for r in rows if (r["task"], r["mesh"], r["seed"]) == (task, mesh, seed)]
+        cells = []
+        for k in kinds:
+            e = [[r[k][i] / r["exact"][i] - 1 for r in rs] for i in (0, 1)]
+            ok = sum(meets_rule(r, k)[0] for r in rs)
+            met[k] += ok
+            cells.append(f"{mean(e[0]):+.2%} ({sd(e[0]):.2%}) / {mean(e[1]):+.2%} ({sd(e[1]):.2%}); {ok}/{len(rs)}")
+        lines.append(f"| {task} | {mesh} | {seed} | {len(rs)} | " + " | ".join(cells) + " |")
+    lines.append("| all | | | " + f"{len(rows)} | " + " | ".join(f"{met[k]}/{len(rows)}" for k in kinds) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default=",".join(TASKS))
@@ -617,6 +681,8 @@ def main():
     ap.add_argument("--meshes", default="flat,2x2")
     ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS, or all")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--draws", type=int, default=0, help="run every row K times, draws 1..K of rounding-level "
+                    "noise on the initial weights (run(draw=)), and print how far rows move by chance")
     ap.add_argument("--from-json", nargs="*", default=None, help="print the tables of earlier runs' --json files")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -624,7 +690,11 @@ def main():
     if a.from_json:
         rows = [r for f in a.from_json for r in json.load(open(f))]
     else:
-        rows = table(a.tasks.split(","), [int(s) for s in a.seeds.split(",")], a.meshes.split(","), variants, a.json)
+        rows = table(a.tasks.split(","), [int(s) for s in a.seeds.split(",")], a.meshes.split(","), variants, a.json,
+                     draws=range(1, a.draws + 1) if a.draws else (0,))
+    if any("draw" in r for r in rows):
+        print(by_draw(rows, ["ours"] + variants))
+        return
     print(markdown(rows, ["ours"] + variants))
     print()
     print(summary(rows, ["ours"] + variants))

@@ -142,8 +142,9 @@ def int8_hop_reference(chunks, residuals=None, block=256):
 # mean |x| of the block's real elements, or with scale="rms" their root mean square) and one sign bit per
 # element (1: x >= 0), packed 8 to a byte, element 8k+i in bit i of byte k; a value decodes to +scale or
 # -scale.
-def onebit_encode_reference(x, block=1024, scale="mean"):
-    """fp32 ``x`` (n elements) -> (scales fp32 [ceil(n / block)], bits uint8 [ceil(n / 8)])."""
+def onebit_encode_reference(x, block=1024, scale="mean", gain=1.0):
+    """fp32 ``x`` (n elements) -> (scales fp32 [ceil(n / block)], bits uint8 [ceil(n / 8)]); every block's scale
+    its mean |x| or RMS (``scale``) times ``gain``, the product in fp32."""
     n = x.numel()
     nb = -(-n // block)
     x = x.float()
@@ -155,6 +156,7 @@ def onebit_encode_reference(x, block=1024, scale="mean"):
             acc += abs(f) if scale == "mean" else f * f  # (an fp32's square is exact in fp64)
         mean = acc / part.numel()
         scales[k] = torch.tensor(mean if scale == "mean" else math.sqrt(mean), dtype=torch.float64).float()
+    scales = scales * gain  # fp32 times a Python number: an fp32 product
     # element 8k+i in bit i of byte k (whole tensor ops: the same bits as setting them one by one)
     ones = torch.zeros(-(-n // 8) * 8, dtype=torch.int32)
     ones[:n] = (x >= 0).to(torch.int32)
@@ -170,25 +172,26 @@ def onebit_decode_reference(scales, bits, n, block=1024):
     return torch.where(one == 1, s, -s)
 
 
-def onebit_encode_feedback_reference(x, residual=None, block=1024, scale="mean"):
+def onebit_encode_feedback_reference(x, residual=None, block=1024, scale="mean", gain=1.0):
     """Encode with error feedback: v = x + residual (fp32) is encoded and ``residual`` becomes, in place,
     v - decode(message). Returns (scales, bits, decoded)."""
     v = x.float() if residual is None else x.float() + residual
-    scales, bits = onebit_encode_reference(v, block, scale)
+    scales, bits = onebit_encode_reference(v, block, scale, gain)
     decoded = onebit_decode_reference(scales, bits, v.numel(), block)
     if residual is not None:
         residual.copy_(v - decoded)
     return scales, bits, decoded
 
 
-def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024, scale="mean"):
+def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024, scale="mean", gains=(1.0, 1.0)):
     """The compressed all-reduce of 1-bit Adam's momentum over R ranks, replicas on a hybrid mesh or every rank on a flat
     one (Note [1-bit Adam under ZeRO]):
     ``chunks[k]`` replica k's fp32 momentum (n elements, n % R == 0), ``worker_residuals[k]`` (n) and
     ``server_residuals[k]`` (n / R) its residuals, updated in place. Part j is owned by replica j: the
     others send it 1-bit with their worker residual, j averages in rank order in fp32 (its own part
     exact), encodes the mean with its server residual, and every replica decodes that (every message's
-    scale per block: "mean" |x| or "rms"). Returns the chunk every replica ends with."""
+    scale per block: "mean" |x| or "rms", times gains[0] on the replicas' messages and gains[1] on the owners').
+    Returns the chunk every replica ends with."""
     reps = len(chunks)
     n = chunks[0].numel()
     m = n // reps
@@ -199,7 +202,7 @@ def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block
         for k in range(reps):
             x = chunks[k][lo:hi].float()
             part = x.clone() if k == j else onebit_encode_feedback_reference(x, worker_residuals[k][lo:hi],
-                                                                             block, scale)[2]
+                                                                             block, scale, gains[0])[2]
             total = part if total is None else total + part
-        out[lo:hi] = onebit_encode_feedback_reference(total / reps, server_residuals[j], block, scale)[2]
+        out[lo:hi] = onebit_encode_feedback_reference(total / reps, server_residuals[j], block, scale, gains[1])[2]
     return out

@@ -41,16 +41,18 @@ from shardopt import reference as R
 class OneBitReference:
     """`layout`: shardopt's (pure) plan; `replicas` x `shards` ranks (replicas == 1: the flat mesh over
     layout.world_size ranks). `p`, `m`, `v`: the flat weights and Adam state at the freeze (after `steps`
-    Adam steps, T = steps). One param group: `lr`, `betas`, `eps`, `weight_decay`; `scale`: the 1-bit
-    blocks' scale ("rms", or "mean" |x| as until 2026-11-28)."""
+    Adam steps, T = steps). One param group: `lr`, `betas`, `eps`, `weight_decay`; `scale` and `gains`: the 1-bit
+    blocks' scale, its mean |x| times 1.5 on the ranks' messages and 1.75 on the owners' (OneBitConfig's
+    default since 2026-11-29), or "rms" with gains (1, 1) as until then."""
 
-    def __init__(self, layout, replicas, shards, p, m, v, steps, *, lr, betas, eps, weight_decay, scale="rms"):
+    def __init__(self, layout, replicas, shards, p, m, v, steps, *, lr, betas, eps, weight_decay, scale="mean",
+                 gains=(1.5, 1.75)):
         assert layout.nodes == 1 and layout.world_size == shards
         self.layout, self.R, self.K = layout, replicas, shards
         self.p, self.m, self.v = p.clone(), m.clone(), v.clone()
         self.steps, self.frozen_at = steps, steps
         self.lr, (self.b1, self.b2), self.eps, self.wd = lr, betas, eps, weight_decay
-        self.scale = scale  # every 1-bit message's block scale (Note [1-bit format]): OneBitConfig's default
+        self.scale, self.gains = scale, gains  # every 1-bit message's block scale (Note [1-bit format])
         self.d = self.v.sqrt().div_(math.sqrt(1.0 - self.b2 ** self.frozen_at)).add_(eps)
         self.padding = torch.ones(layout.total_numel, dtype=torch.bool)
         for s in layout.params:
@@ -98,7 +100,7 @@ class OneBitReference:
                 x = self.L[i] / d_rows
                 x[self.rows(self.padding)] = 0.0
                 xs.append(x.reshape(-1))
-            mean = R.onebit_allreduce_reference(xs, self.worker, self.server, scale=self.scale)
+            mean = R.onebit_allreduce_reference(xs, self.worker, self.server, scale=self.scale, gains=self.gains)
             return self.unrows(mean.view(K, -1) * d_rows)
         # hybrid: the node's mean gradient, then shard by shard among the replicas
         nodes = []
@@ -113,7 +115,8 @@ class OneBitReference:
             for k in range(self.R):
                 self.L[c][k].mul_(b1).add_(nodes[k][c].mul(1.0 - b1))
                 xs.append(self.L[c][k] / d_rows[c])
-            out[c] = R.onebit_allreduce_reference(xs, self.worker[c], self.server[c], scale=self.scale) * d_rows[c]
+            out[c] = R.onebit_allreduce_reference(xs, self.worker[c], self.server[c], scale=self.scale,
+                                                  gains=self.gains) * d_rows[c]
         return self.unrows(out)
 
     @torch.no_grad()

@@ -80,16 +80,18 @@ def test_codec_matches_reference(n):
     for r in range(3):
         want = onebit_encode_feedback_reference(x[r], ref_res[r])[2]
         assert torch.equal(decoded[r], want) and torch.equal(res[r], ref_res[r])
-    # The RMS scale (Note [1-bit format]): the same signs, each block's root mean square, with error feedback.
-    res, ref_res = torch.randn(3, n, generator=g), None
-    ref_res = res.clone()
-    msgs = onebit.encode_feedback(x, res, scale="rms")
-    for r in range(3):
-        scales, bits, want = onebit_encode_feedback_reference(x[r], ref_res[r], scale="rms")
-        nb = scales.numel()
-        assert torch.equal(msgs[r, :4 * nb].clone().view(torch.float32), scales)
-        assert torch.equal(msgs[r, 4 * nb:], bits) and torch.equal(res[r], ref_res[r])
-        assert torch.equal(onebit.decode(msgs, n)[r], want)
+    # The RMS scale (Note [1-bit format]) and the gains (OneBitConfig's default: the mean |x| times 1.5 or 1.75):
+    # the same signs, each block's scale times the gain in fp32, with error feedback.
+    for scale, gain in (("rms", 1.0), ("mean", 1.75), ("rms", 1.5)):
+        res, ref_res = torch.randn(3, n, generator=g), None
+        ref_res = res.clone()
+        msgs = onebit.encode_feedback(x, res, scale=scale, gain=gain)
+        for r in range(3):
+            scales, bits, want = onebit_encode_feedback_reference(x[r], ref_res[r], scale=scale, gain=gain)
+            nb = scales.numel()
+            assert torch.equal(msgs[r, :4 * nb].clone().view(torch.float32), scales), (scale, gain)
+            assert torch.equal(msgs[r, 4 * nb:], bits) and torch.equal(res[r], ref_res[r]), (scale, gain)
+            assert torch.equal(onebit.decode(msgs, n)[r], want), (scale, gain)
     # The fused codec's other entry points: decoded written during the encode, decode-and-add, bad input.
     from shardopt import _C
     payload = torch.empty(onebit.message_bytes(n), dtype=torch.uint8)
@@ -103,6 +105,9 @@ def test_codec_matches_reference(n):
         _C.onebit_decode(payload[1:], out)
     with pytest.raises(ValueError, match="positive multiple of 8"):
         _C.onebit_encode(x[2].contiguous(), payload, block=12)
+    for gain in (0.0, 2.0, -1.0):  # at 2 and above error feedback no longer shrinks what it is given
+        with pytest.raises(ValueError, match=r"gain must be in \(0, 2\)"):
+            _C.onebit_encode(x[2].contiguous(), payload, gain=gain)
 
 
 def test_sketch_estimates_the_norm():
@@ -149,6 +154,11 @@ def test_hand_computed_block():
     rms = onebit.encode_feedback(x, None, block=8, scale="rms")
     assert rms[0, :8].clone().view(torch.float32).tolist() == [3.0, 2.0]
     assert torch.equal(rms[0, 8:], msgs[0, 8:])
+    # A gain: the mean |x| times 1.5 (3.75 and 3) and 1.75 (4.375 and 3.5), exact in fp32; the same signs.
+    for gain, want in ((1.5, [3.75, 3.0]), (1.75, [4.375, 3.5])):
+        gained = onebit.encode_feedback(x, None, block=8, gain=gain)
+        assert gained[0, :8].clone().view(torch.float32).tolist() == want
+        assert torch.equal(gained[0, 8:], msgs[0, 8:])
 
 
 def test_warmup_lr_is_deepspeeds():
@@ -174,6 +184,9 @@ def test_refusals_and_link_arithmetic():
 
     with pytest.raises(ValueError, match="freeze_step must be a whole number"):
         onebit.OneBitConfig(freeze_step=0)
+    for gains in ((1.5, 2.0), (0.0, 1.0), (1.5,)):
+        with pytest.raises(ValueError, match=r"gains must be two numbers in \(0, 2\)"):
+            onebit.OneBitConfig(freeze_step=1, gains=gains)
     assert ONEBIT_BLOCK == onebit.ONEBIT_BLOCK
     s = 4_000_000  # a million fp32 gradients: per node 2 (R-1)/R of them at 1/8 byte + a scale per 1024
     assert hop_link_bytes(MeshShape(2, 2), s, "onebit") == pytest.approx(1e6 * (1 / 8 + 4 / 1024))
@@ -223,23 +236,27 @@ def _exchanges(rank, world_size):
     mesh = _mesh((2, 2))
     rep, k = mesh.get_group("replicate"), mesh.get_local_rank("replicate")
     groups = {"replicas": (rep, k, 2), "flat": (dist.group.WORLD, rank, w)}
-    keys = [(name, scale) for name in groups for scale in ("mean", "rms")]  # every block's scale (Note [1-bit format])
+    # every block's scale (Note [1-bit format]): OneBitConfig's default (the mean |x| times 1.5 on the ranks'
+    # messages and 1.75 on the owners'), the RMS (the default before 2026-11-29) and the plain mean |x|
+    kinds = {"mean": ("mean", (1.0, 1.0)), "rms": ("rms", (1.0, 1.0)), "gains": ("mean", (1.5, 1.75))}
+    keys = [(name, kind) for name in groups for kind in kinds]
     res = {key: (torch.zeros(n * groups[key[0]][2]), torch.zeros(n)) for key in keys}
     ref = {key: ([torch.zeros(n * groups[key[0]][2]) for _ in range(groups[key[0]][2])],
                  [torch.zeros(n) for _ in range(groups[key[0]][2])]) for key in keys}
     for call in range(3):
-        for name, scale in keys:
+        for name, kind in keys:
             group, me, r = groups[name]
+            scale, gains = kinds[kind]
             # chunk of rank `me` in the group (for the replicas: of this rank's shard column)
             col = rank % 2 if name == "replicas" else 0
             chunks = [torch.randn(n * r, generator=torch.Generator().manual_seed(7 * call + j + 10 * col))
                       for j in range(r)]
-            worker, server = res[name, scale]
-            msgs = onebit.allreduce_1bit(chunks[me].clone(), group, me, worker, server, scale=scale)
-            want = onebit_allreduce_reference(chunks, *ref[name, scale], scale=scale)
-            assert torch.equal(onebit.decode(msgs, n).reshape(-1), want), (name, scale, call)
-            assert torch.equal(worker, ref[name, scale][0][me]) and torch.equal(server, ref[name, scale][1][me]), \
-                (name, scale, call)
+            worker, server = res[name, kind]
+            msgs = onebit.allreduce_1bit(chunks[me].clone(), group, me, worker, server, scale=scale, gains=gains)
+            want = onebit_allreduce_reference(chunks, *ref[name, kind], scale=scale, gains=gains)
+            assert torch.equal(onebit.decode(msgs, n).reshape(-1), want), (name, kind, call)
+            assert torch.equal(worker, ref[name, kind][0][me]) and torch.equal(server, ref[name, kind][1][me]), \
+                (name, kind, call)
     return True
 
 

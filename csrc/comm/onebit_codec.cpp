@@ -51,7 +51,7 @@ uint8_t* message(const at::Tensor& payload, int64_t n, int64_t block, const char
 // Templated on the optional outputs so that the loops carry no per-element branches.
 template <bool kResidual, bool kDecoded>
 void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded, int64_t n, int64_t block,
-                   int64_t b0, int64_t b1) {
+                   float gain, int64_t b0, int64_t b1) {
   uint8_t* bits = msg + 4 * num_blocks(n, block);
   std::vector<float> buffer(static_cast<size_t>(block));
   float* v = buffer.data();
@@ -67,7 +67,7 @@ void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded
     }
     double sum = 0.0;  // in element order: the reference's order
     for (int64_t i = 0; i < c; ++i) sum += std::fabs(static_cast<double>(v[i]));
-    const float scale = static_cast<float>(sum / static_cast<double>(c));
+    const float scale = static_cast<float>(sum / static_cast<double>(c)) * gain;  // fp32 product
     std::memcpy(msg + 4 * b, &scale, sizeof(float));
     const float pm[2] = {-scale, scale};
     // lo is a multiple of 8: the block's bytes are its own.
@@ -118,9 +118,11 @@ int64_t onebit_message_bytes(int64_t n, int64_t block) {
 }
 
 void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& payload,
-                   const at::Tensor& decoded, int64_t block) {
+                   const at::Tensor& decoded, int64_t block, double gain) {
   constexpr const char* what = "1-bit encode";
   check_block(block, what);
+  TORCH_CHECK_VALUE(gain > 0.0 && gain < 2.0, what,
+                    ": the scale's gain must be in (0, 2) (Note [Fused 1-bit codec]), got ", gain);
   const int64_t n = x.numel();
   check_onebit_values(x, what, "x", n);
   if (residual.defined()) check_onebit_values(residual, what, "the residual", n);
@@ -129,10 +131,11 @@ void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Te
   const float* xp = x.data_ptr<float>();
   float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
   float* dp = decoded.defined() ? decoded.data_ptr<float>() : nullptr;
+  const float g = static_cast<float>(gain);
   auto kernel = rp ? (dp ? encode_blocks<true, true> : encode_blocks<true, false>)
                   : (dp ? encode_blocks<false, true> : encode_blocks<false, false>);
   at::parallel_for(0, num_blocks(n, block), grain(block),
-                   [&](int64_t b0, int64_t b1) { kernel(xp, rp, msg, dp, n, block, b0, b1); });
+                   [&](int64_t b0, int64_t b1) { kernel(xp, rp, msg, dp, n, block, g, b0, b1); });
 }
 
 void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base, int64_t block) {

@@ -9,8 +9,9 @@
 // bytes of signs] (the last block may be short; element 8k+i is bit i of byte
 // k). Encoding x with residual r, per block of c values:
 //     v     = x + r                      fp32 (v = x without a residual)
-//     scale = fp32(S / c)                S = the fp64 sum of |v| in element
-//                                        order (the mean |v|)
+//     scale = fp32(S / c) * gain         S = the fp64 sum of |v| in element
+//                                        order (the mean |v|); the product
+//                                        in fp32; gain 1 by default, in (0, 2)
 //     bit   = v >= 0                     (nan -> 0)
 //     d     = bit ? scale : -scale       what every receiver decodes
 //     r     = v - d                      fp32: the error fed back next time
@@ -20,6 +21,11 @@
 // (shardopt.reference: onebit_encode_reference, onebit_decode_reference,
 // onebit_encode_feedback_reference; tests/test_onebit.py). A nan or inf in a
 // block makes its scale nan or inf (the step checks for them before encoding).
+// Why a gain below 2: with error feedback the residual of a block is
+// r' = v - gain * mean|v| * sign(v), and |r'|^2 = |v|^2 - c mean|v|^2 gain (2 - gain),
+// less than |v|^2 for any gain in (0, 2): every encode shrinks what it is given
+// (gain 1 the most; Note [The gains of the 1-bit scales] in shardopt/onebit.py
+// says why OneBitAdam takes more).
 //
 // Why fused: in ATen ops an encode was a dozen passes with allocations (abs,
 // the block sums in fp64, the bit packing as a multiply-and-sum over
@@ -42,9 +48,10 @@ int64_t onebit_message_bytes(int64_t n, int64_t block = kOneBitBlock);
 // onebit_message_bytes(x.numel(), block) bytes, any alignment). `residual`
 // (optional, undefined for none): float32, x's size; x + residual is encoded
 // and residual becomes what the encoding lost. `decoded` (optional): float32,
-// x's size, receives the decoded message; it may be x itself.
+// x's size, receives the decoded message; it may be x itself. `gain`: each
+// block's scale is its mean |v| times gain (in fp32), 0 < gain < 2.
 void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& payload,
-                   const at::Tensor& decoded, int64_t block = kOneBitBlock);
+                   const at::Tensor& decoded, int64_t block = kOneBitBlock, double gain = 1.0);
 // Decodes `payload` (a message of out.numel() values) into float32 `out`
 // (1-D, contiguous): out = decoded, or, given `base` (float32, out's size; it
 // may be out itself), out = base + decoded.

@@ -103,14 +103,16 @@ void init_ring_bindings(py::module& m) {
         "Decodes an int8 message into float32 `out`: out = decoded, or base + decoded (base may be out).");
   m.def("onebit_encode",
         [](const at::Tensor& x, const at::Tensor& payload, std::optional<at::Tensor> residual,
-           std::optional<at::Tensor> decoded, int64_t block) {
-          comm::onebit_encode(x, residual.value_or(at::Tensor()), payload, decoded.value_or(at::Tensor()), block);
+           std::optional<at::Tensor> decoded, int64_t block, double gain) {
+          comm::onebit_encode(x, residual.value_or(at::Tensor()), payload, decoded.value_or(at::Tensor()), block,
+                              gain);
         },
         py::arg("x"), py::arg("payload"), py::arg("residual") = py::none(), py::arg("decoded") = py::none(),
-        py::arg("block") = comm::kOneBitBlock, nogil,
+        py::arg("block") = comm::kOneBitBlock, py::arg("gain") = 1.0, nogil,
         "OneBitAdam's fused encode (Note [Fused 1-bit codec] in csrc/comm/onebit_codec.h): the message of\n"
-        "x + residual into `payload` (uint8, onebit_message_bytes(n)); updates `residual` (error feedback) and\n"
-        "writes the decoded message into `decoded` (may be x) when given.");
+        "x + residual into `payload` (uint8, onebit_message_bytes(n)), each block's scale its mean |x| times\n"
+        "`gain` (0 < gain < 2); updates `residual` (error feedback) and writes the decoded message into\n"
+        "`decoded` (may be x) when given.");
   m.def("onebit_decode",
         [](const at::Tensor& payload, const at::Tensor& out, std::optional<at::Tensor> base, int64_t block) {
           comm::onebit_decode(payload, out, base.value_or(at::Tensor()), block);
