@@ -116,8 +116,9 @@ CONFIGS = [
     dict(optim="adamw", rbs=300, reshard=False, prefetch=2000, max_live=3000),
     dict(optim="sgd", rbs=1000, persist=100, checkpoint=True),         # small parameters stay whole
     # Big buckets: mapped out of the shards on this host (Note [Stage-3 buckets mapped, not copied]); SGD: with
-    # AdamW this wide model parts from DDP by 1-7e-5 at 3 and 4 ranks, mapped or copied, padded or not (the
-    # summation order; at 2 ranks it is bitwise the process group's, test_shared_gather.py).
+    # AdamW this wide model parts from DDP by 1-7e-5 at 3 and 4 ranks, mapped or copied, padded or not, and DDP
+    # from itself by 4e-5 / 1.3e-4 with another bucket size (the summation order: benchmarks/
+    # ddp_summation_order.py, 2026-11-29-ddp-summation-order.md; at 2 ranks bitwise, test_shared_gather.py).
     dict(optim="sgd", net="wide", rbs=70000, reshard=False),
     dict(optim="sgd", net="wide", rbs=70000, accum="no_sync"),
 ]
