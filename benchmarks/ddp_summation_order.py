@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+
 def train(rank, world_size, optim):
     from models import VOCAB, WIDE, AwkwardNet, batch, uses_branch
     torch.manual_seed(0)
@@ -31,10 +32,12 @@ def train(rank, world_size, optim):
             loss = torch.nn.functional.cross_entropy(ddp(x, uses_branch(step, rank)).reshape(-1, VOCAB), y.reshape(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            opt.step(); opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
         out.append({n: p.detach().clone() for n, p in m.named_parameters()})
     worst = max(((out[0][n] - out[1][n]).abs().max() / out[0][n].abs().max().clamp_min(1e-12)).item() for n in out[0])
     return worst
+
 
 if __name__ == "__main__":
     import platform

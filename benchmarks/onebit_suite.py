@@ -227,8 +227,14 @@ def one_bit(x, scale):
         s = b.abs().amax(-1).float()
     else:
         s = (b.abs().sum(-1) / count if scale == "mean" else (b.square().sum(-1) / count).sqrt()).float()
-    out = torch.where(b >= 0, s.unsqueeze(-1).double(), -s.unsqueeze(-1).double()).float()
-    return out.view(k, -1)[:, :n].contiguous()
+    return _signed(b, s, n)
+
+
+def _signed(b, s, n):
+    """Blocks b [k, nb, BLOCK] (from _blocks) decoded with scales s [k or 1, nb]: sign (>= 0: +) times the
+    block's scale, [k, n]."""
+    s = s.unsqueeze(-1).double()
+    return torch.where(b >= 0, s, -s).float().view(b.shape[0], -1)[:, :n].contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,10 +373,7 @@ class Exchange:
                 s = s + self.b1 * s_change[j].view(1, m)
             if self.v.server == "sent":  # the magnitude the ranks sent: mean |decoded| over ranks, per block
                 mags, count = _blocks(torch.stack([dec[j] for dec in decs]).abs(), BLOCK)
-                scale = (mags.sum(-1) / count).mean(0).float()
-                b, _ = _blocks(s, BLOCK)
-                o = torch.where(b >= 0, scale.view(1, -1, 1).double(), -scale.view(1, -1, 1).double()).float()
-                o = o.view(1, -1)[:, :m]
+                o = _signed(_blocks(s, BLOCK)[0], (mags.sum(-1) / count).mean(0, keepdim=True).float(), m)
             else:
                 o = one_bit(s, "row" if self.v.server == "row" else self.v.server)
             server[j].copy_((s - o).view(-1))
@@ -606,15 +609,22 @@ def per_task(rows, kinds):
     return "\n".join(lines)
 
 
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _sd(xs):
+    """Sample standard deviation (of one value: 0)."""
+    return (sum((x - _mean(xs)) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+
+
 def by_mean(rows, kinds):
     """The rule judged on the mean over seeds (not the issue's rule, which is per row; a reading of it with the
     seeds' noise shown): per (task, mesh), clause 1 on the seeds' mean |vs AdamW| against DeepSpeed's, with the
     paired differences' standard error (|k| - |deepspeed| per seed, sd / sqrt(seeds)); clause 2 on the mean
     vs exact where the exact run's mean is within 1% of AdamW. "ok" within the clause; "noise" beyond it by
     less than two standard errors of the paired difference."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-
+    mean = _mean
     lines = ["| task | mesh | exact: mean vs AdamW final / held | " + " | ".join(
         f"{k}: mean \\|vs AdamW\\| - DeepSpeed's (2 SE) final / held; mean vs exact" for k in kinds) + " |",
              "|---|---|---|" + "---|" * len(kinds)]
@@ -628,7 +638,7 @@ def by_mean(rows, kinds):
                 worst, parts = "ok", []
                 for i in (0, 1):
                     d = [abs(rel(r, k, i)) - abs(rel(r, "deepspeed", i)) for r in rs]
-                    se = (sum((x - mean(d)) ** 2 for x in d) / max(1, len(d) - 1)) ** 0.5 / len(d) ** 0.5
+                    se = _sd(d) / len(d) ** 0.5
                     v = "ok" if mean(d) <= 0 else ("noise" if mean(d) <= 2 * se else "fail")
                     e = mean([r[k][i] / r["exact"][i] - 1 for r in rs])
                     if abs(ex[i]) <= 0.01 and abs(e) > 0.01:
@@ -650,12 +660,7 @@ def by_mean(rows, kinds):
 def by_draw(rows, kinds):
     """Rows run with --draws: per (task, mesh, seed), over the draws, the mean and spread of each exchange's
     distance from the exact run (final / held out) and how many draws meet the rule."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-
-    def sd(xs):
-        return (sum((x - mean(xs)) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
-
+    mean, sd = _mean, _sd
     lines = ["| task | mesh | seed | draws | " + " | ".join(
         f"{k}: vs exact final / held, mean (sd); draws meeting the rule" for k in kinds) + " |",
              "|---|---|---|---|" + "---|" * len(kinds)]
