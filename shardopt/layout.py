@@ -249,13 +249,18 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def page_numel(itemsize: int) -> int:
+    """Elements of `itemsize` bytes per memory page."""
+    return mmap.PAGESIZE // itemsize
+
+
 def stage3_page_numel(world_size: int, nodes: int, replicas: int, device_type: str, itemsize: int) -> int:
     """`page_numel` for plan_layout at stage 3: elements per memory page where the store may map buckets (the
     CPU, one level of W > 1 ranks; "meta": a model built on the meta device, materialized on the CPU), else 0.
     On the CPU the padding does not wait to know whether shared memory will be used, so the layout (and the
     order of every sum) does not depend on the way the gathers travel."""
     mapped = world_size > 1 and nodes == 1 and replicas == 1 and device_type in ("cpu", "meta")
-    return mmap.PAGESIZE // itemsize if mapped else 0
+    return page_numel(itemsize) if mapped else 0
 
 
 def mappable(bucket: Bucket, page_numel: int) -> bool:

@@ -77,8 +77,8 @@ from __future__ import annotations
 
 import torch
 
-from shardopt.layout import mappable, place_chunks
-from shardopt.parallel.page_map import PAGE, map_spans
+from shardopt.layout import mappable, page_numel, place_chunks
+from shardopt.parallel.page_map import map_spans
 from shardopt.parallel.shared_flat import open_shared_flat
 
 
@@ -102,7 +102,7 @@ class SharedShard:
         for b, at in zip(buckets, offsets):
             self.spans[b.index] = [(shared.buffers[r], at, b.chunk(r)[0] - b.start, b.chunk_numel)
                                    for r in range(b.world_size)]
-            if mappable(b, PAGE // shared.flat.dtype.itemsize):
+            if mappable(b, page_numel(shared.flat.dtype.itemsize)):
                 self.mappable.add(b.index)
             chunks.append(shared.flat[at:at + b.chunk_numel])
         return chunks
@@ -161,7 +161,7 @@ class _Copy:
 def open_shared_shard(layout, dtype: torch.dtype, group, want: bool | None, why_not: str | None
                       ) -> SharedShard | None:
     """A collective over `group`: every rank's shard in shared memory, or None (the process group gathers)."""
-    offsets, numel = place_chunks(layout.buckets, PAGE // dtype.itemsize)
+    offsets, numel = place_chunks(layout.buckets, page_numel(dtype.itemsize))
     shared = open_shared_flat(numel, dtype, group, want, why_not)
     if shared is None:
         return None
@@ -177,6 +177,6 @@ def open_frozen_region(shared: SharedShard, buckets, dtype: torch.dtype, group) 
     """A collective over `group`: frozen `buckets`' chunks in shared memory beside the shard (Note [Frozen
     parameters at stage 3] in store.py), gathered as the shard's are; returns this rank's chunk of each, or None
     (the process group gathers them: /dev/shm could not hold them)."""
-    offsets, numel = place_chunks(buckets, PAGE // dtype.itemsize)
+    offsets, numel = place_chunks(buckets, page_numel(dtype.itemsize))
     region = open_shared_flat(numel, dtype, group, None, None)
     return shared.add(region, buckets, offsets) if region is not None else None

@@ -57,8 +57,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from shardopt.layout import Layout, append_layout, plan_layout, stage3_page_numel
-from shardopt.parallel.page_map import PAGE
+from shardopt.layout import Layout, append_layout, page_numel, plan_layout, stage3_page_numel
 from shardopt.param_store import ParamStore
 from shardopt.parallel import comm
 from shardopt.parallel.mesh import copy_group, two_level_groups
@@ -154,10 +153,10 @@ class ShardedStore(ParamStore):
         """Buckets of whole parameters; those of at most param_persistence_threshold elements stay gathered
         (Note [Stage-3 buckets hold whole parameters] in layout.py)."""
         persistent = frozenset(i for i, p in enumerate(params) if p.numel() <= config.param_persistence_threshold)
-        page_numel = stage3_page_numel(world_size, nodes, replicas, params[0].device.type,
-                                       params[0].element_size()) if params else 0
+        per_page = stage3_page_numel(world_size, nodes, replicas, params[0].device.type,
+                                     params[0].element_size()) if params else 0
         return plan_layout(names, world_size, *sizes, replicas=replicas, whole_params=True, persistent=persistent,
-                           nodes=nodes, page_numel=page_numel)
+                           nodes=nodes, page_numel=per_page)
 
     def __init__(self, layout: Layout, rank: int, params: list, sharding, config, device, phase: dict):
         process_group, world_group, nodes = sharding.shard, sharding.world, sharding.nodes
@@ -977,7 +976,7 @@ class ShardedStore(ParamStore):
                                persistent=frozenset(i for i, (_, p) in enumerate(named)
                                                     if p.numel() <= self.persistence_threshold),
                                nodes=self.layout.nodes,  # whole pages: Note [Stage-3 buckets mapped, not copied]
-                               page_numel=PAGE // dtype.itemsize if self.shared_gather is not None else 0)
+                               page_numel=page_numel(dtype.itemsize) if self.shared_gather is not None else 0)
             self.layout = append_layout(self.layout, part)
             self.members += [p for _, p in named]
             new = self.layout.buckets[len(self.full):]
