@@ -59,7 +59,10 @@ CXX_STD = "-std=c++20"
 
 # Flags every translation unit gets. -fno-math-errno lets GCC vectorise sqrt
 # (without it every sqrt is a scalar call that may set errno: 4x slower Adam).
-COMMON_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
+# -ffp-contract=off: the generic kernels match their PyTorch references bit for
+# bit (Note [The local momentum in one pass] in csrc/comm/onebit_codec.h), and a
+# target with FMA in its baseline (aarch64) would otherwise fuse a*b+c.
+COMMON_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden", "-ffp-contract=off"]
 
 # Flags of every ISA translation unit on top of COMMON_FLAGS. No contraction of
 # a*b+c into FMA: kernels choose their instructions explicitly, and contraction

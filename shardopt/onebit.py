@@ -278,12 +278,14 @@ def encode(rows: torch.Tensor, block: int = ONEBIT_BLOCK) -> torch.Tensor:
     return encode_feedback(rows, None, block=block)
 
 
-def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK, skip: int | None = None) -> torch.Tensor:
-    """uint8 [k, message_bytes(n)] -> fp32 [k, n] (row `skip` left unwritten: the caller fills it)."""
+def decode(msgs: torch.Tensor, n: int, block: int = ONEBIT_BLOCK, skip: int | None = None,
+           times: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [k, message_bytes(n)] -> fp32 [k, n] (row `skip` left unwritten: the caller fills it), each value
+    times `times` ([k, n] fp32, in the same pass) when given."""
     out = torch.empty(msgs.shape[0], n, dtype=torch.float32)
     for i in range(msgs.shape[0]):
         if i != skip:
-            _ext._C.onebit_decode(msgs[i], out[i], block=block)
+            _ext._C.onebit_decode(msgs[i], out[i], block=block, times=None if times is None else times[i])
     return out
 
 
@@ -608,33 +610,38 @@ class OneBitStep:
         if self.replicas > 1:
             return self._exchange_replicas()
         opt, b1 = self.opt, self.beta1
-        rows = self._rows(self._local_grad()).mul_((1.0 - b1) * self._coef)
+        rows, a = self._rows(self._local_grad()), (1.0 - b1) * self._coef
         if self.world == 1:  # nothing to exchange
-            return self.m.float().cpu().mul(b1).add_(rows[0])  # out of place: .float().cpu() may be self.m
-        # flat mesh: every rank's momentum over d, 1-bit both ways
-        local = self._local_momentum().mul_(b1).add_(rows)
-        x = local / self.denom_rows
+            return self.m.float().cpu().mul(b1).add_(rows[0].mul_(a))  # out of place: .float().cpu() may be self.m
+        # flat mesh: every rank's momentum over d, 1-bit both ways (in one pass: Note [The local momentum in one
+        # pass] in csrc/comm/onebit_codec.h)
+        local = self._local_momentum()
+        x = torch.empty_like(local)
+        _ext._C.onebit_local_momentum(rows.view(-1), local.view(-1), self.denom_rows.view(-1), a, b1, x.view(-1))
         x[self.padding_rows] = 0.0
         msgs = allreduce_1bit(x.view(-1), opt.process_group, self.rank, self.worker, self.server, self.config.block,
                               self.config.scale, self.config.gains)
-        return decode(msgs[self.rank:self.rank + 1], self.n, self.config.block)[0].mul_(self.denom)
+        return decode(msgs[self.rank:self.rank + 1], self.n, self.config.block, times=self.denom.view(1, -1))[0]
 
     def _exchange_replicas(self) -> torch.Tensor:
         """Hybrid mesh: the shard group's mean gradient (reduced exactly by the backward), then the replicas'
         mean momentum (or increment), 1-bit both ways."""
         opt, b1 = self.opt, self.beta1
         group, replica = opt.sharding.replicate, opt.sharding.replica
-        # one shard-sized temporary: (1-b1) * G (out of place: .float().cpu() may be shard_grad itself) ...
-        x = opt.shard_grad.float().cpu().mul((1.0 - b1) * self._coef)
-        m = self.m.float().cpu()
-        if self.config.hybrid_exchange == "momentum":  # this replica's local momentum, over d
-            local = self._local_momentum().mul_(b1).add_(x)
-            msgs = allreduce_1bit(local / self.denom, group, replica, self.worker, self.server, self.config.block,
+        a, per = (1.0 - b1) * self._coef, self.n // self.replicas
+        if self.config.hybrid_exchange == "momentum":  # this replica's local momentum, over d, in one pass
+            grad = opt.shard_grad.float().cpu().reshape(-1)  # read only (it may be shard_grad itself)
+            local, x = self._local_momentum(), torch.empty(self.n, dtype=torch.float32)
+            _ext._C.onebit_local_momentum(grad, local, self.denom, a, b1, x)
+            msgs = allreduce_1bit(x, group, replica, self.worker, self.server, self.config.block,
                                   self.config.scale, self.config.gains)
-            return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom)
+            return decode(msgs, per, self.config.block, times=self.denom.view(self.replicas, per)).reshape(-1)
+        # one shard-sized temporary: (1-b1) * G (out of place: .float().cpu() may be shard_grad itself) ...
+        x = opt.shard_grad.float().cpu().mul(a)
+        m = self.m.float().cpu()
         msgs = allreduce_1bit(x.div_(self.denom), group, replica, self.worker, self.server, self.config.block,
                               self.config.scale, self.config.gains)
-        return decode(msgs, self.n // self.replicas, self.config.block).reshape(-1).mul_(self.denom).add_(m, alpha=b1)
+        return decode(msgs, per, self.config.block, times=self.denom.view(self.replicas, per)).reshape(-1).add_(m, alpha=b1)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Compression-stage clipping: the norm of the mean gradient over the world, estimated by a sketch

@@ -183,6 +183,13 @@ def onebit_encode_feedback_reference(x, residual=None, block=1024, scale="mean",
     return scales, bits, decoded
 
 
+def onebit_local_momentum_reference(grad, local, denom, a, beta1):
+    """Note [The local momentum in one pass] (csrc/comm/onebit_codec.h): ``local`` = local * beta1 + grad * a, in
+    place, in fp32 ops (each scalar an fp32 as ATen takes a Python float); returns local / denom."""
+    local.mul_(beta1).add_(grad.float().mul(a))
+    return local / denom
+
+
 def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024, scale="mean", gains=(1.0, 1.0)):
     """The compressed all-reduce of 1-bit Adam's momentum over R ranks, replicas on a hybrid mesh or every rank on a flat
     one (Note [1-bit Adam under ZeRO]):

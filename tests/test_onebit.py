@@ -101,13 +101,44 @@ def test_codec_matches_reference(n):
     base = torch.randn(n, generator=g)
     _C.onebit_decode(payload, out, base=base)
     assert torch.equal(out, base + dec[2])
+    _C.onebit_decode(payload, out, times=base)  # the momentum: d times the decoded m / d
+    assert torch.equal(out, dec[2] * base)
     with pytest.raises(ValueError, match="a 1-bit message of"):
         _C.onebit_decode(payload[1:], out)
+    with pytest.raises(ValueError, match="not both"):
+        _C.onebit_decode(payload, out, base=base, times=base)
     with pytest.raises(ValueError, match="positive multiple of 8"):
         _C.onebit_encode(x[2].contiguous(), payload, block=12)
     for gain in (0.0, 2.0, -1.0):  # at 2 and above error feedback no longer shrinks what it is given
         with pytest.raises(ValueError, match=r"gain must be in \(0, 2\)"):
             _C.onebit_encode(x[2].contiguous(), payload, gain=gain)
+
+
+@pytest.mark.parametrize("n", [1, 7, 1025, 70001])
+def test_local_momentum_in_one_pass_matches_the_pytorch_ops(n):
+    """Note [The local momentum in one pass]: the fused m = m b1 + g a, x = m / d, bit for bit the PyTorch ops
+    (shardopt.reference), over more than one parallel_for task (70001), with zeros, infs and nans in it."""
+    from shardopt import _C
+    from shardopt.reference import onebit_local_momentum_reference
+
+    g = torch.Generator().manual_seed(n)
+    grad, local = torch.randn(n, generator=g) * 1e-3, torch.randn(n, generator=g) * 1e-2
+    denom = torch.rand(n, generator=g) * 1e-2 + 1e-8
+    if n > 7:
+        grad[:3] = torch.tensor([float("inf"), float("nan"), 0.0])
+        denom[3:5] = torch.tensor([0.0, float("inf")])
+        local[5] = -0.0
+    for a, b1 in ((0.1, 0.9), ((1 - 0.9) * 0.37, 0.95), (1.0 / 3.0, 0.0)):
+        ours, ref = local.clone(), local.clone()
+        x = torch.empty(n)
+        _C.onebit_local_momentum(grad, ours, denom, a, b1, x)
+        want = onebit_local_momentum_reference(grad, ref, denom, a, b1)
+        assert torch.equal(ours.view(torch.int32), ref.view(torch.int32)), (a, b1)
+        assert torch.equal(x.view(torch.int32), want.view(torch.int32)), (a, b1)
+    with pytest.raises(ValueError, match="the denominator has"):
+        _C.onebit_local_momentum(grad, local, denom[1:], 0.1, 0.9, torch.empty(n))
+    with pytest.raises(ValueError, match="grad must be a contiguous 1-D float32"):
+        _C.onebit_local_momentum(grad.double(), local, denom, 0.1, 0.9, torch.empty(n))
 
 
 def test_sketch_estimates_the_norm():

@@ -85,8 +85,10 @@ void encode_blocks(const float* x, float* residual, uint8_t* msg, float* decoded
   }
 }
 
-template <bool kBase>
-void decode_blocks(const uint8_t* msg, float* out, const float* base, int64_t n, int64_t block, int64_t b0,
+enum class Decoded { kOut, kPlusBase, kTimes };
+
+template <Decoded kHow>
+void decode_blocks(const uint8_t* msg, float* out, const float* other, int64_t n, int64_t block, int64_t b0,
                    int64_t b1) {
   const uint8_t* bits = msg + 4 * num_blocks(n, block);
   for (int64_t b = b0; b < b1; ++b) {
@@ -100,8 +102,10 @@ void decode_blocks(const uint8_t* msg, float* out, const float* base, int64_t n,
       const int64_t e = std::min<int64_t>(8, c - i);
       float* o = out + lo + i;
       for (int64_t k = 0; k < e; ++k) {
-        if constexpr (kBase) {
-          o[k] = base[lo + i + k] + pm[(byte >> k) & 1];
+        if constexpr (kHow == Decoded::kPlusBase) {
+          o[k] = other[lo + i + k] + pm[(byte >> k) & 1];
+        } else if constexpr (kHow == Decoded::kTimes) {
+          o[k] = pm[(byte >> k) & 1] * other[lo + i + k];
         } else {
           o[k] = pm[(byte >> k) & 1];
         }
@@ -138,18 +142,49 @@ void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Te
                    [&](int64_t b0, int64_t b1) { kernel(xp, rp, msg, dp, n, block, g, b0, b1); });
 }
 
-void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base, int64_t block) {
+void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base, int64_t block,
+                   const at::Tensor& times) {
   constexpr const char* what = "1-bit decode";
   check_block(block, what);
+  TORCH_CHECK_VALUE(!(base.defined() && times.defined()), what, ": give a base (out = base + decoded) or times "
+                    "(out = decoded * times), not both");
   const int64_t n = out.numel();
   check_onebit_values(out, what, "out", n);
   if (base.defined()) check_onebit_values(base, what, "base", n);
+  if (times.defined()) check_onebit_values(times, what, "times", n);
   const uint8_t* msg = message(payload, n, block, what);
   float* op = out.data_ptr<float>();
-  const float* bp = base.defined() ? base.data_ptr<float>() : nullptr;
-  auto kernel = bp ? decode_blocks<true> : decode_blocks<false>;
+  const float* other = base.defined() ? base.data_ptr<float>() : times.defined() ? times.data_ptr<float>() : nullptr;
+  auto kernel = base.defined() ? decode_blocks<Decoded::kPlusBase>
+                               : times.defined() ? decode_blocks<Decoded::kTimes> : decode_blocks<Decoded::kOut>;
   at::parallel_for(0, num_blocks(n, block), grain(block),
-                   [&](int64_t b0, int64_t b1) { kernel(msg, op, bp, n, block, b0, b1); });
+                   [&](int64_t b0, int64_t b1) { kernel(msg, op, other, n, block, b0, b1); });
+}
+
+void onebit_local_momentum(const at::Tensor& grad, const at::Tensor& local, const at::Tensor& denom, double a,
+                           double beta1, const at::Tensor& x) {
+  constexpr const char* what = "1-bit local momentum";
+  const int64_t n = local.numel();
+  check_onebit_values(grad, what, "grad", n);
+  check_onebit_values(local, what, "the local momentum", n);
+  check_onebit_values(denom, what, "the denominator", n);
+  check_onebit_values(x, what, "x", n);
+  const float* gp = grad.data_ptr<float>();
+  const float* dp = denom.data_ptr<float>();
+  float* mp = local.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  // The scalars in fp32, as ATen's fp32 ops take a Python float.
+  const float af = static_cast<float>(a);
+  const float bf = static_cast<float>(beta1);
+  at::parallel_for(0, n, int64_t{1} << 15, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float decayed = mp[i] * bf;
+      const float added = gp[i] * af;
+      const float m = decayed + added;
+      mp[i] = m;
+      xp[i] = m / dp[i];
+    }
+  });
 }
 
 }  // namespace shardopt::comm

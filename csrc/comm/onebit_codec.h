@@ -15,7 +15,9 @@
 //     bit   = v >= 0                     (nan -> 0)
 //     d     = bit ? scale : -scale       what every receiver decodes
 //     r     = v - d                      fp32: the error fed back next time
-// and decoding writes d into out, or adds it to a base (out = base + d, fp32).
+// and decoding writes d into out, adds it to a base (out = base + d, fp32) or
+// multiplies it by a factor per element (out = d * t, fp32: the momentum is d
+// times the decoded x / d).
 // Every step is exact or one IEEE rounding, and S is summed in a fixed order,
 // so the result is bitwise that of the pure-PyTorch reference
 // (shardopt.reference: onebit_encode_reference, onebit_decode_reference,
@@ -32,6 +34,20 @@
 // bytes, the decode again for the residual) and was most of OneBitAdam's step
 // on the emulated cluster (benchmarks/results/2026-11-24-onebit-cluster.md);
 // here x and r are read once and the block stays in L1 for its second loop.
+//
+// Note [The local momentum in one pass]
+// -------------------------------------
+// What a rank encodes at a compressing step (Note [1-bit Adam under ZeRO] in
+// shardopt/onebit.py) is its local momentum over the frozen denominator d:
+//     m = m * b1 + g * a        a = (1 - b1) * the clipping coefficient
+//     x = m / d
+// in fp32, each product, sum and quotient one IEEE rounding in that order (the
+// PyTorch ops g.mul(a), m.mul_(b1).add_(...), m / d give the same bits:
+// shardopt.reference.onebit_local_momentum_reference). Four ATen passes with
+// a temporary took a fifth of the hybrid step on the emulated cluster
+// (benchmarks/results/2026-11-29-onebit-speed.md); here one pass reads g, m, d
+// and writes m and x. This file is compiled without -mfma (setup.py): no
+// product and sum may be contracted into one rounding.
 #pragma once
 
 #include <cstdint>
@@ -55,7 +71,12 @@ void onebit_encode(const at::Tensor& x, const at::Tensor& residual, const at::Te
 // Decodes `payload` (a message of out.numel() values) into float32 `out`
 // (1-D, contiguous): out = decoded, or, given `base` (float32, out's size; it
 // may be out itself), out = base + decoded.
+// Given `times` instead (float32, out's size), out = decoded * times.
 void onebit_decode(const at::Tensor& payload, const at::Tensor& out, const at::Tensor& base,
-                   int64_t block = kOneBitBlock);
+                   int64_t block = kOneBitBlock, const at::Tensor& times = at::Tensor());
+// Note [The local momentum in one pass]: local = local * beta1 + grad * a and
+// x = local / denom, float32, 1-D, contiguous, all of one size; local in place.
+void onebit_local_momentum(const at::Tensor& grad, const at::Tensor& local, const at::Tensor& denom, double a,
+                           double beta1, const at::Tensor& x);
 
 }  // namespace shardopt::comm

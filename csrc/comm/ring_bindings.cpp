@@ -114,11 +114,18 @@ void init_ring_bindings(py::module& m) {
         "`gain` (0 < gain < 2); updates `residual` (error feedback) and writes the decoded message into\n"
         "`decoded` (may be x) when given.");
   m.def("onebit_decode",
-        [](const at::Tensor& payload, const at::Tensor& out, std::optional<at::Tensor> base, int64_t block) {
-          comm::onebit_decode(payload, out, base.value_or(at::Tensor()), block);
+        [](const at::Tensor& payload, const at::Tensor& out, std::optional<at::Tensor> base, int64_t block,
+           std::optional<at::Tensor> times) {
+          comm::onebit_decode(payload, out, base.value_or(at::Tensor()), block, times.value_or(at::Tensor()));
         },
-        py::arg("payload"), py::arg("out"), py::arg("base") = py::none(), py::arg("block") = comm::kOneBitBlock, nogil,
-        "Decodes a 1-bit message into float32 `out`: out = decoded, or base + decoded (base may be out).");
+        py::arg("payload"), py::arg("out"), py::arg("base") = py::none(), py::arg("block") = comm::kOneBitBlock,
+        py::arg("times") = py::none(), nogil,
+        "Decodes a 1-bit message into float32 `out`: out = decoded, base + decoded (base may be out) or\n"
+        "decoded * times.");
+  m.def("onebit_local_momentum", &comm::onebit_local_momentum, py::arg("grad"), py::arg("local"), py::arg("denom"),
+        py::arg("a"), py::arg("beta1"), py::arg("x"), nogil,
+        "Note [The local momentum in one pass] in csrc/comm/onebit_codec.h: local = local * beta1 + grad * a\n"
+        "(in place) and x = local / denom, float32, each one IEEE rounding.");
   m.def("onebit_message_bytes", &comm::onebit_message_bytes, py::arg("n"), py::arg("block") = comm::kOneBitBlock);
   m.def("ring_piece_bytes", &comm::ring_piece_bytes);
   m.def("set_ring_piece_bytes", &comm::set_ring_piece_bytes, py::arg("bytes"),
