@@ -46,8 +46,8 @@
 // shardopt.reference.onebit_local_momentum_reference). Four ATen passes with
 // a temporary took a fifth of the hybrid step on the emulated cluster
 // (benchmarks/results/2026-11-29-onebit-speed.md); here one pass reads g, m, d
-// and writes m and x. This file is compiled without -mfma (setup.py): no
-// product and sum may be contracted into one rounding.
+// and writes m and x. Every unit is compiled with -ffp-contract=off (setup.py
+// COMMON_FLAGS): no product and sum may be contracted into one rounding.
 #pragma once
 
 #include <cstdint>
