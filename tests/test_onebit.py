@@ -450,8 +450,9 @@ def _train_pair(rank, world_size, shape, stage, offload, dtype, steps, freeze):
         # Node-aware chunk order: the exchange's row r must be rank r's own chunk of every bucket.
         assert opt.sharding.nodes is not None and opt.layout.nodes == 2
         x = torch.arange(opt.layout.total_numel, dtype=torch.float32)
-        mine = torch.cat([x[slice(*b.chunk(rank))] for b in opt.layout.buckets])
-        assert torch.equal(opt.onebit._rows(x)[rank], mine)  # (ranks 1 and 2 own chunks 2 and 1)
+        rows = opt.onebit._rows(x)
+        for r in range(world_size):  # (ranks 1 and 2 own chunks 2 and 1)
+            assert torch.equal(rows[r], torch.cat([x[slice(*b.chunk(r))] for b in opt.layout.buckets])), r
     if rank == 0:
         assert started == freeze + 1 + skipped and diffs[started - 1] > 0.0, (started, skipped, diffs)
     # Replicas and ranks agree on every parameter (the model is whole everywhere).
