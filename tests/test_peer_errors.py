@@ -60,7 +60,8 @@ def _together() -> None:
     can start seconds apart (a barrier with its own, generous timeout). Called again once the groups are built
     and before a peer is lost: a rank that returns from gloo's connectFullMesh of a new group may leave its
     partner still inside it, and killing it then fails the partner in new_group ("Connection closed by peer"),
-    not in the collective under test (CI, 2026-11-29)."""
+    not in the collective under test (CI, 2026-11-29; the world group's own connections: Note [Every rank
+    connected before any leaves] in shardopt/cluster/ranks.py)."""
     import datetime
 
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)

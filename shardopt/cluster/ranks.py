@@ -35,6 +35,16 @@ def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, ar
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
+        if backend == "gloo":
+            # Note [Every rank connected before any leaves]: gloo connects the group's ranks pairwise inside
+            # init_process_group, and a rank can return from it while a peer is still connecting; a rank whose fn
+            # then returns at once (or kills itself, as the peer-loss tests do) closes its sockets under that peer,
+            # which fails in init_process_group ("Connection closed by peer": CI, 2026-11-29), not in what the test
+            # checks. So no rank starts fn before every rank is connected (a barrier with a generous timeout:
+            # forked ranks of a loaded machine start seconds apart). NCCL connects lazily, and its ranks pick
+            # their GPU in fn, before their first collective.
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=max(collective_timeout, 60)),
+                                   wait_all_ranks=True)
         out = fn(rank, world_size, *args, **kwargs)
         # torch.save copies tensor data into the bytes; a tensor put on the
         # queue as is would be shared through a file descriptor that dies with
