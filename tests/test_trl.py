@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from test_hf_trainer import _env, _is_sharded, _replayed, replay_clip
+from test_hf_trainer import _env, _is_sharded, _norms, _replayed, replay_clip
 
 import transformers  # noqa: E402  (the [test] extra installs it)
 import trl  # noqa: E402  (a test dependency: setup.py's `test` extra; missing, this file fails)
@@ -181,8 +181,7 @@ def _parity(rank, world_size, tmp, kind, stages):
     for name in stages:
         stage, by_trl, what = int(str(name)[0]), name == "3-trl", f"{kind} stage {name}"
         ours = _train(kind, f"{tmp}/{kind}-{name}", {**STAGE3, "stage": stage}, ref_by_trl=by_trl)
-        norms = [e.get("grad_norm") for e in ours[0]]
-        replay = _train(kind, f"{tmp}/{kind}-{name}-ddp", ref_by_trl=by_trl, replay=norms)
+        replay = _train(kind, f"{tmp}/{kind}-{name}-ddp", ref_by_trl=by_trl, replay=_norms(ours))
         failures += _replayed(ours, replay, replay[2].torch_norms, 1e-5, what) + _replay_facts(replay, what)
         failures += _is_sharded(ours[2], what)
         if ours[2]._sharded()[1].config.stage != stage:
@@ -304,8 +303,7 @@ def _generating(rank, world_size, tmp):
     for kind in ("GRPO", "RLOO"):
         what = f"{kind} stage 3"
         ours, rollouts, _ = _generate_and_train(kind, f"{tmp}/{kind}-sharded", is_sharded=True)
-        ref, ref_rollouts, looks = _generate_and_train(kind, f"{tmp}/{kind}-ddp",
-                                                       replay=[e.get("grad_norm") for e in ours[0]])
+        ref, ref_rollouts, looks = _generate_and_train(kind, f"{tmp}/{kind}-ddp", replay=_norms(ours))
         failures = _replayed(ours, ref, ref[2].torch_norms, 1e-5, what) + _replay_facts(ref, what)
         failures += _is_sharded(ours[2], what)
         # The same completions sampled: their lengths and rewards exactly DDP's (and logged: else nothing is checked).
