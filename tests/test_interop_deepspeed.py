@@ -132,10 +132,20 @@ def _ds3_snapshot(engine):
 
 
 def _ds3_model(engine):
-    """The whole model state dict of a ZeRO-3 engine (every rank gathers)."""
+    """The whole model state dict of a ZeRO-3 engine (every rank gathers), one parameter at a time.
+
+    GatheredParameters over a list of parameters takes DeepSpeed's coalesced gather, which in 0.19.0 starts one
+    asynchronous all_gather per parameter and waits for the last only ("ensures the operation is enqueued"):
+    on gloo, whose worker threads run them in any order, an earlier parameter's buffer can still be unfilled
+    when the state dict reads it (CI, 2026-11-29: the frozen bf16 weight came back as rows of zeros and 1e17s;
+    0.19.8 waits for every handle). A list of one takes its sequential, synchronous gather."""
+    import contextlib
+
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+    with contextlib.ExitStack() as gathered:
+        for p in engine.module.parameters():
+            gathered.enter_context(deepspeed.zero.GatheredParameters([p]))
         return {k: v.clone() for k, v in engine.module.state_dict().items()}
 
 
