@@ -56,12 +56,12 @@ def _lose(how: str, timeout_s: float = TIMEOUT) -> None:
 
 
 def _together() -> None:
-    """Every rank here before the first collective with the short timeout: forked ranks of a loaded machine
-    can start seconds apart (a barrier with its own, generous timeout). Called again once the groups are built
-    and before a peer is lost: a rank that returns from gloo's connectFullMesh of a new group may leave its
-    partner still inside it, and killing it then fails the partner in new_group ("Connection closed by peer"),
-    not in the collective under test (CI, 2026-11-29; the world group's own connections: Note [Every rank
-    connected before any leaves] in shardopt/cluster/ranks.py)."""
+    """Every rank here once the groups are built and before a peer is lost: a rank that returns from gloo's
+    connectFullMesh of a new group may leave its partner still inside it, and killing it then fails the
+    partner in new_group ("Connection closed by peer"), not in the collective under test (CI, 2026-11-29).
+    A barrier with its own, generous timeout: forked ranks of a loaded machine run seconds apart. (The world
+    group's own connections: run_ranks waits for them, Note [Every rank connected before any leaves] in
+    shardopt/cluster/ranks.py.)"""
     import datetime
 
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
@@ -100,7 +100,6 @@ def _ring(rank, world_size, op, how):
     """A ring over global ranks 1 and 3 (group ranks 0 and 1); rank 3 is lost."""
     from shardopt.parallel import comm, peers
 
-    _together()
     peers.learn_hosts(dist.group.WORLD)  # as the optimizer's construction does
     group = dist.new_group([1, 3])
     _together()
@@ -132,7 +131,6 @@ def _two_level(rank, world_size, how):
     from shardopt.parallel.mesh import two_level_groups
     from shardopt.parallel.mesh_plan import MeshShape
 
-    _together()
     peers.learn_hosts(dist.group.WORLD)
     node, across = two_level_groups(MeshShape(2, 2), dist.group.WORLD)
     _together()
@@ -163,7 +161,6 @@ def _hop(rank, world_size, layout, how):
 
     torch.manual_seed(0)
     model = StackNet(depth=2)
-    _together()
     _hybrid_env()
     # One bucket: its reduce-scatter inside the node is done on every rank before any hop can fail, so rank 0
     # fails in its hop with rank 2, not in a later bucket's reduce-scatter with rank 1 (which gave up too).
@@ -207,7 +204,6 @@ def _stage3(rank, world_size, how):
 
     torch.manual_seed(0)
     model = StackNet(depth=4)
-    _together()
     _hybrid_env()
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3,
                                     reduce_bucket_size=1000)
@@ -251,7 +247,6 @@ def _onebit(rank, world_size, how):
     from shardopt import onebit
     from shardopt.parallel.mesh import resolve_groups
 
-    _together()
     _hybrid_env()
     groups = resolve_groups(shard_group="node")  # as ShardedOptimizer(..., shard_group="node") builds them
     os.environ.pop("LOCAL_WORLD_SIZE", None)

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from test_hf_trainer import _env, _is_sharded, _norms, _replayed, replay_clip
+from test_hf_trainer import _clipping_active, _env, _is_sharded, _norms, _replayed, train_counting_clips
 
 import transformers  # noqa: E402  (the [test] extra installs it)
 import trl  # noqa: E402  (a test dependency: setup.py's `test` extra; missing, this file fails)
@@ -97,13 +97,7 @@ def sharded(trainer_cls):
 def _fit(trainer, model, is_sharded, replay=None):
     """Train; (logs, final weights, trainer). replay: the grad norms a sharded run logged, for DDP replaying
     it (Note [DDP replaying the sharded run]; torch's own norms then in trainer.torch_norms)."""
-    trainer.torch_clips = 0
-    from unittest import mock
-    clip_fn = replay_clip(replay) if replay is not None else torch.nn.utils.clip_grad_norm_
-    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=clip_fn) as clip:
-        trainer.train()
-    trainer.torch_clips = clip.call_count
-    trainer.torch_norms = getattr(clip_fn, "torch_norms", None)
+    train_counting_clips(trainer, replay)
     logs = [{k: v for k, v in e.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
             for e in trainer.state.log_history if "loss" in e]
     with trainer._sharded()[1].full_params(writeback=False) if is_sharded else contextlib.nullcontext():
@@ -165,11 +159,8 @@ def _reference_model(trainer, stage, world_size, what):
 
 def _replay_facts(replay, what):
     """What makes DDP's replay a test: every step logged, and torch's own norms above the clip at some step."""
-    logs, _, trainer = replay
-    out = [] if len(logs) == STEPS else [f"{what}: {len(logs)} logged steps"]
-    if not any(n > trainer.args.max_grad_norm for n in trainer.torch_norms):
-        out.append(f"{what}: clipping never active (torch's grad norms {trainer.torch_norms})")
-    return out
+    steps = [] if len(replay[0]) == STEPS else [f"{what}: {len(replay[0])} logged steps"]
+    return steps + _clipping_active(replay, what)
 
 
 def _parity(rank, world_size, tmp, kind, stages):
@@ -182,7 +173,7 @@ def _parity(rank, world_size, tmp, kind, stages):
         stage, by_trl, what = int(str(name)[0]), name == "3-trl", f"{kind} stage {name}"
         ours = _train(kind, f"{tmp}/{kind}-{name}", {**STAGE3, "stage": stage}, ref_by_trl=by_trl)
         replay = _train(kind, f"{tmp}/{kind}-{name}-ddp", ref_by_trl=by_trl, replay=_norms(ours))
-        failures += _replayed(ours, replay, replay[2].torch_norms, 1e-5, what) + _replay_facts(replay, what)
+        failures += _replayed(ours, replay, 1e-5, what) + _replay_facts(replay, what)
         failures += _is_sharded(ours[2], what)
         if ours[2]._sharded()[1].config.stage != stage:
             failures.append(f"{what}: trained at stage {ours[2]._sharded()[1].config.stage}")
@@ -304,7 +295,7 @@ def _generating(rank, world_size, tmp):
         what = f"{kind} stage 3"
         ours, rollouts, _ = _generate_and_train(kind, f"{tmp}/{kind}-sharded", is_sharded=True)
         ref, ref_rollouts, looks = _generate_and_train(kind, f"{tmp}/{kind}-ddp", replay=_norms(ours))
-        failures = _replayed(ours, ref, ref[2].torch_norms, 1e-5, what) + _replay_facts(ref, what)
+        failures = _replayed(ours, ref, 1e-5, what) + _replay_facts(ref, what)
         failures += _is_sharded(ours[2], what)
         # The same completions sampled: their lengths and rewards exactly DDP's (and logged: else nothing is checked).
         if rollouts != ref_rollouts or any(v is None for e in ref_rollouts for v in e.values()):
