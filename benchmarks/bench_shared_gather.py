@@ -3,7 +3,7 @@
     python benchmarks/bench_shared_gather.py [--sizes 4,16,64] [--world-sizes 2,4] [--trials 20]
 
 For each size (MB of the full fp32 buffer) and world size, interleaved round-robin in the same processes:
-  shared    shardopt.parallel.shared_flat.SharedGather over one bucket: barrier, copy the other ranks'
+  shared    shardopt.parallel.gathers.SharedAfterStep over one bucket: barrier, copy the other ranks'
             chunks out of their shared buffers, barrier (what step() does: Note [Gathering through shared
             memory])
   ring      shardopt.parallel.comm.start_all_gather (the bucket engine's gloo ring), chunk -> bucket
@@ -40,7 +40,8 @@ OPS = ("shared", "ring", "torch")
 def _rank(rank, world_size, sizes, trials):
     from shardopt.layout import plan_layout
     from shardopt.parallel import comm
-    from shardopt.parallel.shared_flat import SharedGather, open_shared_flat, why_not_shared
+    from shardopt.parallel.gathers import SharedAfterStep
+    from shardopt.parallel.shared_memory import SharedChunks, open_shared_flat, why_not_shared
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -51,7 +52,7 @@ def _rank(rank, world_size, sizes, trials):
         total = layout.total_numel
         shared = open_shared_flat(total, torch.float32, dist.group.WORLD, True,
                                   why_not_shared(torch.device("cpu"), False, range(world_size), world_size))
-        gather = SharedGather(layout, rank, shared)
+        gather = SharedAfterStep(layout, SharedChunks(shared, "the benchmark's gather"))
         flat, bucket = shared.flat, torch.empty(total)
         lo, hi = layout.buckets[0].chunk(rank)
         chunk = torch.empty(hi - lo)
@@ -117,7 +118,7 @@ def _memory_rank(rank, world_size, model_name, shared):
         opt.step()
         opt.zero_grad()
     after = _smaps()
-    used = opt.store.shared_gather is not None
+    used = opt.store.gather.shared is not None
     return {k: after[k] - before[k] for k in after}, used, sum(p.numel() for p in model.parameters())
 
 

@@ -185,17 +185,10 @@ def bench(args) -> str:
 # they are grouped by name here).
 GROUPS = (
     ("hooks (zero3/hooks.py, ddp.py)", ("zero3/hooks.py", "shardopt/ddp.py")),
-    ("schedule walk (store: need/_advance/_issue_position/rounds)", ("need", "_advance", "_issue_position",
-                                                                     "_room", "_new_round", "begin_forward",
-                                                                     "end_forward", "_begin_backward",
-                                                                     "end_backward", "_close_round",
-                                                                     "_drain_round", "forward_done",
-                                                                     "bucket_grads_done",
-                                                                     "__init__ (store.py)", "pack", "unpack",
-                                                                     "_finish_round_gathers", "settle")),
+    ("schedule walk (zero3/rounds.py)", ("zero3/rounds.py", "pack", "unpack")),
     ("waits (finish_gather, Work.wait)", ("finish_gather", "wait")),
-    ("allocation/free (resize_, reshard, _show)", ("_allocate", "reshard", "_show", "resize_")),
-    ("gathers (start_gather, comm)", ("start_gather", "_launch_gather", "parallel/comm.py", "all_gather",
+    ("allocation/free (resize_, reshard, show)", ("allocate", "reshard", "show", "resize_")),
+    ("gathers (start_gather, comm)", ("start_gather", "launch", "parallel/gathers.py", "parallel/comm.py", "all_gather",
                                       "_all_gather_base", "all_gather_into_tensor")),
     ("gradient sync (grad_sync.py, engine)", ("grad_sync.py", "sharded_grad.py")),
     ("optimizer step (optimizer.py, master_step.py, torch.optim)", ("optimizer.py", "master_step.py",
@@ -210,7 +203,7 @@ def _group(filename: str, func: str) -> str:
             if "/" in k or k.endswith(".py"):
                 if k in filename:
                     return name
-            elif (func == k and "zero3/store.py" in filename) or where == k or (func == k and k in (
+            elif (func == k and "/zero3/" in filename) or where == k or (func == k and k in (
                     "wait", "resize_", "all_gather", "_all_gather_base", "all_gather_into_tensor")):
                 return name
     return "other (model compute, autograd, torch.nn hooks dispatch)"

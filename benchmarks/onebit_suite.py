@@ -425,7 +425,7 @@ def run(task: Task, seed: int, kind: str, mesh: str = "flat", variant: Variant |
     probe: also record the sum of v at the warm-up steps where OneBitStep records it (the warning's measure).
     draw > 0: the initial weights times (1 + 1e-6 * a normal draw of generator `draw`), rounding-level noise
     that shows how far a row moves by chance (--draws)."""
-    from shardopt.onebit import probe_steps
+    from shardopt.onebit_step import probe_steps
     torch.manual_seed(seed)
     model, batch_loss, held_loss = task.make(seed)
     params = [p for p in model.parameters()]
@@ -510,9 +510,9 @@ def run(task: Task, seed: int, kind: str, mesh: str = "flat", variant: Variant |
 
 
 def variance_growth(task: Task, probes: dict) -> float | None:
-    """The warning's measure (Note [Is the variance settled at the freeze] in shardopt/onebit.py) from the
+    """The warning's measure (Note [Is the variance settled at the freeze] in shardopt/onebit_step.py) from the
     AdamW run's sums of v at the steps OneBitStep takes them."""
-    from shardopt.onebit import variance_growth as vg
+    from shardopt.onebit_step import variance_growth as vg
     return vg(probes, task.freeze, task.betas[1])
 
 

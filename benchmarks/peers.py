@@ -47,7 +47,7 @@ VARIANTS = {
     "shardopt ZeRO-2 + offload": "shardopt-2-offload",
     "shardopt ZeRO-2 + overlap_gather": "shardopt-2-gather",
     # One host: the gather after a step through the process group instead of shared memory (the default
-    # there: Note [Gathering through shared memory] in shardopt/parallel/shared_flat.py).
+    # there: Note [Gathering through shared memory] in shardopt/parallel/shared_memory.py).
     "shardopt ZeRO-2, gather through the process group": "shardopt-2-pg",
     "shardopt ZeRO-1, gather through the process group": "shardopt-1-pg",
     "shardopt ZeRO-3": "shardopt-3",
@@ -55,6 +55,10 @@ VARIANTS = {
     # gathers in two levels); these name the choices.
     "shardopt ZeRO-3, flat collectives (node_aware=False)": "shardopt-3-flat",
     "shardopt ZeRO-3 node-aware + bf16 inter-node phase": "shardopt-3-bf16",
+    # ... and the parameter gathers across nodes rounded (Note [Stage 3's parameters across nodes, rounded]).
+    "shardopt ZeRO-3 node-aware, gradients and parameters across nodes in bf16": "shardopt-3-bf16-bf16p",
+    "shardopt ZeRO-3 node-aware, gradients in bf16, parameters in int8 across nodes": "shardopt-3-bf16-int8p",
+    "shardopt ZeRO-3 node-aware, gradients and parameters across nodes in int8": "shardopt-3-int8-int8p",
     # Flat sharding when the ranks span nodes: node-aware collectives are on by default (shardopt-2 above);
     # these name the choices (Note [Two-level collectives] in shardopt/parallel/mesh_plan.py).
     "shardopt ZeRO-2, flat collectives (node_aware=False)": "shardopt-2-flat",
@@ -239,6 +243,8 @@ def _shardopt_kwargs(kind: str) -> dict:
             kw["inter_node_dtype"] = HOP_DTYPES[option]
         elif option == "bf16p":  # node-aware, its inter-node parameter phase in bf16
             kw["inter_node_param_dtype"] = torch.bfloat16
+        elif option == "int8p":  # node-aware stage 3, its parameter gathers across nodes in block-scaled int8
+            kw["inter_node_param_dtype"] = "int8"
         elif option.startswith("b") and option[1:].isdigit():  # -b500: reduce buckets of 500k elements
             kw["reduce_bucket_size"] = int(option[1:]) * 1000
         else:
@@ -258,7 +264,7 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   one host): the reduce-scatter plus a parameter all-gather before forward and
 #   another before backward, each (W-1)/W S: 3 (W-1)/W S, less the buckets
 #   backward starts with, which are not gathered twice (Note [The seam between
-#   forward and backward] in shardopt/zero3/store.py).
+#   forward and backward] in shardopt/zero3/rounds.py).
 # - Hybrid (shardopt, FSDP2 HSDP): only the hop crosses, 2 (R-1)/R S per node
 #   (every rank of a node all-reduces 1/K of it); the parameter all-gather stays
 #   inside the node. bf16 hop: half; int8 hop: a quarter plus one fp32 scale per
@@ -268,10 +274,12 @@ def _shardopt_kwargs(kind: str) -> dict:
 #   nodes; Note [Two-level collectives] in mesh_plan.py): (R-1)/R S of gradient
 #   in the inter-node phase's format, then (R-1)/R S of fp32 parameters:
 #   2 (R-1)/R S exact, 1.5 (R-1)/R S with a bf16 gradient phase, (R-1)/R S with
-#   both phases in bf16 (inter_node_param_dtype, stages 1-2). Stage 3
-#   (node-aware by default too) gathers the parameters twice, each (R-1)/R S:
-#   3 (R-1)/R S exact (2.5 with a bf16 gradient phase), less the seam's buckets
-#   as above.
+#   both phases in bf16 (inter_node_param_dtype). Stage 3 (node-aware by
+#   default too) gathers the parameters twice, each (R-1)/R S: 3 (R-1)/R S
+#   exact (2.5 with a bf16 gradient phase), less the seam's buckets as above;
+#   with its parameter gathers rounded across nodes (Note [Stage 3's parameters
+#   across nodes, rounded]) each takes (R-1)/R S/2 in bf16 and (R-1)/R S/4
+#   (1 + 4/256) in int8.
 # - Others (torch ZeRO's broadcasts, FSDP2 flat and DeepSpeed over gloo, whose
 #   reduce-scatter is an all-reduce): not derived here; the column stays empty.
 def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -> float | None:
@@ -294,9 +302,9 @@ def expected_link_bytes(kind: str, grad_bytes: int, world: int, per_node: int) -
     gathers = 2 if flat_sharding and parts[1] == "3" else 1  # stage 3: before forward and before backward
     if flat_sharding and per_node < world and "flat" not in parts:  # node-aware (the default across nodes)
         kw = _shardopt_kwargs(kind)
-        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}[kw.get("inter_node_dtype")]
-        params = grad_bytes // 2 if kw.get("inter_node_param_dtype") is not None else grad_bytes
-        return two_level_link_bytes(world // per_node, grad_bytes, fmt, param_bytes=params, param_gathers=gathers)
+        fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}
+        return two_level_link_bytes(world // per_node, grad_bytes, fmt[kw.get("inter_node_dtype")],
+                                    fmt[kw.get("inter_node_param_dtype")], param_gathers=gathers)
     if flat_sharding and gathers == 2:  # a reduce-scatter and two all-gathers (forward, backward): 3 (W-1)/W S
         return 1.5 * ring_link_bytes(world, per_node, grad_bytes)
     if kind == "ddp" or (kind.startswith("shardopt-") and "hybrid" not in kind):

@@ -21,6 +21,11 @@ again, on the same data), because the data is cut into the same *global*
 batches whatever the world size: each rank takes its equal share of a global
 batch, and ShardedDDP averages the shares' gradients.
 
+Checkpoints are saved with blocking=False: each rank's part is copied to host
+memory and written by a background thread while training goes on; `latest`
+moves once every rank's part is on disk, so a node lost while one is being
+written leaves `latest` on the one before (--blocking-save saves in the step).
+
 Run it on one machine with two emulated nodes: tests/test_cluster.py
 (test_elastic_resume_after_losing_a_node) does, and checks the weights.
 
@@ -129,7 +134,7 @@ def train(a) -> None:
     model = shardopt.ShardedDDP(model, opt)
     x_all, y_all = make_data()
     loader = GlobalBatches(len(x_all), a.global_batch)
-    step = 0
+    step, saving = 0, None
     if os.path.exists(os.path.join(a.ckpt, "latest")):
         extra = shardopt.load_checkpoint(a.ckpt, model, opt)
         step = extra["step"]
@@ -150,11 +155,15 @@ def train(a) -> None:
             opt.zero_grad()
             step += 1
             if step % a.save_every == 0 or step == a.steps:
-                shardopt.save_checkpoint(a.ckpt, model, opt, extra={"step": step, "loader": loader.state_dict()})
+                # The save before waits first, and raises here on every rank if it failed.
+                extra = {"step": step, "loader": loader.state_dict()}
+                saving = shardopt.save_checkpoint(a.ckpt, model, opt, extra=extra, blocking=a.blocking_save)
             if rank == 0 and a.progress:
                 with open(a.progress, "a") as f:
                     f.write(f"{attempt} {world} {step} {time.time():.3f}\n")
             time.sleep(max(0.0, a.step_time - (time.monotonic() - t0)))
+        if saving is not None and not a.blocking_save:
+            saving.result()  # the last checkpoint on disk before the process group goes
     except Exception as e:  # noqa: BLE001 - say so on this rank, then fail (torchrun restarts us)
         print(f"[rank {rank} of {world}, attempt {attempt}] stopped at step {step + 1} at t={time.time():.3f}: "
               f"a peer was lost or a collective failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -173,6 +182,7 @@ def main(argv=None):
     ap.add_argument("--ckpt", required=True, help="checkpoint directory, on storage every node sees")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=20)
+    ap.add_argument("--blocking-save", action="store_true", help="save in the step (default: written behind it)")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--clip", type=float, default=1.0)

@@ -47,7 +47,7 @@ class SourceText(torch.utils.data.Dataset):
 
     def __init__(self, seq: int):
         files = sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True))
-        data = b"".join(open(f, "rb").read() for f in files if ".venv" not in f)
+        data = b"".join(open(f, "rb").read() for f in files if ".venv" not in os.path.relpath(f, ROOT))
         ids = torch.tensor(list(data), dtype=torch.long)
         n = len(ids) // seq
         self.rows = ids[: n * seq].view(n, seq)

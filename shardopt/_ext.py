@@ -9,10 +9,6 @@ except ImportError as e:  # pragma: no cover - only hit on a broken install
 
 
 def cpu_features() -> dict:
-    """Which SIMD variant the CPU kernels run with.
-
-    Returns a dict: ``active`` (the variant used now), ``best`` (what this CPU
-    and build support best; the default unless SHARDOPT_ISA pins another) and
-    ``supported`` (every variant this CPU can run, best last).
-    """
+    """The CPU kernels' SIMD variants: ``active``, ``best`` (the default unless SHARDOPT_ISA pins another) and
+    ``supported`` (best last)."""
     return {"active": _C.active_isa(), "best": _C.best_isa(), "supported": list(_C.supported_isas())}

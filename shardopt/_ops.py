@@ -1,9 +1,5 @@
-"""Fake (meta) implementations of the shardopt ops, for torch.compile and opcheck.
-
-The schemas are declared in csrc/ops.cpp. Every op here mutates its inputs in
-place and returns nothing, so its fake implementation only has to accept the
-arguments: there are no outputs whose shapes it would have to describe.
-"""
+"""Fake implementations of the shardopt ops (csrc/ops.cpp) for torch.compile and opcheck: each op mutates
+its inputs and returns nothing, so a fake only accepts the arguments."""
 import torch
 
 

@@ -1,17 +1,11 @@
-"""shardopt.CPUAdam: a drop-in torch.optim optimizer backed by the fused C++ kernel.
-
-Also ``fused_adam_step``, the thin Python entry to the ``shardopt::adam_step`` op
-(lists of flat fp32 tensors; usable under torch.compile). CPUAdam.step calls the
-same C++ kernel driver through a leaner pybind entry (Note [CPUAdam's step
-entry] in csrc/adam/bindings.cpp).
-"""
+"""shardopt.CPUAdam: a drop-in torch.optim optimizer backed by the fused C++ kernel, and ``fused_adam_step``,
+the ``shardopt::adam_step`` op's entry (usable under torch.compile)."""
 import torch
 
 from shardopt import _ops  # noqa: F401  (fake implementations of the ops)
 from shardopt._ext import _C
 
-# torch.optim.Adam/AdamW options this optimizer does not implement, with the
-# value that means "off". Passing anything else is refused rather than ignored.
+# torch.optim.Adam/AdamW options not implemented here, with their "off" values; any other value is refused.
 _TORCH_ONLY_OPTIONS = {
     "amsgrad": (False,),
     "maximize": (False,),
@@ -24,14 +18,8 @@ _TORCH_ONLY_OPTIONS = {
 
 def fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, adamw,
                     step, bias_correction=True, lowp_out=None):
-    """One fused Adam/AdamW step over lists of contiguous fp32 CPU tensors, in place.
-
-    ``step`` counts the step being taken (1 for the first) and is shared by all
-    tensors. ``lowp_out``, if given, is one bf16 or fp16 tensor per param that
-    receives a copy of the updated param in the same pass. All tensors are
-    updated in one parallel pass (Note [One parallel pass over all tensors] in
-    csrc/adam/multi_tensor.h).
-    """
+    """One fused Adam/AdamW step over lists of contiguous fp32 CPU tensors, in place; ``step`` counts from 1,
+    ``lowp_out``: per param a bf16/fp16 tensor written in the same pass (csrc/adam/multi_tensor.h)."""
     torch.ops.shardopt.adam_step(params, grads, exp_avgs, exp_avg_sqs, list(lowp_out or []), float(lr),
                                  float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
                                  float(step), bool(bias_correction))
@@ -42,16 +30,9 @@ def _describe(gi, pi, t):
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam (``adamw=False``, L2 weight decay) or AdamW (``adamw=True``, decoupled decay) for fp32 CPU params.
-
-    Same update and state as torch.optim.Adam / AdamW (state keys ``step``,
-    ``exp_avg``, ``exp_avg_sq``, ``step`` a float32 scalar tensor), so state
-    dicts move between them in either direction. ``bias_correction=False``
-    skips Adam's bias corrections (torch has no such option). Note that
-    ``weight_decay`` defaults to 0, as in torch.optim.Adam, while
-    torch.optim.AdamW defaults to 0.01. All params with a grad, over all
-    groups, are updated by one kernel call in one parallel pass.
-    ``set_lowp_copies`` makes steps also write bf16/fp16 copies of the params.
+    """Adam (``adamw=False``, L2 decay) or AdamW (decoupled decay) for fp32 CPU params, with torch.optim's
+    update and state (state dicts move between them). ``weight_decay`` defaults to 0, as Adam's (AdamW's: 0.01);
+    ``bias_correction=False`` skips the bias corrections.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
@@ -75,13 +56,8 @@ class CPUAdam(torch.optim.Optimizer):
             _check_param(gi, pi, p)
 
     def load_state_dict(self, state_dict):
-        """Loads a state dict saved by CPUAdam or by torch.optim.Adam/AdamW.
-
-        torch's groups carry options we do not implement; they are accepted only
-        at their "off" values and then dropped. A saved ``decoupled_weight_decay``
-        must match this optimizer's ``adamw`` (loading Adam state into an AdamW
-        run, or the reverse, would silently change the update).
-        """
+        """Loads a state dict of CPUAdam or torch.optim.Adam/AdamW: torch's options only at their "off" values, a
+        saved ``decoupled_weight_decay`` only equal to ``adamw`` (else the update would silently change)."""
         state_dict = dict(state_dict)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -104,27 +80,15 @@ class CPUAdam(torch.optim.Optimizer):
             groups.append(saved)
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
-        # torch may have saved a Python number as step (very old versions) or
-        # a float64 one; keep the float32 scalar tensor torch uses today.
+        # A step saved as a Python number or float64 becomes torch's float32 scalar tensor.
         for st in self.state.values():
             if "step" in st:
                 st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(()).clone()
 
     def set_lowp_copies(self, pairs):
-        """Makes every step also write each updated param, cast, into a low-precision copy.
-
-        ``pairs`` is an iterable of ``(param, lowp)``: ``param`` one of this
-        optimizer's params, ``lowp`` a contiguous CPU ``torch.bfloat16`` or
-        ``torch.float16`` tensor with as many elements as ``param`` (any
-        shape). From the next ``step()`` on, the kernel writes
-        ``param.to(lowp.dtype)`` into ``lowp`` in the same pass that updates
-        ``param`` (no second read of the fp32 params); the ZeRO offload path
-        uses it to refresh a low-precision model. A param that is not stepped
-        (no grad) leaves its copy alone, as it leaves the param; nothing is
-        written now. Replaces any earlier pairs; ``set_lowp_copies(())``
-        clears them. The copies are the caller's buffers and are not part of
-        ``state_dict()``.
-        """
+        """``pairs`` of ``(param, lowp)``, lowp a contiguous CPU bf16/fp16 tensor of param's numel: from the next
+        step on, the pass that updates param also writes it into lowp (offload's low-precision model). Replaces
+        earlier pairs (``()`` clears them); not in state_dict()."""
         index = {p: (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
         copies = {}
         for n, pair in enumerate(pairs):
@@ -151,9 +115,8 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         groups = [self._step_args(gi, group) for gi, group in enumerate(self.param_groups)]
         try:
-            # Note [CPUAdam's step entry] in csrc/adam/bindings.cpp: one C++
-            # call checks and steps all groups. On the first step of a param
-            # it changes nothing and returns the params whose state is missing.
+            # One C++ call checks and steps every group; a param's first step returns it as missing and changes
+            # nothing (Note [CPUAdam's step entry] in csrc/adam/bindings.cpp).
             missing = _C.cpu_adam_step(self.state, groups)
             if missing:
                 self._init_state(missing)
@@ -175,8 +138,7 @@ class CPUAdam(torch.optim.Optimizer):
             return None
         params = group["params"]
         cached = self._lowp_lists.get(gi)
-        # Rebuilt only when the group's params list changed (add_param_group, or
-        # the user editing it), not every step.
+        # Rebuilt only when the group's params list changed, not every step.
         if cached is None or cached[0] is not params or cached[1] != len(params):
             lows = [self._lowp.get(p) for p in params]
             cached = (params, len(params), lows if any(t is not None for t in lows) else None)
@@ -184,7 +146,6 @@ class CPUAdam(torch.optim.Optimizer):
         return cached[2]
 
     def _init_state(self, missing):
-        # torch.optim.Adam's lazy state: created on a param's first step.
         for gi, pi in missing:
             p = self.param_groups[gi]["params"][pi]
             state = self.state[p]

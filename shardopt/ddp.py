@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import types
+import warnings
 import weakref
 
 import torch
@@ -21,18 +22,9 @@ from shardopt.weights.stream import init_for_pending, load_pending, pending_weig
 
 
 class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoint/ know it (Note [The optimizer's view])
-    """Data parallel wrapper for a model whose trainable parameters are all in `optimizer`.
-
-    At construction: checks that every rank has the same parameters and buffers,
-    broadcasts them from rank 0, and hooks every managed parameter so backward
-    hands its gradient to the optimizer's bucket engine. `broadcast_buffers`
-    re-broadcasts buffers from rank 0 before each forward, as DDP does.
-    `no_sync()` accumulates gradients locally, as DDP's does. At stage 3 a model
-    built on the meta device is materialised here, bucket by bucket, by each
-    module's reset_parameters() or by `param_init_fn(module)` when given (Note
-    [Meta-device models] in zero3/store.py). What differs per stage is the
-    optimizer's parameter store's (Note [One parameter store] in param_store.py).
-    """
+    """DDP for a model whose trainable parameters are all in `optimizer`. At stage 3 a meta-device model is
+    materialised here, bucket by bucket, by each module's own initialisation or by `param_init_fn(module)` when
+    given (Note [Meta-device models] in zero3/build.py)."""
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, broadcast_buffers: bool = True,
                  param_init_fn=None):
@@ -86,9 +78,7 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         waits = store.forward_waits(module, optimizer._index, optimizer.layout)
         optimizer._attach(positions, list(plan_gather_order(optimizer.layout, waits)), waits)
 
-        # Rank 0's initial values everywhere, like DDP: the managed parameters as their store holds them (the
-        # flat buffer in one collective; stage 3 took rank 0's values as it sharded them), everything else
-        # (frozen params, buffers) coalesced.
+        # Rank 0's initial values everywhere, like DDP: managed parameters through their store, the rest coalesced.
         self._group = group
         if dist.get_world_size(group) > 1:
             src = dist.get_global_rank(group, 0)
@@ -97,17 +87,12 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
             self._broadcast_coalesced(others + [b for b in module.buffers()])
             optimizer._load_master_from_model()
 
-        # Parameters given new storage after wrapping are refused before any forward, before any other hook
-        # of the forward runs (Note [Parameters stay in the flat buffer] in optimizer.py).
         this = weakref.ref(self)
         self._param_names = [named[pos][0] for pos in positions]
         handles = [module.register_forward_pre_hook(_check_in_place_hook(this))]
-        # Gradient hooks, and whatever module and state-dict hooks the store needs (loads reach the masters:
-        # Note [A load of the values held] in loads.py). See Note [Hooks die with the wrapper].
+        # Note [Hooks die with the wrapper]; loads reach the masters (Note [A load of the values held] in loads.py).
         handles += store.install_hooks(this, module, optimizer, waits)
-        # The parameter set is fixed here, as with DDP: parameters() answers from this list
-        # (Note [Parameters fixed at wrap time]).
-        _count_registrations()
+        _count_registrations()  # Note [Parameters fixed at wrap time]
         self._remember_params()
         if optimizer.config.overlap_gather:
             handles += self._install_gather_waits(waits)
@@ -120,13 +105,7 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         optimizer.join.attach(self)
 
     def detach(self) -> nn.Module:
-        """Removes every hook this wrapper installed and returns the module, a plain nn.Module again with its
-        whole weights (as DDP leaves a model after training).
-
-        At stage 3 the parameters are gathered first (a collective: every rank calls it) and keep their
-        values in tensors of their own; the rank holds the whole model from then on. The optimizer is done
-        with this model: it refuses to step, and its full_params() no longer reaches the module.
-        """
+        """Removes this wrapper's hooks and returns the module with its whole weights (stage 3: a collective)."""
         whole = self.optimizer.store.whole_copies()
         self._orphans[0] = False
         let_go(self.module, self)
@@ -150,7 +129,6 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         handles = []
         for w in waits:
             handles.append(w.module.register_forward_pre_hook(waiter(w.buckets)))
-            # Reading or loading weights through state dicts, from any module down.
             handles.append(w.module.register_state_dict_pre_hook(wait_all))
             handles.append(w.module.register_load_state_dict_pre_hook(wait_all))
         # Whatever runs after the forward (loss, backward, user code) sees final values.
@@ -169,8 +147,7 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
                     p.grad.zero_()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        # With overlap_gather, parameters read right after step() (an EMA) must be final.
-        self.optimizer.wait_params()
+        self.optimizer.wait_params()  # Note [Waiting in named_parameters]
         if recurse and remove_duplicate:
             self._refresh_params()
             return self._cached_named_parameters(prefix)  # Note [Parameters fixed at wrap time]
@@ -184,9 +161,7 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         return iter(self._param_list)  # Note [Parameters fixed at wrap time]
 
     def is_every_gradient(self, params: list) -> bool:
-        """Whether the gradients of `params` are exactly those the optimizer holds: `params` is this model's
-        parameters() (the same tensors in the same order, as accelerate asks of an FSDP model) and no frozen
-        one has a gradient. Then torch's clip_grad_norm_(params) and opt.clip_grad_norm() are the same clip."""
+        """Whether `params` is parameters() and no frozen one has a gradient: torch's clip is then opt's."""
         self._refresh_params()
         mine = self._param_list
         return (len(params) == len(mine) and all(map(operator.is_, params, mine))
@@ -208,7 +183,6 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         self._registrations_seen = _REGISTRATIONS[0]
 
     def _remember_buffers(self) -> None:
-        """self.module.buffers() (each once, in its order), and where each sits: (its module's _buffers, name)."""
         self._buffer_slots, self._buffer_list, seen = [], [], set()
         for mod in self.module.modules():
             for name, b in mod._buffers.items():
@@ -218,21 +192,14 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
                     self._buffer_list.append(b)
 
     def _module_buffers(self) -> list:
-        """self.module.buffers() from the list taken at wrap time (Note [Parameters fixed at wrap time]), taken
-        again when a registration happened or a buffer was replaced without one (model.to(), _buffers[k] = t)."""
+        """self.module.buffers(), from the list of Note [Parameters fixed at wrap time]."""
         self._refresh_params()
         if not all(map(operator.is_, (d.get(k) for d, k in self._buffer_slots), self._buffer_list)):
             self._remember_buffers()
         return self._buffer_list
 
     # Note [Registrations under torch.compile]
-    # The lists are taken again when a parameter, module or buffer was registered anywhere in the process
-    # (_REGISTRATIONS): a count that any new module moves, nn.CrossEntropyLoss() made in a training step
-    # included. Traced by torch.compile, the forward's buffer broadcast guarded on that count and was compiled
-    # again at every such step (9 graphs in 10 steps at stage 2) until Dynamo's recompile limit left it
-    # uncompiled. So traced code does not look at the count (Dynamo guards on the module's own parameter
-    # and buffer dicts, and a replaced buffer is still seen); the eager paths (step, zero_grad,
-    # named_parameters) still do, and refuse a parameter registered after wrapping.
+    # Traced code skips the registration count: any module made in a step moves it, so a guard on it recompiles.
     def _refresh_params(self) -> None:
         """Takes the list again if a parameter or module was registered anywhere since it was taken."""
         if torch.compiler.is_compiling():
@@ -280,15 +247,11 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
 
     def forward(self, *args, **kwargs):
         if self._callback_queued:
-            # A backward pass started reducing and never finished (it raised). Its
-            # buckets are half launched here and maybe complete on other ranks:
-            # continuing would pair the wrong collectives.
+            # A backward that raised left buckets half launched: continuing would pair the wrong collectives.
             raise RuntimeError("the previous backward pass did not finish (did it raise?), so gradient "
                                "reduction is half done and ranks are out of step; restart training from "
                                "the last checkpoint")
-        # Exactly DDP's rule: buffers are broadcast before a forward if the
-        # previous forward was one whose backward reduces (grad enabled, not in
-        # no_sync), so once per accumulation cycle, at its first micro-step.
+        # DDP's rule: buffers are broadcast if the previous forward's backward reduced (once per accumulation).
         if self.optimizer.join.enabled():  # under torch's Join: the pass is agreed first (Note [Join])
             source = self.optimizer.join.before_forward(self)
             if source is not None:
@@ -299,17 +262,14 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
         self._buffers_need_sync = torch.is_grad_enabled() and self._sync
         return out
 
-    # ------------------------------------------------ torch's Join (Note [Join] in join.py)
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
-        """DDP's `with model.join(): ...`: ranks with fewer batches shadow the others until all are done.
-        Covers the optimizer too (its shard is stepped on a joined rank); the same as Join([model, opt])."""
+        """DDP's `with model.join(): ...`, covering the optimizer too: the same as Join([model, opt])."""
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
-        """The hook torch's Join runs on a rank out of inputs: it shadows the others' forward, backward and
-        step (its optimizer's part included; Note [Join])."""
+        """The hook torch's Join runs on a rank out of inputs (Note [Join])."""
         return self.optimizer.join.make_hook(**kwargs)
 
     @property
@@ -331,40 +291,12 @@ class ShardedDDP(nn.Module, ModelWrapper, Joinable):  # the marker lets checkpoi
 
 
 # Note [Hooks die with the wrapper]
-# A parameter's gradient hooks are held by autograd in C++, where Python's
-# garbage collector cannot see them. A hook that referenced the wrapper or the
-# optimizer strongly would close a cycle through C++ (parameter -> hook ->
-# wrapper -> model -> parameter) that is never collected: a dropped model,
-# its optimizer state and the process group would live until exit (a sweep
-# that builds one model after another would keep them all). So the gradient
-# hooks hold the wrapper weakly, and when the wrapper is collected
-# every hook it installed is removed, as DDP's reducer removes its own: the
-# model becomes a plain module again, and the optimizer refuses to step
-# (nothing reduces gradients into it any more). At stages 1 and 2 the
-# per-parameter hooks are C++ (Note [Gradient hooks in C++] in
-# csrc/comm/grad_hooks.h): they hold the engine and the parameters, and reach
-# the wrapper only through the weak `begin` hook (flat_params._begin_backward_hook),
-# once per backward pass; the finalizer's remove() takes them off the gradient
-# accumulators. Stage 3 keeps Python hooks (zero3/hooks.py), as weak.
+# Autograd holds gradient hooks in C++, out of the garbage collector's sight: holding the wrapper strongly they
+# would keep a dropped model alive until exit. So they hold it weakly, and its collection removes them all.
 
 # Note [Parameters fixed at wrap time]
-# clip_grad_norm_(model.parameters(), c) and model.zero_grad() run every step;
-# walking a model of thousands of modules costs them milliseconds. As with
-# DDP, the parameters are fixed when the model is wrapped (the optimizer and
-# its flat buffer were built from them), so the wrapper answers parameters()
-# and named_parameters() (recurse=True, remove_duplicate=True: what those
-# idioms ask) from a list taken then, in the module's own order and names. A
-# parameter or module registered after that anywhere in the process (any
-# nn.Module's register_parameter / register_module / attribute assignment,
-# counted by torch's global registration hooks) makes the next call walk the
-# module again and take a new list, so an added parameter is always seen.
-# The forward's buffer broadcast (DDP's broadcast_buffers) takes the buffers
-# the same way, with buffer registrations counted too; each forward also checks
-# that every listed buffer is still in its module's slot, as replacing one
-# without a registration (model.to(), _apply, _buffers[name] = t) leaves it.
-# Deleting one (del module.weight) registers nothing: a managed parameter
-# stays the optimizer's anyway, and a frozen one deleted after wrapping stays
-# listed until the next registration anywhere.
+# clip_grad_norm_(model.parameters()) runs every step: parameters() answers from a list taken at wrap time, taken
+# again after any registration in the process or, for buffers, a slot replaced without one (model.to()).
 _REGISTRATIONS = [0]  # parameter and module registrations since import (any module)
 _COUNTING = []
 
@@ -392,15 +324,8 @@ def _check_in_place_hook(wrapper_ref):
 
 
 # Note [Waiting in named_parameters]
-# With overlap_gather, step() returns while parameters are still being
-# gathered, and the forward's hooks wait for them. Code that reads parameters
-# right after step() through model.parameters() (an EMA, torch's
-# AveragedModel, weight-norm logging) would read values half written. So, while
-# a wrapper with overlap_gather lives, parameters()/named_parameters() wait
-# first, on the wrapper (a method override) and on the wrapped module (an
-# instance attribute, removed with the wrapper). The module finds its
-# optimizer through a weak registry, not an attribute: copy.deepcopy(model)
-# (as EMA code does) must give a plain module that waits for nothing.
+# With overlap_gather, an EMA reading model.parameters() after step() would see values half gathered: it waits
+# first, on the wrapper and the module (found in a weak registry, so that copy.deepcopy(model) waits for nothing).
 _WAITING_MODULES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -426,5 +351,11 @@ def _detach(handles, optimizer, module, orphans) -> None:
     let_go(module)
     if _WAITING_MODULES.pop(module, None) is not None:
         module.__dict__.pop("named_parameters", None)
-    optimizer._detach_model()
+    try:
+        optimizer._detach_model()
+    except RuntimeError as e:
+        if not orphans[0]:
+            raise  # detach() was called: its caller hears of it
+        # Collected, or at exit: a peer that is gone cannot be waited for, and there is no caller to raise to.
+        warnings.warn(f"shardopt: a ShardedDDP was released without waiting for its peers: {e}", RuntimeWarning)
     optimizer.store.released(module, orphaned=orphans[0])

@@ -1,91 +1,53 @@
 """DeepSpeed JSON config -> ShardedOptimizer arguments (pure translation, no process group).
 
-`ShardedOptimizer.from_config(params, config)` calls `optimizer_arguments`. The
-translation follows what DeepSpeed 0.19 *does* with each key (read from its
-runtime/config.py, runtime/engine.py and runtime/zero/), not only what its docs
-say, so a run moved from DeepSpeed trains the same way.
+`ShardedOptimizer.from_config(params, config)` calls `optimizer_arguments`. Each key means what DeepSpeed
+0.19 does with it (its runtime/config.py, engine.py and zero/), so a run moved from DeepSpeed trains the
+same way; docs/checkpoints-and-migration.md lists every key's fate for users.
 
 Note [DeepSpeed keys: translated, accepted, refused]
 ----------------------------------------------------
-Every key of the config falls in one of three classes; anything else is
-refused, and all refused keys are reported together in one error (a user
-fixing a config should not discover problems one run at a time):
-
-* translated: `zero_optimization` (stage, bucket sizes, overlap_comm, optimizer
-  offload, the stage-3 keys of Note [DeepSpeed's stage-3 keys]), `optimizer`,
-  `gradient_clipping`, `fp16`, `bf16`, `communication_data_type`;
-* accepted without effect, because shardopt always behaves that way or the key
-  only concerns DeepSpeed's own bookkeeping: e.g. `contiguous_gradients` (our
-  gradients are always in one flat buffer), `prescale_gradients` (we always
-  divide before reducing), stage-3-only keys when stage is 1 or 2 (DeepSpeed
-  ignores them too), `zero_allow_untested_optimizer`, `steps_per_print`;
-* training-loop keys, accepted and ignored: `train_batch_size`,
-  `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`. They belong
-  to the loop, not to the optimizer: shardopt does not own the data loader and
-  does not divide the loss. Refusing them would force users to keep two config
-  files; ignoring them silently could hide that DeepSpeed used to accumulate
-  for them, so `gradient_accumulation_steps > 1` warns, naming what the loop
-  must now do (`with model.no_sync()` on all but the last micro-batch, loss
-  divided by the number of micro-batches).
-
-"auto" values (filled in by the Hugging Face Trainer / Accelerate integration)
-are refused with a hint: this translation cannot know the Trainer's arguments.
+Every key is translated, accepted without effect, or refused, and all refusals come in one error (a user
+fixing a config should not meet its problems one run at a time):
+* translated: `zero_optimization` (stage, bucket sizes, overlap_comm, Note [DeepSpeed's stage-3 keys]; the
+  offload blocks and "aio": Note [DeepSpeed's offload keys] in deepspeed_offload.py), `optimizer`,
+  `gradient_clipping`, `fp16`, `bf16`, `communication_data_type`, `scheduler` (WarmupLR);
+* accepted without effect (`Translation.ignored`, said in one line at construction): keys shardopt's
+  behaviour makes moot (`contiguous_gradients`: gradients are always in one flat buffer), DeepSpeed's own
+  bookkeeping, stage-3 keys below stage 3 (DeepSpeed ignores them too), and the training loop's batch
+  keys: shardopt owns neither the loader nor the loss, so `gradient_accumulation_steps > 1` warns, naming
+  what the loop must do instead;
+* refused: a name DeepSpeed itself refuses (its zero_optimization, offload, fp16 and bf16 models forbid
+  extra keys: a typo, named with the nearest valid name, or a removed feature), a value shardopt cannot
+  honour, and "auto" (only the Hugging Face integration fills it in).
 
 Note [DeepSpeed defaults that change results]
 ---------------------------------------------
-Where a key is absent, DeepSpeed's default is used when it changes the
-numbers, so that the same config means the same training:
-* `gradient_clipping` absent -> clip at 1.0 (GRADIENT_CLIPPING_DEFAULT = 1.0 in
-  deepspeed/runtime/constants.py). Set `"gradient_clipping": 0` for none.
-* optimizer "Adam" -> AdamW: DeepSpeed's `adam_w_mode` defaults to true, so
-  "Adam" means decoupled weight decay unless `"adam_w_mode": false`.
-* `weight_decay` absent -> 0.0 (DeepSpeed's FusedAdam and CPUAdam default;
-  torch.optim.AdamW's default is 0.01). Except with `"torch_adam": true`,
-  where DeepSpeed builds torch's class and so gets torch's default.
-* `communication_data_type` absent with fp16/bf16 -> reduce in that dtype, as
-  DeepSpeed does; say "fp32" to reduce in fp32.
-Bucket sizes and overlap_comm only change speed and memory; when absent,
-shardopt's own defaults apply (Note [Default bucket sizes] in config.py), not
-DeepSpeed's 5e8-element single bucket.
+An absent key takes DeepSpeed's default where that changes the numbers: `gradient_clipping` clips at 1.0
+(GRADIENT_CLIPPING_DEFAULT; say 0 for none); "Adam" is AdamW (`adam_w_mode` defaults to true);
+`weight_decay` is 0.0 (DeepSpeed's FusedAdam and CPUAdam; torch's own with `"torch_adam": true`); with
+fp16/bf16 gradients are reduced in that dtype unless `communication_data_type` says "fp32". Bucket sizes
+and overlap_comm change only speed and memory: absent, shardopt's defaults apply (Note [Default bucket
+sizes] in config.py), not DeepSpeed's single 5e8-element bucket.
 
 Note [DeepSpeed's stage-3 keys]
 -------------------------------
-At stage 3 (DeepSpeed 0.19 reads them only there; at 1 and 2 they are accepted
-and ignored, as DeepSpeed does):
-* stage3_prefetch_bucket_size, stage3_max_live_parameters,
-  stage3_param_persistence_threshold -> prefetch_bucket_size,
-  max_live_parameters, param_persistence_threshold (elements, as DeepSpeed
-  counts them; docs/zero3.md). Absent: shardopt's defaults (they change memory
-  and speed, never the numbers). stage3_allgather_sequential = true ->
-  prefetch_bucket_size = 0 (what DeepSpeed makes of it: no prefetch).
-* stage3_max_reuse_distance: accepted without effect. DeepSpeed keeps a
-  parameter after a module's forward if the trace says it is used again within
-  that many elements; shardopt's schedule keeps a bucket until the last module
-  of the pass that waits for it has run, however far (Note [Stage-3 schedule]
-  in zero3/schedule.py), which is DeepSpeed's behaviour at its default 1e9. A smaller
-  distance only frees earlier (memory, not results); the schedule has no such
-  knob, so the value does not change what happens.
-* stage3_gather_16bit_weights_on_model_save (and its older fp16 spelling): not
-  an optimizer option. ShardedTrainer reads it (`Translation.gather_weights_on_save`):
-  true -> save_model() writes whole weights from rank 0; false (DeepSpeed's
-  default) -> it writes shardopt's sharded checkpoint instead. In a loop of
-  one's own it has no role: model.state_dict() at stage 3 is always whole.
-* allgather_bucket_size: DeepSpeed's stage 3 does not read it, and a stage-3
-  bucket is always gathered whole (the gather unit is reduce_bucket_size):
-  accepted without effect.
-* offload_param with device "cpu" / "nvme" is refused: a rank keeps its 1/N of
-  the parameters on the model's device (offload_optimizer "cpu" moves the
-  fp32 masters, the gradient shard and the optimizer state, 14 of AdamW's 16
-  bytes per parameter). Device "none" is accepted.
-* stage3_model_persistence_threshold, stage3_module_granularity_threshold,
-  stage3_use_all_reduce_for_fetch_params, MiCS and quantized-weight keys: only
-  at their defaults (what shardopt does); any other value is refused by name.
+DeepSpeed reads them at stage 3 only; below it they are accepted and ignored, as DeepSpeed does.
+stage3_prefetch_bucket_size, stage3_max_live_parameters and stage3_param_persistence_threshold are
+ShardedOptimizer's options of those names, in elements; stage3_allgather_sequential = true means no
+prefetch. Without effect: stage3_max_reuse_distance (the schedule keeps a bucket until the last module of
+the pass that waits for it, DeepSpeed's behaviour at its default 1e9; a smaller distance only frees
+earlier), allgather_bucket_size (the gather unit is reduce_bucket_size) and leaf_module (how DeepSpeed's
+hooks fetch). stage3_gather_16bit_weights_on_model_save is for trainers that save models
+(`Translation.gather_weights_on_save`). offload_param is a tier (Note [DeepSpeed's offload keys]). Keys whose only value shardopt can honour is DeepSpeed's default
+(stage3_model_persistence_threshold, stage3_module_granularity_threshold, ...) are refused at any other.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
+import logging
 import os
 import sys
 import warnings
@@ -93,7 +55,41 @@ from typing import Any
 
 import torch
 
-# Keys whose value is irrelevant to shardopt (see Note [DeepSpeed keys: ...]).
+from shardopt.deepspeed_offload import (DS_AIO_KEYS, DS_OFFLOAD_OPTIMIZER_KEYS, DS_OFFLOAD_PARAM_KEYS,  # noqa: F401
+                                        Offload, finish, read_aio, read_block)
+
+logger = logging.getLogger("shardopt")
+
+# DeepSpeed 0.19.8's names: field names and aliases of DeepSpeedZeroConfig (runtime/zero/config.py) and of the
+# offload models (runtime/zero/offload_config.py), all pydantic with extra="forbid". tests/test_ds_config.py
+# compares them with the installed DeepSpeed's.
+DS_ZERO_KEYS = frozenset({
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "compute_grad_norm", "load_from_fp32_weights",
+    "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "cpu_offload", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
+    "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters",
+    "max_reuse_distance", "stage3_max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "stage3_gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+    "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+    "round_robin_gradients", "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "memory_efficient_linear",
+    "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory", "leaf_module"})
+DS_FP16_KEYS = frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+                          "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"})
+DS_BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                          "bf16_optimizer_states"})  # runtime/precision_config.py
+_REMOVED_ZERO_KEYS = {  # DeepSpeed's own message for them: runtime/config.py _REMOVED_ZERO_CONFIG_KEYS
+    "mics_shard_size": "MiCS was removed from DeepSpeed and shardopt has none; to shard inside a node and "
+                       "replicate across nodes pass shard_group='node' (or mesh=...) to from_config",
+    "mics_hierarchical_params_gather": "MiCS was removed from DeepSpeed and shardopt has none",
+    "zeropp_loco_param": "LoCo-ZeRO++ was removed from DeepSpeed and shardopt has none",
+}
+
 _TOP_NO_EFFECT = {
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown",
     "memory_breakdown", "prescale_gradients",
@@ -101,37 +97,37 @@ _TOP_NO_EFFECT = {
 _LOOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _ZERO_NO_EFFECT = {
     "contiguous_gradients", "ignore_unused_parameters", "round_robin_gradients", "elastic_checkpoint",
-    "load_from_fp32_weights", "sub_group_size",
-    # DeepSpeed's own implementation details at stage 3 (its autograd function for linear layers, its
-    # patch of Module.apply under zero.Init, its trace-cache logging): the numbers do not depend on them.
+    "load_from_fp32_weights", "sub_group_size", "use_multi_rank_bucket_allreduce", "enable_sanity_checks",
+    "pipeline_loading_checkpoint", "save_muon_momentum_buffer_in_memory",
+    # DeepSpeed's stage-3 machinery (its linear autograd function, its Module.apply patch, trace-cache logs)
     "memory_efficient_linear", "override_module_apply", "log_trace_cache_warnings",
 }
-# Stage-3 keys, DeepSpeed's spelling -> ShardedOptimizer's (Note [DeepSpeed's stage-3 keys]).
 _STAGE3_SIZES = {"stage3_prefetch_bucket_size": "prefetch_bucket_size", "prefetch_bucket_size": "prefetch_bucket_size",
                  "stage3_max_live_parameters": "max_live_parameters", "max_live_parameters": "max_live_parameters",
                  "stage3_param_persistence_threshold": "param_persistence_threshold",
                  "param_persistence_threshold": "param_persistence_threshold"}
-_STAGE3_NO_EFFECT = {"stage3_max_reuse_distance", "max_reuse_distance", "allgather_bucket_size"}
+_STAGE3_NO_EFFECT = {"stage3_max_reuse_distance", "max_reuse_distance", "allgather_bucket_size", "leaf_module"}
 _STAGE3_GATHER_ON_SAVE = {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                           "gather_16bit_weights_on_model_save"}
+_NO_GLOBAL_BOUND = "shardopt has no bound on all persistent parameters together; use stage3_param_persistence_threshold"
+_BY_BUCKET = "shardopt gathers by bucket, never by module group; set reduce_bucket_size to change the gather unit"
 _STAGE3_ONLY_VALUE = {
-    "stage3_model_persistence_threshold": (sys.maxsize, "shardopt has no bound on all persistent parameters "
-                                           "together; use stage3_param_persistence_threshold"),
-    "model_persistence_threshold": (sys.maxsize, "shardopt has no bound on all persistent parameters together; "
-                                    "use stage3_param_persistence_threshold"),
-    "stage3_module_granularity_threshold": (0, "shardopt gathers by bucket, never by module group; set "
-                                            "reduce_bucket_size to change the gather unit"),
+    "stage3_model_persistence_threshold": (sys.maxsize, _NO_GLOBAL_BOUND),
+    "model_persistence_threshold": (sys.maxsize, _NO_GLOBAL_BOUND),
+    "stage3_module_granularity_threshold": (0, _BY_BUCKET),
+    "module_granularity_threshold": (0, _BY_BUCKET),
     "stage3_use_all_reduce_for_fetch_params": (False, "parameters are always fetched with an all-gather"),
-    "mics_shard_size": (-1, "MiCS is not supported; shardopt's hybrid sharding is shard_group='node' / mesh= "
-                        "(stage 1/2)"),
-    "mics_hierarchical_params_gather": (False, "MiCS is not supported"),
+    "use_all_reduce_for_fetch_params": (False, "parameters are always fetched with an all-gather"),
 }
-# Accepted only at the value that describes what shardopt does.
+_STAGE3_ONLY = (set(_STAGE3_SIZES) | (_STAGE3_NO_EFFECT - {"allgather_bucket_size"}) | _STAGE3_GATHER_ON_SAVE
+                | set(_STAGE3_ONLY_VALUE) | {"stage3_allgather_sequential", "allgather_sequential", "offload_param",
+                                            "cpu_offload_param"})
+"""What DeepSpeed reads at stage 3 only (and ignores below it)."""
 _ZERO_ONLY_VALUE = {"reduce_scatter": True, "allgather_partitions": True, "zero_hpz_partition_size": 1,
                     "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
-                    "zero_quantized_gradients": False}
-# ZeRO++ keys (stage 3 in DeepSpeed): what shardopt offers for ZeRO-1/2 instead.
-_ZERO_PLUS_PLUS = {
+                    "zero_quantized_gradients": False, "compute_grad_norm": True, "parameter_alignment": False,
+                    "legacy_stage1": False, "zenflow": None}
+_ZERO_PLUS_PLUS = {  # ZeRO++ (stage 3 in DeepSpeed): what shardopt offers at stages 1-2 instead
     "zero_hpz_partition_size": "; to shard inside a node and replicate across nodes, pass "
                                "shard_group='node' (or mesh=...) to from_config",
     "zero_quantized_gradients": "; to quantize the gradients that cross between nodes, pass "
@@ -146,7 +142,8 @@ _HINTS = {
 }
 _ELEMENTWISE_TORCH = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
 _TRANSLATED = ("zero_optimization", "optimizer", "fp16", "bf16", "bfloat16", "communication_data_type",
-               "gradient_clipping", "scheduler")
+               "gradient_clipping", "scheduler", "aio")
+_TOP_KEYS = frozenset(_TRANSLATED) | _TOP_NO_EFFECT | set(_LOOP_KEYS) | set(_HINTS)
 _WARMUP_LR_KEYS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _DS_GRADIENT_CLIPPING_DEFAULT = 1.0
@@ -218,9 +215,10 @@ class _Reader:
         self.problems: list[str] = []
         self.ignored: list[str] = []
         self.not_applicable: list[str] = []
+        self.unknown: list[str] = []
 
-    def refuse(self, path: str, value: Any, why: str) -> None:
-        if _is_auto(value):
+    def refuse(self, path: str, value: Any, why: str, even_auto: bool = False) -> None:
+        if _is_auto(value) and not even_auto:
             return  # reported once, with every other "auto", by translate()
         shown = json.dumps(value, default=str)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -233,6 +231,18 @@ class _Reader:
             self.refuse(path, value, f"must be a whole number >= {minimum}")
             return None
         return int(value)
+
+    def known(self, path: str, key: str, value, names, removed: dict | None = None) -> bool:
+        """Whether `key` is one of DeepSpeed's `names`; if not, refused by name (with the nearest one)."""
+        if key in names:
+            return True
+        why = (removed or {}).get(key)
+        if why is None:
+            near = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.8)
+            why = "unknown key, which DeepSpeed refuses too" + (f": did you mean {near[0]!r}?" if near else "")
+        self.unknown.append(path)
+        self.refuse(path, value, why, even_auto=True)
+        return False
 
     def flag(self, path: str, value):
         if not isinstance(value, bool):
@@ -254,10 +264,19 @@ def _zero(r: _Reader, z: dict, out: dict) -> str:
                  "DistributedDataParallel, or set stage 1, 2 or 3")
     else:
         r.refuse("zero_optimization.stage", stage, "must be 1, 2 or 3")
-    offload, pin = "none", None
+    offload = Offload()  # Note [DeepSpeed's offload keys] in deepspeed_offload.py
     for key, value in z.items():
         path = f"zero_optimization.{key}"
-        if key == "stage":
+        if key == "stage" or not r.known(path, key, value, DS_ZERO_KEYS, _REMOVED_ZERO_KEYS):
+            continue
+        if key in ("offload_param", "cpu_offload_param"):  # read at stage 3 only, as DeepSpeed does
+            block = offload.param if stage == 3 else {"device": "none"}
+            if key == "offload_param":
+                read_block(r, path, value, block, DS_OFFLOAD_PARAM_KEYS)
+            elif value is not None and r.flag(path, value):
+                block["device"] = "cpu"
+            if stage != 3:
+                r.ignored.append(path)
             continue
         if stage == 3 and _stage3_key(r, path, key, value, out):
             continue
@@ -269,17 +288,14 @@ def _zero(r: _Reader, z: dict, out: dict) -> str:
             if r.flag(path, value) is not None:
                 out[key] = value
         elif key == "offload_optimizer":
-            offload, pin = _offload(r, path, value, offload, pin)
+            read_block(r, path, value, offload.optimizer, DS_OFFLOAD_OPTIMIZER_KEYS)
         elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer.device = "cpu"
-            if r.flag(path, value):
-                offload = "cpu"
+            if value is not None and r.flag(path, value):
+                offload.optimizer["device"] = "cpu"
         elif key == "cpu_offload_use_pin_memory":
-            if r.flag(path, value) is not None:
-                pin = value
-        elif key == "offload_param" or key == "cpu_offload_param" or key.startswith("stage3_") \
-                or key in ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-                           "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save"):
-            # ZeRO-3 only; DeepSpeed ignores them at stages 1 and 2, and stage 3 is refused above.
+            if value is not None and r.flag(path, value) is not None:
+                offload.optimizer["pin_memory"] = value
+        elif key in _STAGE3_ONLY:  # below stage 3 (at 3, _stage3_key read it)
             r.ignored.append(path)
         elif key in _ZERO_NO_EFFECT:
             r.ignored.append(path)
@@ -289,11 +305,7 @@ def _zero(r: _Reader, z: dict, out: dict) -> str:
                          "(what shardopt always does)" + _ZERO_PLUS_PLUS.get(key, ""))
         else:
             r.refuse(path, value, "not supported by shardopt; remove it")
-    if offload == "cpu":
-        out["offload"] = "cpu"
-        if pin is not None:
-            out["pin_memory"] = pin
-    return offload
+    return finish(r, offload, out)
 
 
 def _stage3_key(r: _Reader, path: str, key: str, value, out: dict) -> bool:
@@ -311,13 +323,6 @@ def _stage3_key(r: _Reader, path: str, key: str, value, out: dict) -> bool:
     elif key in ("stage3_allgather_sequential", "allgather_sequential"):
         if r.flag(path, value):
             out["prefetch_bucket_size"] = 0
-    elif key in ("offload_param", "cpu_offload_param"):
-        device = value.get("device", "none") if isinstance(value, dict) else ("cpu" if value else "none")
-        if value is not None and device not in ("none", None):
-            r.refuse(path, value, "parameter offload is not supported: a rank keeps its 1/N of the parameters on "
-                     "the model's device; offload_optimizer.device = \"cpu\" moves the fp32 master weights, the "
-                     "gradient shard and the optimizer state (14 of AdamW's 16 bytes per parameter). Remove "
-                     "offload_param (or set its device to \"none\")")
     elif key in _STAGE3_ONLY_VALUE:
         want, why = _STAGE3_ONLY_VALUE[key]
         if value != want or isinstance(value, bool) != isinstance(want, bool):
@@ -325,35 +330,6 @@ def _stage3_key(r: _Reader, path: str, key: str, value, out: dict) -> bool:
     else:
         return False
     return True
-
-
-def _offload(r: _Reader, path: str, value, offload, pin):
-    if value is None:
-        return offload, pin
-    if not isinstance(value, dict):
-        r.refuse(path, value, "must be an object like {\"device\": \"cpu\", \"pin_memory\": true}")
-        return offload, pin
-    for key, v in value.items():
-        sub = f"{path}.{key}"
-        if key == "device":
-            if v in ("none", "cpu"):
-                offload = v
-            else:
-                r.refuse(sub, v, "only \"cpu\" or \"none\" (NVMe offload is not supported)")
-        elif key == "pin_memory":
-            if r.flag(sub, v) is not None:
-                pin = v
-        elif key == "nvme_path" and v is None:
-            continue
-        elif key in ("buffer_count", "fast_init", "pipeline_read", "pipeline_write", "ratio"):
-            # DeepSpeed's NVMe and partial-offload tuning: only meaningful with device "nvme" / ratio < 1.
-            if key == "ratio" and v != 1.0:
-                r.refuse(sub, v, "partial offload is not supported; only 1.0")
-            else:
-                r.ignored.append(sub)
-        else:
-            r.refuse(sub, v, "not supported by shardopt; remove it")
-    return offload, pin
 
 
 def _optimizer(r: _Reader, spec, offload: str):
@@ -386,7 +362,7 @@ def _optimizer(r: _Reader, spec, offload: str):
         if torch_adam:  # DeepSpeed builds torch's class, with torch's defaults
             return (torch.optim.AdamW if adamw else torch.optim.Adam), params
         params.setdefault("weight_decay", 0.0)
-        if offload == "cpu":
+        if offload in ("cpu", "nvme"):
             return CPUAdam, {**params, "adamw": adamw}
         if params.pop("bias_correction", True) is not True:
             r.refuse("optimizer.params.bias_correction", False,
@@ -435,8 +411,12 @@ def _precision(r: _Reader, config: dict, out: dict):
     fp16 = fp16 if isinstance(fp16, dict) else {}
     bf16 = bf16 if isinstance(bf16, dict) else {}
     for name in ("fp16", "bf16", "bfloat16"):
-        if isinstance(config.get(name), dict) and config[name].get("enabled", False) is False:
-            r.ignored.append(name)  # DeepSpeed ignores a disabled block's other keys too
+        block = config.get(name)
+        if isinstance(block, dict):  # DeepSpeed checks the names of a disabled block too, and no value
+            for key, v in block.items():
+                r.known(f"{name}.{key}", key, v, DS_FP16_KEYS if name == "fp16" else DS_BF16_KEYS)
+            if block.get("enabled", False) is False:
+                r.ignored.append(name)
     dtype = None
     if fp16.get("enabled") is True and bf16.get("enabled") is True:
         r.refuse("fp16.enabled / bf16.enabled", True, "enable at most one of them")
@@ -446,12 +426,10 @@ def _precision(r: _Reader, config: dict, out: dict):
     elif bf16.get("enabled") is True:
         dtype = torch.bfloat16
         bf_name = "bf16" if "bf16" in config else "bfloat16"
+        ok = {"enabled": True, "immediate_grad_update": False, "check_grad_overflow": True,
+              "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
         for key, v in bf16.items():
-            ok = {"enabled": True, "immediate_grad_update": False, "check_grad_overflow": True,
-                  "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
-            if key not in ok:
-                r.refuse(f"{bf_name}.{key}", v, "not supported by shardopt; remove it")
-            elif v != ok[key]:
+            if key in ok and v != ok[key]:
                 why = {"check_grad_overflow": "shardopt always checks for inf/nan (nonfinite=\"skip\" or "
                        "\"raise\"); remove the key"}.get(key, "master weights and optimizer state are always "
                                                           "fp32 and gradients are applied at step()")
@@ -468,15 +446,12 @@ def _precision(r: _Reader, config: dict, out: dict):
 
 
 def _loss_scale(r: _Reader, fp16: dict):
-    known = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
     for key, v in fp16.items():
         if key in ("auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"):
             if v is not False:
                 why = {"auto_cast": "cast inputs yourself (or use torch.autocast)"}.get(
                     key, "not supported by shardopt")
                 r.refuse(f"fp16.{key}", v, why + "; only false")
-        elif key not in known:
-            r.refuse(f"fp16.{key}", v, "not supported by shardopt; remove it")
     scale = fp16.get("loss_scale", 0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
         r.refuse("fp16.loss_scale", scale, "must be 0 (dynamic) or a positive static scale")
@@ -521,6 +496,8 @@ def translate(config) -> Translation:
     dtype = _precision(r, config, out)
     _clipping(r, config, out)
     scheduler = _scheduler(r, config["scheduler"]) if "scheduler" in config else None
+    if "aio" in config:
+        read_aio(r, config["aio"], out)
     gas = 1
     for key, value in config.items():
         if key in _TRANSLATED:
@@ -531,12 +508,15 @@ def translate(config) -> Translation:
                 gas = value
         elif key in _TOP_NO_EFFECT or (key == "gradient_predivide_factor" and value == 1.0):
             r.ignored.append(key)
+        elif key in _HINTS:
+            r.refuse(key, value, _HINTS[key])
         else:
-            hint = _HINTS.get(key, "not supported by shardopt; remove it")
-            r.refuse(key, value, hint)
+            near = difflib.get_close_matches(key, sorted(_TOP_KEYS), n=1, cutoff=0.8)
+            r.refuse(key, value, f"did you mean {near[0]!r}?" if near else "not supported by shardopt; remove it",
+                     even_auto=True)
     # "auto" only where the value matters: not in ignored or refused blocks.
     autos = [a for a in _auto_paths({k: v for k, v in config.items() if k in _TRANSLATED})
-             if not any(a == i or a.startswith(i + ".") for i in r.ignored)]
+             if not any(a == i or a.startswith(i + ".") for i in r.ignored + r.unknown)]
     if autos:
         r.problems.insert(0, f"  {', '.join(autos)} = \"auto\": only the Hugging Face Trainer / Accelerate "
                           "integration fills in \"auto\"; write the values (or pass the config the Trainer has "
@@ -602,6 +582,9 @@ def optimizer_arguments(params, config, overrides: dict) -> tuple[list, dict]:
     if t.not_applicable:
         warnings.warn(f"{', '.join(t.not_applicable)}: not applicable in shardopt (it communicates over the "
                       "process group it is given, with that group's backend); accepted and ignored", stacklevel=3)
+    if t.ignored:
+        logger.warning("DeepSpeed config: accepted without effect in shardopt: %s (why: docs/checkpoints-and-"
+                       "migration.md, Coming from DeepSpeed)", ", ".join(t.ignored))
     kwargs = dict(t.kwargs)
     if "loss_scale" in kwargs and isinstance(kwargs["loss_scale"], dict):
         kwargs["loss_scale"] = _loss_scale_config(kwargs["loss_scale"])

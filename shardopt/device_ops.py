@@ -2,22 +2,11 @@
 
 Note [Device operations behind an interface]
 --------------------------------------------
-Offload with a CUDA model is the only place shardopt touches a GPU runtime
-directly: pinned host buffers (offload.zeros), the bucket engine's side-stream
-copies of reduced gradients to the host (csrc/comm/host_copier.h, through a
-CopyDevice), and the non-blocking copy of updated master chunks back into the
-model after a step, whose completion must be waited for before the next step
-writes the master chunks again (ShardedOptimizer._publish_params / wait_params).
-None of that can run on a machine without a GPU, so it would first run on a
-user's GPU. Instead every such call goes through a DeviceOps; the decisions
-(pin or not, which copy is non-blocking, when the host waits) are plain code in
-offload.py and optimizer.py. CPU tests swap in a fake (tests/fake_device.py)
-that answers as a GPU would and records every call, so those decisions run in
-every test run (tests/test_device_decisions.py). What they cannot show is that
-CUDA itself behaves as the interface assumes.
-
-An optimizer takes the DeviceOps current at its construction (`current()`);
-tests change it with `use(fake)`.
+Offload with a CUDA model is the only place shardopt calls a GPU runtime: pinned host buffers, the engine's
+side-stream copies of gradients to the host (csrc/comm/host_copier.h), and the non-blocking copy of masters
+into the model, waited for before the next step. Each call goes through a DeviceOps, so the decisions (what
+to pin, which copy is non-blocking, when the host waits) run in CPU tests against a fake GPU that records
+every call (tests/fake_device.py). An optimizer takes `current()` at construction; tests `use(fake)`.
 """
 from __future__ import annotations
 
@@ -77,8 +66,7 @@ def use(ops: DeviceOps):
 
 
 def materialization_device(device: torch.device) -> torch.device:
-    """Where parameters built on the meta device get storage (stage 3): the current accelerator, else the
-    CPU (Note [Meta-device models] in zero3/store.py)."""
+    """Where meta-device parameters get storage: the current accelerator, else the CPU (Note [Meta-device models])."""
     if device.type != "meta":
         return device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

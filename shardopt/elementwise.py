@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-# Optimizers whose update of an element depends only on that element (and
-# scalars): safe to run on flat slices of parameters.
 _ELEMENTWISE: set[type] = {
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,

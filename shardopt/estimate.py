@@ -1,55 +1,57 @@
 """Memory per rank of a ShardedOptimizer before building one: pure arithmetic on the real layout.
 
-The estimate plans the same flat layout the optimizer would (`plan_layout`,
-same bucket sizes, same padding) and counts what `ShardedOptimizer.memory_stats()`
-counts, under the same names:
+It plans the optimizer's own layout and counts model states only (as DeepSpeed's estimate_zero2_model_states_
+mem_needs; activations and allocator slack come on top), under ShardedOptimizer.memory_stats()'s names:
 
-    params           the flat parameter buffer: every trainable element plus the
-                     padding of each region's last bucket, in the model's dtype;
-                     stage 3: this rank's chunks plus the buckets gathered at
-                     once (Note [Estimate for stage 3])
-    grads            stage 2: this rank's gradient chunks (fp32); stage 1: also the
-                     full-size flat gradient buffer (model dtype)
-    optimizer_state  state tensors of the inner optimizer over this rank's pieces
-                     (padding has no state; fp32); e.g. 2 per element for Adam
-    staging          the bucket engine's slots, min(num_staging_buffers, buckets) of
-                     them: a bucket-sized buffer in the reduce dtype when gradients
-                     are copied to be reduced (stage 2, or a dtype change), and a
-                     chunk-sized output buffer when results cannot land in the
-                     gradient shard directly (offload, or a reduce dtype other than fp32)
-    master           fp32 master chunks, when they are not the parameters themselves
-                     (bf16/fp16 parameters, or offload="cpu")
-    offloaded        with offload="cpu": master, gradient chunks and optimizer state
-    on_device        everything else (what stays with the model), but
-    onebit           with optimizer "onebit": OneBitAdam's compression state, host memory
-                     (Note [Estimate for 1-bit Adam])
-
-Model states only, as DeepSpeed's estimate_zero2_model_states_mem_needs:
-activations, the allocator's slack and the framework itself come on top.
+    params           the flat parameter buffer with padding, model dtype (Note [Estimate for stage 3])
+    grads            fp32 gradient chunks; stage 1: also the full flat gradient buffer (model dtype)
+    optimizer_state  the inner optimizer's fp32 state over this rank's pieces (Adam: 2 per element)
+    staging          min(num_staging_buffers, buckets) slots: a bucket (reduce dtype) when gradients are
+                     copied (stage 2, a dtype change), a chunk when results cannot land in the gradient shard
+    master           fp32 master chunks when they are not the parameters (bf16/fp16, offload="cpu")
+    tier_buffers     the disk tiers' host buffers (Note [Estimate for the disk tiers])
+    on_disk          bytes per kind of state in the disk tiers' files (not memory)
+    offloaded        offload="cpu"/"nvme": master, gradient chunks, optimizer state and tier buffers, on the host
+    onebit           OneBitAdam's compression state, on the host (Note [Estimate for 1-bit Adam])
+    on_device        the rest
+and, across nodes, `link`: the bytes one node sends per step (Note [Estimate of the link's bytes]).
 
 Note [Estimate for mixed precision and offload]
 -----------------------------------------------
-As ShardedOptimizer allocates (Note [Master weights] in master_step.py, Note
-[Bucket engine] in csrc/comm/bucket_engine.h): fp32 master chunks of this
-rank's shard for bf16/fp16 parameters or offload; master, gradient chunks and
-optimizer state on the host with offload; gradient chunks fp32, staging in the
-reduce dtype (fp32 by default). tests/test_estimate.py checks every case
-against memory_stats(). Not counted: the output buffers the engine adds when
-gradients accumulate over several backward passes without no_sync.
+As ShardedOptimizer allocates (Note [Master weights] in master_step.py, Note [Bucket engine] in
+csrc/comm/bucket_engine.h); tests/test_estimate.py checks every case against memory_stats(). Not counted:
+the output buffers the engine adds when gradients accumulate over several backwards without no_sync.
 
 Note [Estimate for stage 3]
 ---------------------------
-At stage 3 a rank keeps 1/N of the parameters (its chunks) and gathers a
-bucket's full parameters only while modules use it (Note [Stage-3 schedule]
-in zero3/schedule.py): the one in use and `prefetch` ahead, `live_buckets` in all,
-of the largest bucket's size. The estimate counts that peak as parameters;
-memory_stats() counts what is gathered at the moment it is called (between
-steps: nothing but persistent buckets); `opt.store.peak_live` is the peak.
-So weights + gradients + Adam state per rank come to 16P/N bytes in fp32
-(4 + 4 + 8 per element), plus the live buckets and the staging buffers.
-The staging pool may grow past num_staging_buffers at stage 3 (Note [Stage 3
-never waits in backward] in csrc/comm/bucket_engine.cpp): the estimate counts
-the buffers allocated up front.
+A rank keeps 1/N of the parameters and gathers a bucket only while it is used (Note [Stage-3 schedule] in
+zero3/schedule.py): params counts the peak, `live_buckets` of the largest bucket (`opt.store.peak_live`;
+memory_stats() sees what is gathered when called). fp32 Adam: 16P/N bytes (4 + 4 + 8 per element) plus
+those and staging, as allocated up front (Note [Stage 3 never waits in backward] in csrc/comm/bucket_engine.cpp).
+
+Note [Estimate of the link's bytes]
+-----------------------------------
+What one node sends over its link per step, from the padded layout's N elements, with R nodes (Note [Hybrid
+sharding], Note [Two-level collectives], Note [Stage 3's parameters across nodes, rounded] in
+parallel/mesh_plan.py; e the bytes of an element in a phase's format: the dtype's own, 2 for bf16, 1 + 4/256
+for int8):
+  hybrid (shards = a node's ranks)   2 (R-1)/R N e(inter_node_dtype): the hop; parameters stay in the node
+  node-aware flat sharding          (R-1)/R N e(inter_node_dtype) for the gradients, then (R-1)/R N
+                                     e(inter_node_param_dtype) per parameter gather: one at stages 1-2, two at
+                                     stage 3 (an upper bound: the seam's buckets are gathered once)
+One node, or flat rings across nodes: not estimated (None).
+
+Note [Estimate for the disk tiers]
+----------------------------------
+As the tiers allocate (Note [Tiers] in tiers/__init__.py). offload="nvme": the master chunks, the inner
+optimizer's state and the gradient shard leave memory for files (each bucket's record: its master chunk and a
+chunk per kind of state, each padded to 4 KiB; the gradient shard whole); memory keeps the ring of
+offload_buffer_count records (host). offload_param="nvme" (stage 3, a CPU model): the parameter shard, frozen
+buckets' too, leaves memory for a file of 4 KiB-padded chunks; memory keeps the buckets gathered and a buffer
+of the largest chunk for each chunk held at once (a gather holds its chunk until it arrives), at least
+offload_buffer_count (Note [The parameter shard on disk] in tiers/param_shard.py). Chunks held at once are
+counted as `live_buckets`; a model whose modules gather several buckets together holds more, at most one per
+bucket, as memory_stats() reports. Which setting a memory limit needs: `fit` tries them from the fastest.
 """
 from __future__ import annotations
 
@@ -63,9 +65,9 @@ import torch
 from shardopt import onebit as _onebit
 from shardopt.config import auto_bucket_size
 from shardopt.layout import place_chunks, plan_layout, stage3_page_numel
+from shardopt.parallel.mesh_plan import bytes_per_element
 
-# Optimizer state elements per parameter element (tensors with more than one element, which is what
-# memory_stats() counts: scalar step counters are left out).
+# Optimizer state elements per parameter element (memory_stats() leaves out scalar step counters).
 STATE_PER_ELEMENT = {
     "adamw": 2, "adam": 2, "cpuadam": 2, "adamax": 2, "nadam": 2, "radam": 2, "adadelta": 2,
     "sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1,
@@ -79,48 +81,26 @@ class EstimateConfig:
     """The ShardedOptimizer settings an estimate is for."""
 
     world_size: int = 2
-    """Ranks of the run."""
-    shards: int | None = None
-    """Hybrid sharding: ranks one copy of the model is sharded over (the ranks of
-    a node); the world holds world_size / shards replicas. None: world_size (flat)."""
+    shards: int | None = None  # hybrid: ranks per copy of the model (a node's); None: world_size (flat)
     node_aware: bool = False
-    """With `shards` (the ranks per node): flat sharding over every rank with
-    node-aware collectives instead of hybrid sharding (Note [Two-level
-    collectives] in parallel/mesh_plan.py): state (and stage 3's parameter
-    chunks) 1/world_size; an int8 inter-node phase keeps a residual per node
-    chunk (1 + 1/nodes fp32 values per 1/shards of the model), and each bucket in
-    flight holds a node chunk. Stage 3's two-level parameter gathers write in
-    place: nothing more."""
+    """With `shards` (ranks per node): node-aware flat sharding (Note [Two-level collectives]); an int8 phase
+    keeps 1 + 1/nodes fp32 per 1/shards of the model, and a bucket in flight holds a node chunk."""
     inter_node_param_dtype: str | None = None
-    """With node_aware at stages 1-2 and fp32 parameters: "bfloat16" sends the
-    parameters across nodes in bf16, and keeps fp32 master chunks (Note
-    [Parameters across nodes in bf16] in parallel/mesh_plan.py): 4 bytes per
-    shard element more."""
-    inter_node_dtype: str | None = None
-    """Hybrid sharding: "int8" keeps an error-feedback residual (1 + 1/replicas
-    fp32 values per shard element); None and "bfloat16" keep nothing."""
+    """"bfloat16" or, at stage 3, "int8" (node_aware, fp32): stages 1-2 keep fp32 master chunks, 4 bytes per shard
+    element (Note [Parameters across nodes in bf16] in parallel/mesh_plan.py); stage 3's shard is the master."""
+    inter_node_dtype: str | None = None  # hybrid "int8": a residual of 1 + 1/replicas fp32 per shard element
     stage: int = 2
-    """1: full gradients on every rank; 2: gradient chunks only; 3: parameter chunks too."""
-    live_buckets: int = 2
-    """Stage 3: buckets gathered at once (the one in use and the prefetched one)."""
+    live_buckets: int = 2  # stage 3: buckets gathered at once (the one in use and the prefetched one)
     offload: str = "none"
-    """"cpu": master chunks and optimizer state on the host."""
     param_dtype: torch.dtype = torch.float32
-    """The model's parameter dtype."""
-    optimizer: str = "adamw"
-    """A key of STATE_PER_ELEMENT."""
-    reduce_bucket_size: int | None = None
-    """As ShardedOptimizer's; None: the default (auto_bucket_size)."""
-    allgather_bucket_size: int | None = None
-    """As ShardedOptimizer's (it does not change memory; kept so a layout can be rebuilt exactly)."""
+    optimizer: str = "adamw"  # a key of STATE_PER_ELEMENT
+    reduce_bucket_size: int | None = None  # None: auto_bucket_size
+    allgather_bucket_size: int | None = None  # no memory change; kept to rebuild the layout exactly
     num_staging_buffers: int = 2
-    """As ShardedOptimizer's."""
-    reduce_dtype: torch.dtype | None = None
-    """As ShardedOptimizer's (None: fp32, or the parameters' dtype if wider)."""
-    device: str = "cuda"
-    """The model's device type. With offload to a CPU model's host memory, reduced
-    gradients land in the (host) shard directly; from an accelerator they need an
-    output buffer per staging slot first."""
+    reduce_dtype: torch.dtype | None = None  # None: fp32, or the parameters' dtype if wider
+    device: str = "cuda"  # the model's: offloaded from the CPU, gradients need no output buffer per slot
+    offload_param: str = "none"  # stage 3: "nvme" keeps the parameter shard on disk (a CPU model)
+    offload_buffer_count: int = 4  # the disk tiers' buffers (ShardConfig's)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -131,14 +111,26 @@ class EstimateConfig:
             raise ValueError("node_aware needs shards (ranks per node, --ranks-per-node) below world_size")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage}")
-        if self.inter_node_param_dtype not in (None, "bfloat16"):
-            raise ValueError(f"inter_node_param_dtype must be None or 'bfloat16', got {self.inter_node_param_dtype!r}")
-        if self.inter_node_param_dtype is not None and (not self.node_aware or self.stage == 3
-                                                        or self.param_dtype != torch.float32):
-            raise ValueError("inter_node_param_dtype needs node_aware, stage 1 or 2 and fp32 parameters (as "
-                             "ShardedOptimizer's)")
-        if self.offload not in ("none", "cpu"):
-            raise ValueError(f"offload must be 'none' or 'cpu', got {self.offload!r}")
+        if self.inter_node_param_dtype not in (None, "bfloat16", "int8"):
+            raise ValueError(f"inter_node_param_dtype must be None, 'bfloat16' or 'int8', got "
+                             f"{self.inter_node_param_dtype!r}")
+        if self.inter_node_param_dtype is not None and (not self.node_aware or self.param_dtype != torch.float32):
+            raise ValueError("inter_node_param_dtype needs node_aware and fp32 parameters (as ShardedOptimizer's)")
+        if self.inter_node_param_dtype == "int8" and self.stage != 3:
+            raise ValueError("inter_node_param_dtype='int8' is built for stage 3 (as ShardedOptimizer's)")
+        if self.offload not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {self.offload!r}")
+        if self.offload_param not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_param must be 'none', 'cpu' or 'nvme', got {self.offload_param!r}")
+        if self.offload_param != "none" and self.device != "cpu":
+            raise ValueError(f"offload_param={self.offload_param!r} with a model on {self.device} is not built (as "
+                             "ShardedOptimizer); use offload='cpu' or 'nvme' for the optimizer's state")
+        if self.offload_param == "nvme" and (self.stage != 3 or self.offload == "none"):
+            raise ValueError("offload_param='nvme' needs stage 3 and offload 'cpu' or 'nvme' (as ShardedOptimizer)")
+        if self.offload_param == "nvme" and (self.shards or self.world_size) == 1:
+            raise ValueError("offload_param='nvme' needs several ranks in the shard group (as ShardedOptimizer)")
+        if self.offload_buffer_count < 1:
+            raise ValueError(f"offload_buffer_count must be >= 1, got {self.offload_buffer_count}")
         if self.optimizer not in STATE_PER_ELEMENT:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; one of {', '.join(STATE_PER_ELEMENT)}")
 
@@ -148,42 +140,45 @@ class MemoryEstimate:
     """Bytes one rank holds; keys as ShardedOptimizer.memory_stats()."""
 
     params: int
-    """Flat parameter buffer (model dtype, padding included)."""
     grads: int
-    """Gradient chunks, plus the full flat gradient buffer at stage 1."""
     optimizer_state: int
-    """Inner optimizer state over this rank's pieces."""
     staging: int
-    """Stage-2 bucket staging buffers."""
-    master: int
-    """fp32 master chunks separate from the parameters (0 for fp32 without offload)."""
-    host: int
-    """How many of the bytes above live on the host because of offload="cpu"."""
-    hop_residual: int = 0
-    """The int8 inter-node hop's error feedback (hybrid sharding)."""
-    gathered: int = 0
-    """Stage 3: the part of `params` that is buckets gathered at once (Note [Estimate for stage 3])."""
-    in_flight: int = 0
-    """Node-aware collectives: the part of `staging` that is the node chunks of buckets being reduced,
-    allocated per bucket in backward (memory_stats(), between steps, does not see them)."""
-    onebit: int | None = None
-    """OneBitAdam: its compression state once compressing, host memory (Note [Estimate for 1-bit Adam])."""
+    master: int  # 0 when the parameters are the masters (fp32 without offload)
+    host: int  # the bytes above that offload="cpu" puts on the host
+    hop_residual: int = 0  # the int8 hop's error feedback
+    gathered: int = 0  # stage 3: the part of `params` that is gathered buckets
+    in_flight: int = 0  # node-aware: the part of `staging` in backward's node chunks (memory_stats misses it)
+    onebit: int | None = None  # OneBitAdam's compression state, on the host (Note [Estimate for 1-bit Adam])
+    tier_buffers: int = 0  # the disk tiers' host buffers (part of `host`)
+    on_disk: dict = dataclasses.field(default_factory=dict)  # bytes per kind of state in the tiers' files
+    link: float | None = None  # bytes one node sends per step (Note [Estimate of the link's bytes]); None: not known
 
     @property
     def total(self) -> int:
+        """Bytes in memory (device and host)."""
         return self.params + self.grads + self.optimizer_state + self.staging + self.master + self.hop_residual \
-            + (self.onebit or 0)
+            + (self.onebit or 0) + self.tier_buffers
 
     @property
     def on_host(self) -> int:
         """Offloaded bytes and OneBitAdam's compression state."""
         return self.host + (self.onebit or 0)
 
+    @property
+    def on_device(self) -> int:
+        return self.total - self.on_host
+
+    @property
+    def disk(self) -> int:
+        """Bytes in the disk tiers' files."""
+        return sum(self.on_disk.values())
+
     def as_stats(self) -> dict:
         """The memory_stats() keys."""
         stats = {"params": self.params, "master": self.master, "grads": self.grads,
                  "optimizer_state": self.optimizer_state, "staging": self.staging, "hop_residual": self.hop_residual,
-                 "offloaded": self.host, "on_device": self.total - self.on_host}
+                 "tier_buffers": self.tier_buffers, "on_disk": dict(self.on_disk), "offloaded": self.host,
+                 "on_device": self.on_device}
         if self.onebit is not None:
             stats["onebit"] = self.onebit
         return stats
@@ -193,28 +188,23 @@ Shapes = Sequence[tuple[str, tuple[int, ...]]]
 
 
 def _shard_in_memory(layout, page_numel: int) -> int:
-    """Elements of a stage-3 shard as the store holds it: in shared memory on the CPU, with the chunks of the
-    buckets it maps on page boundaries (layout.place_chunks)."""
+    """Elements of a stage-3 shard as the store holds it (layout.place_chunks)."""
     return place_chunks(layout.buckets, page_numel)[1] if page_numel else layout.shard_numel()
 
 
 def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> MemoryEstimate:
-    """Memory per rank for trainable parameters `shapes` (one param group) under `cfg`; `frozen`: the frozen
-    parameters (frozen_shapes), which stage 3 shards too (Note [Frozen parameters at stage 3] in
-    zero3/store.py) and stages 1-2 leave whole in the model (not counted: not the optimizer's)."""
+    """Memory per rank for trainable `shapes` (one param group) under `cfg`; `frozen` (frozen_shapes) counts at
+    stage 3 only, which shards them (Note [Frozen parameters at stage 3] in zero3/build.py)."""
     total = sum(math.prod(s) for _, s in shapes)
     if total == 0:
         raise ValueError("the model has no trainable parameters")
     rbs = cfg.reduce_bucket_size or auto_bucket_size(total, cfg.stage, across_nodes=cfg.node_aware)
-    # With hybrid sharding a copy is sharded over `shards` ranks: state per rank is 1/shards.
     shards = cfg.shards or cfg.world_size
     replicas = cfg.world_size // shards
     nodes, in_flight = 1, 0
     if cfg.node_aware:  # flat over the world, node by node (Note [Node-aware chunk order] in layout.py)
         nodes, shards, replicas = replicas, cfg.world_size, 1
     pbytes = torch.empty((), dtype=cfg.param_dtype).element_size()
-    # Stage 3 on the CPU: big buckets padded to whole pages per chunk, the shard's chunks of them on page
-    # boundaries (Note [Stage-3 buckets mapped, not copied] in zero3/shared_shard.py), as the store plans them.
     page_numel = stage3_page_numel(shards, nodes, replicas, cfg.device, pbytes) if cfg.stage == 3 else 0
     layout = plan_layout([list(shapes)], shards, rbs, cfg.allgather_bucket_size or rbs, replicas=replicas,
                          whole_params=cfg.stage == 3, nodes=nodes, page_numel=page_numel)
@@ -229,11 +219,18 @@ def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> Memory
     slots = min(cfg.num_staging_buffers, len(layout.buckets))
     biggest = max(b.numel for b in layout.buckets)
     staged = cfg.stage >= 2 or reduce_dtype != cfg.param_dtype
-    direct = reduce_dtype == master_dtype and (cfg.offload != "cpu" or cfg.device == "cpu")
+    direct = reduce_dtype == master_dtype and (cfg.offload == "none" or cfg.device == "cpu")
     staging = slots * ((biggest if staged else 0) + (0 if direct else biggest // shards)) * rbytes
-    separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu" or cfg.inter_node_param_dtype is not None
+    separate_master = cfg.param_dtype != master_dtype or cfg.offload == "cpu" \
+        or (cfg.inter_node_param_dtype is not None and cfg.stage != 3)
     master = shard * 4 if separate_master else 0
     host = master + shard * 4 + state if cfg.offload == "cpu" else 0
+    on_disk, buffers = {}, 0
+    if cfg.offload == "nvme":  # Note [Estimate for the disk tiers]
+        on_disk, buffers = _state_tier(layout, STATE_PER_ELEMENT[cfg.optimizer], shard, cfg.offload_buffer_count)
+        grads -= shard * 4
+        master = state = 0
+        host = buffers
     residual = shard * 4 + shard // replicas * 4 if replicas > 1 and cfg.inter_node_dtype == "int8" else 0
     if nodes > 1:  # node chunks: R chunks each (the residual's, and those of buckets in flight)
         node_chunks = shard * nodes
@@ -243,29 +240,115 @@ def estimate(shapes: Shapes, cfg: EstimateConfig, frozen: Shapes = ()) -> Memory
     params, gathered = layout.total_numel * pbytes, 0
     if cfg.stage == 3:  # Note [Estimate for stage 3]
         gathered = min(layout.total_numel, cfg.live_buckets * biggest) * pbytes
-        held = _shard_in_memory(plan_layout([list(frozen)], shards, layout.bucket_numel, layout.bucket_numel,
-                                            whole_params=True, nodes=nodes, page_numel=page_numel),
-                                page_numel) if frozen else 0  # as the store plans them
+        frozen_layout = plan_layout([list(frozen)], shards, layout.bucket_numel, layout.bucket_numel,
+                                    whole_params=True, nodes=nodes, page_numel=page_numel) if frozen else None
+        held = _shard_in_memory(frozen_layout, page_numel) if frozen else 0  # as the store plans them
         params = (_shard_in_memory(layout, page_numel) + held) * pbytes + gathered
+        if cfg.offload_param == "nvme":
+            chunks = [_page(b.chunk_numel * pbytes)
+                      for b in list(layout.buckets) + (list(frozen_layout.buckets) if frozen else [])]
+            on_disk = dict(on_disk, params=sum(chunks))
+            params = gathered
+            held = max(cfg.offload_buffer_count, min(cfg.live_buckets, len(chunks))) * max(chunks)
+            buffers += held
+            host = buffers if cfg.offload == "nvme" else host + held
     onebit = _onebit.state_bytes(shard, shards, replicas) if cfg.optimizer == "onebit" else None
     return MemoryEstimate(params=params, gathered=gathered, grads=grads, optimizer_state=state,
                           staging=staging, master=master, host=host, hop_residual=residual, in_flight=in_flight,
-                          onebit=onebit)
+                          onebit=onebit, tier_buffers=buffers, on_disk=on_disk,
+                          link=link_bytes(cfg, layout.total_numel, nodes, replicas, rbytes, pbytes))
+
+
+def link_bytes(cfg: EstimateConfig, numel: int, nodes: int, replicas: int, rbytes: int, pbytes: int) -> float | None:
+    """Note [Estimate of the link's bytes]: one node's bytes per step for a layout of `numel` elements."""
+    if nodes > 1:
+        share = (nodes - 1) / nodes * numel
+        gathers = 2 if cfg.stage == 3 else 1
+        return share * (bytes_per_element(cfg.inter_node_dtype, rbytes)
+                        + gathers * bytes_per_element(cfg.inter_node_param_dtype, pbytes))
+    if replicas > 1:
+        return 2 * (replicas - 1) / replicas * numel * bytes_per_element(cfg.inter_node_dtype, rbytes)
+    return None
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // 4096) * 4096
+
+
+def _state_tier(layout, kinds: int, shard: int, count: int) -> tuple[dict, int]:
+    """offload="nvme": (bytes on disk per kind of state, the ring's host bytes) (Note [Estimate for the disk
+    tiers]); fp32 masters and state."""
+    parts = [_page(b.chunk_numel * 4) for b in layout.buckets]
+    disk = {"master": sum(parts), "optimizer_state": kinds * sum(parts), "grads": _page(max(shard * 4, 1))}
+    return disk, count * (1 + kinds) * max(parts)
+
+
+# The tier settings `fit` tries, fastest first: the step in memory, then the optimizer's state on the host, the
+# parameter shard on disk (stage 3, a CPU model), the optimizer's state on disk, both on disk.
+TIERS = (("none", "none"), ("cpu", "none"), ("cpu", "nvme"), ("nvme", "none"), ("nvme", "nvme"))
+
+
+def tier_choices(cfg: EstimateConfig) -> list[EstimateConfig]:
+    """`cfg` under each setting of TIERS that ShardedOptimizer builds for it (offload_param: stage 3, a CPU
+    model, several ranks)."""
+    out = []
+    for offload, params in TIERS:
+        if params == "nvme" and (cfg.stage != 3 or cfg.device != "cpu" or (cfg.shards or cfg.world_size) == 1):
+            continue
+        out.append(dataclasses.replace(cfg, offload=offload, offload_param=params))
+    return out
+
+
+def fits(m: MemoryEstimate, cfg: EstimateConfig, memory: int, host_memory: int | None = None) -> bool:
+    """Whether a rank holding `m` fits `memory` bytes: a CPU model's device is the host, so everything in memory
+    counts; a GPU model's device bytes count, and its host bytes against `host_memory` when given."""
+    if cfg.device == "cpu":
+        return m.total <= memory
+    return m.on_device <= memory and (host_memory is None or m.on_host <= host_memory)
+
+
+def fit(shapes: Shapes, cfg: EstimateConfig, memory: int, host_memory: int | None = None,
+        frozen: Shapes = ()) -> tuple[list[tuple[EstimateConfig, MemoryEstimate, bool]], EstimateConfig | None]:
+    """Each tier setting for `cfg` (tier_choices) with its estimate and whether it fits; and the fastest that
+    fits (None: none does). Model states only: activations come on top."""
+    rows = [(c, m, fits(m, c, memory, host_memory)) for c in tier_choices(cfg)
+            for m in (estimate(shapes, c, frozen),)]
+    return rows, next((c for c, _, ok in rows if ok), None)
+
+
+def describe_fit(cfg: EstimateConfig, rows, chosen: EstimateConfig | None, memory: int) -> str:
+    """One line: which setting a memory limit needs at cfg's world size and stage, or that none fits."""
+    where = f"{_fmt_ws(cfg)} ranks, stage {cfg.stage}: "
+    if chosen is None:
+        least = min(rows, key=lambda r: r[1].on_device if cfg.device != "cpu" else r[1].total)
+        need = least[1].on_device if cfg.device != "cpu" else least[1].total
+        return (where + f"nothing fits in {_gib(memory)} GiB per rank; the least is {_setting(least[0])} with "
+                f"{_gib(need)} GiB (shard over more ranks, or use a higher stage)")
+    m = next(m for c, m, _ in rows if c == chosen)
+    held = (f"memory {_gib(m.total)}" if cfg.device == "cpu"  # a CPU model's device is the host
+            else f"device {_gib(m.on_device)}, host {_gib(m.on_host)}")
+    return where + f"{_setting(chosen)} fits in {_gib(memory)} GiB per rank: {held}, disk {_gib(m.disk)} GiB per rank"
+
+
+
+def _setting(cfg: EstimateConfig) -> str:
+    return f"offload={cfg.offload!r}" + (f", offload_param={cfg.offload_param!r}" if cfg.offload_param != "none" else "")
+
+
+def _fmt_ws(cfg: EstimateConfig) -> str:
+    ws = cfg.world_size if cfg.shards in (None, cfg.world_size) else f"{cfg.world_size // cfg.shards}x{cfg.shards}"
+    return f"{ws} node-aware" if cfg.node_aware else str(ws)
 
 
 # Note [Estimate for 1-bit Adam]
-# OneBitAdam's state besides Adam's (Note [1-bit Adam under ZeRO] in onebit.py), as its memory_stats()
-# entry counts it once compressing, for a shard of n elements (padding included):
-# the frozen denominator (n fp32); on a flat mesh of W ranks
-# also every rank's sending-side residual (W n fp32), the server residual (n), every owner's denominator
-# (W n) and the last step's W 1-bit messages; on a hybrid mesh of R replicas the residuals of n + n / R.
-# Not counted (as activations are not): a flat mesh's compression-stage backward keeps whole local
-# gradients (all P elements, in the model's dtype), and the step's temporaries, a few shard-sized tensors.
-# The arithmetic is onebit.state_bytes, which also sizes the room's residual tensor.
+# OneBitAdam's state besides Adam's (Note [1-bit Adam under ZeRO] in onebit.py) once compressing, for a shard
+# of n elements (onebit.state_bytes): the frozen denominator (n fp32); flat over W ranks also the worker
+# residuals (W n), the server residual (n), every owner's denominator (W n) and the last W 1-bit messages;
+# hybrid over R replicas the residuals of n + n / R. Not counted: a flat mesh's whole local gradients.
+
 
 def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optimizer: str = "adamw") -> MemoryEstimate:
-    """DDP + the same torch optimizer, for comparison: full parameters, gradients and state on every rank
-    (plus fp32 master weights for bf16/fp16 parameters, as mixed-precision training keeps them)."""
+    """DDP + the same torch optimizer, for comparison (fp32 masters for bf16/fp16 parameters)."""
     total = sum(math.prod(s) for _, s in shapes)
     pbytes = torch.empty((), dtype=param_dtype).element_size()
     master = total * 4 if param_dtype != torch.float32 else 0
@@ -275,9 +358,8 @@ def estimate_ddp(shapes: Shapes, param_dtype: torch.dtype = torch.float32, optim
 
 
 def count_shapes(n: int, largest: int = 4096 * 4096) -> list[tuple[str, tuple[int, ...]]]:
-    """A model known only by its parameter count, as tensors no larger than a 4096x4096 matrix (what a
-    7B transformer's largest weights are): stage 3 gathers whole tensors, so one n-element tensor would be
-    one bucket holding the whole model."""
+    """A model of n parameters as tensors of at most a 4096x4096 matrix (a 7B transformer's largest): stage 3
+    gathers whole tensors, so one n-element tensor would be a bucket holding the whole model."""
     full, rest = divmod(n, largest)
     return [(f"params.{i}", (largest,)) for i in range(full)] + ([(f"params.{full}", (rest,))] if rest else [])
 
@@ -333,23 +415,24 @@ def _gib(n: int) -> str:
 
 def format_table(num_params: int, rows: Sequence[tuple[EstimateConfig, MemoryEstimate]],
                  ddp: MemoryEstimate | None = None) -> str:
-    """A DeepSpeed-style table: one row per configuration, GiB per rank."""
+    """A DeepSpeed-style table: one row per configuration, GiB per rank; device, host and disk say what lives
+    where, total what is in memory."""
     head = (f"Estimated memory per rank, GiB, for model states (parameters, gradients, optimizer state, "
             f"buffers) of a model with {num_params:,} trainable parameters. Activations not included.\n")
-    cols = ("ws", "stage", "offload", "dtype", "params", "grads", "master", "opt state", "staging",
-            "device", "host", "total")
+    cols = ("ws", "stage", "offload", "param", "dtype", "params", "grads", "master", "opt state", "staging",
+            "tier bufs", "device", "host", "disk", "total")
     lines = [head, "  ".join(f"{c:>9}" for c in cols)]
     names = {v: k for k, v in DTYPES.items()}
 
     def line(label, cfg_cells, m):
-        vals = [m.params, m.grads, m.master, m.optimizer_state, m.staging, m.total - m.on_host, m.on_host, m.total]
+        vals = [m.params, m.grads, m.master, m.optimizer_state, m.staging, m.tier_buffers, m.on_device, m.on_host,
+                m.disk, m.total]
+        link = f"  link {m.link / 1e6:,.1f} MB per node per step" if m.link is not None else ""
         lines.append("  ".join(f"{c:>9}" for c in cfg_cells) + "  " + "  ".join(f"{_gib(v):>9}" for v in vals)
-                     + (f"  {label}" if label else ""))
+                     + (f"  {label}" if label else "") + link)
 
     for cfg, m in rows:
-        ws = cfg.world_size if cfg.shards in (None, cfg.world_size) else f"{cfg.world_size // cfg.shards}x{cfg.shards}"
-        ws = f"{ws} node-aware" if cfg.node_aware else ws
-        line("", (ws, cfg.stage, cfg.offload, names[cfg.param_dtype]), m)
+        line("", (_fmt_ws(cfg), cfg.stage, cfg.offload, cfg.offload_param, names[cfg.param_dtype]), m)
     if ddp is not None:
-        line("<- DDP + the same optimizer, any world size", ("any", "DDP", "none", ""), ddp)
+        line("<- DDP + the same optimizer, any world size", ("any", "DDP", "none", "none", ""), ddp)
     return "\n".join(lines)

@@ -1,10 +1,9 @@
 """Stages 1-2's parameter store: every parameter a view into one flat buffer, whole on every rank.
 
 The flat buffer holds the managed parameters in the layout's order (Note [Flat layout] in layout.py);
-rank r steps its chunks of it and, after each step, every rank's chunks are all-gathered back into it:
-by the bucket engine's collectives, or on one host by copying out of the other ranks' buffers in shared
-memory (Note [Gathering through shared memory] in parallel/shared_flat.py), now or during the next
-forward (Note [Gathering in the next forward] in prefetch.py). Gradients reach the bucket engine through
+rank r steps its chunks of it and, after each step, every rank's chunks are gathered back into it by the
+store's gatherer (Note [One gatherer] in parallel/gathers.py), now or during the next forward (Note
+[Gathering in the next forward] in prefetch.py). Gradients reach the bucket engine through
 C++ hooks (Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h); stage 1 keeps them full-size in a
 flat buffer of their own until the step, stage 2 only this rank's chunks.
 """
@@ -20,7 +19,7 @@ from shardopt import _ext
 from shardopt.layout import Layout, plan_layout
 from shardopt.loads import install_load_hooks
 from shardopt.param_store import ParamStore
-from shardopt.parallel.shared_flat import SharedGather, open_shared_flat, why_not_shared
+from shardopt.parallel.gathers import open_flat_gather
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -39,18 +38,15 @@ class FlatStore(ParamStore):
     def __init__(self, layout: Layout, rank: int, params: list, sharding, config, device, phase: dict):
         if params[0].is_meta:
             raise ValueError("the model is on the meta device: stage=3 builds it shard by shard (Note [Meta-device "
-                             "models] in zero3/store.py); for stage 1/2 give it storage and values first "
-                             "(model.to_empty(device=...), then initialise or load it)")
+                             "models] in zero3/build.py); for stage 1/2 give it storage and values first: "
+                             "model.to_empty(device=...), then the model's own initialisation, which also computes "
+                             "buffers no checkpoint holds such as RoPE's inv_freq (a transformers model: "
+                             "model.init_weights()), then load its weights; or shardopt.from_pretrained(...)")
         self.layout, self.rank, self.params, self.phase = layout, rank, params, phase
         self.dtype = params[0].dtype
-        self.full_grads = config.stage == 1  # stage 1 keeps full-size gradients until the step
-        group = sharding.shard
-        # One host: every rank's buffer in shared memory (Note [Gathering through shared memory]).
-        shared = open_shared_flat(layout.total_numel, self.dtype, group, config.shared_memory_gather,
-                                  why_not_shared(device, sharding.nodes is not None,
-                                                 dist.get_process_group_ranks(group), dist.get_world_size()))
-        self.flat_param = shared.flat if shared is not None \
-            else torch.zeros(layout.total_numel, dtype=self.dtype, device=device)
+        self.full_grads = config.keeps_full_grads
+        # On one host every rank's buffer is in shared memory (Note [One gatherer] in parallel/gathers.py).
+        self.flat_param, self.gather = open_flat_gather(layout, self.dtype, sharding, config, device)
         with torch.no_grad():
             for slot, p in zip(layout.params, params):
                 view = self.flat_param[slot.offset:slot.end]
@@ -68,50 +64,44 @@ class FlatStore(ParamStore):
                 p.grad = self.resting_grads[i] = self.flat_grad[slot.offset:slot.end].view(p.shape)
         self.engine = None  # set at attach (ShardedDDP builds it)
         self.grad_hooks = None  # the C++ gradient hooks of the wrapper attached now (install_hooks)
-        # The gathers after a step: through the shared buffers on one host, else the bucket engine's.
-        self.shared_gather = SharedGather(layout, rank, shared) if shared is not None else None
         self.gather_pending = False
 
     def attach(self, engine, waits) -> None:
         self.engine = engine
+        self.gather.attach(engine)
 
     def broadcast(self, src: int, group) -> None:
         dist.broadcast(self.flat_param, src, group=group)
 
     def install_hooks(self, wrapper_ref, module, optimizer, waits) -> list:
         # Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h: no Python per parameter.
+        route = _ext._C.GradRoute.KEEP_IN_FLAT_BUFFER if self.full_grads else _ext._C.GradRoute.RELEASE
         self.grad_hooks = _ext._C.GradHooks(list(self.params), self.engine,
-                                            self.resting_grads if self.full_grads else [],
-                                            1 if self.full_grads else 2, _begin_backward_hook(wrapper_ref))
+                                            self.resting_grads if self.full_grads else [], route,
+                                            _begin_backward_hook(wrapper_ref))
         # With separate master weights (Note [Master weights] in master_step.py), new values loaded into the
         # model must reach the masters (Note [A load of the values held] in loads.py).
         return [self.grad_hooks] + install_load_hooks(module, optimizer)
 
     # --------------------------------------------------------------- gathers
-    @property
-    def gatherer(self):
-        """Who gathers parameters after a step: the shared buffers on one host, else the bucket engine."""
-        return self.shared_gather if self.shared_gather is not None else self.engine
-
     def publish(self, defer: bool) -> None:
         t0 = time.perf_counter()
-        self.gatherer.start_all_gather_params(self.flat_param)
-        self.gather_pending = self.gatherer.num_pending_gathers > 0
+        self.gather.start_all_gather_params(self.flat_param)
+        self.gather_pending = self.gather.num_pending_gathers > 0
         self.phase["gather"] += time.perf_counter() - t0
         if not defer:
             self.wait()  # step() returns once no rank reads this one's chunks
 
     def wait(self) -> None:
         self._wait_gathers()
-        if self.shared_gather is not None:
-            t0 = time.perf_counter()
-            self.shared_gather.wait_readers()
-            self.phase["gather"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.gather.wait_readers()
+        self.phase["gather"] += time.perf_counter() - t0
 
     def _wait_gathers(self) -> None:
         if self.gather_pending:
             t0 = time.perf_counter()
-            self.gatherer.finish_all_gather_params()
+            self.gather.finish_all_gather_params()
             self.gather_pending = False
             self.phase["gather"] += time.perf_counter() - t0
 
@@ -119,8 +109,8 @@ class FlatStore(ParamStore):
         if self.gather_pending:
             t0 = time.perf_counter()
             for b in buckets:
-                self.gatherer.finish_all_gather(b)
-            self.gather_pending = self.gatherer.num_pending_gathers > 0
+                self.gather.finish_all_gather(b)
+            self.gather_pending = self.gather.num_pending_gathers > 0
             self.phase["gather"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------- questions

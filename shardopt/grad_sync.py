@@ -1,13 +1,4 @@
-"""Gradient sync: the end of each backward pass, the one all-reduce of flags a step needs, and what p.grad
-holds in between (Note [Sharded p.grad] in sharded_grad.py).
-
-    backward   -> ShardedDDP's hooks (C++ at every stage, Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h):
-                  begin_backward() once, then the engine takes each gradient without Python
-    end        -> end_backward(): flush the engine, one all-reduce of (got a gradient, 2-norms, the step's
-                  flags), every reached parameter's p.grad becomes its ShardedGrad
-    step/clip  -> finish(): the global "got a gradient" flags and "some rank saw inf/nan", once per step:
-                  from that all-reduce (Note [The step's flags ride the end of backward])
-"""
+"""Gradient sync: the end of each backward, the flags a step needs, and p.grad in between (Note [Sharded p.grad])."""
 from __future__ import annotations
 
 import operator
@@ -28,13 +19,7 @@ _GRAD = operator.attrgetter("grad")
 def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig, process_group, grad_dtype,
                  reduce_dtype, device, copy_device, flat_grad: torch.Tensor, shard_grad: torch.Tensor, *,
                  waits_in_backward: bool):
-    """The C++ bucket engine for this layout (Note [Bucket engine] in csrc/comm/bucket_engine.h).
-
-    launch_order: buckets in the order every rank reduces them (layout.plan_launch_order);
-    gather_order: indices into layout.gather_spans, in the order the forward needs them
-    (prefetch.plan_gather_order); flat_grad: the full-size gradient buffer the parameters' .grad are views
-    of (stage 1), or an empty tensor (only this rank's chunks are kept, in shard_grad); waits_in_backward:
-    the parameter store's answer (Note [Stage 3 never waits in backward])."""
+    """The C++ bucket engine for this layout (Note [Bucket engine] in csrc/comm/bucket_engine.h)."""
     plan = _ext._C.BucketPlan()
     plan.bucket_start = [b.start for b in layout.buckets]
     plan.bucket_numel = [b.numel for b in layout.buckets]
@@ -49,7 +34,7 @@ def build_engine(layout: Layout, launch_order, gather_order, config: ShardConfig
     plan.gather_lo = [g.lo for g in spans]
     plan.gather_hi = [g.hi for g in spans]
     opts = _ext._C.EngineOptions()
-    opts.stage = 1 if flat_grad.numel() else 2  # the engine's two ways: full-size gradients kept, or chunks only
+    opts.keep_full_grads = flat_grad.numel() > 0  # reduced from the flat gradient buffer, or from staging
     opts.wait_for_staging = waits_in_backward
     opts.num_staging = config.num_staging_buffers
     opts.overlap = config.overlap_comm
@@ -68,8 +53,8 @@ class GradSync:
                  world_group, replicas: int, nonfinite: str, phase: dict, loss_scaled: bool = False):
         self.params = params
         self.shard_grad = shard_grad  # this rank's chunks of the averaged gradient, concatenated
-        # Per parameter, what its .grad holds while autograd accumulates (the parameter store's answer):
-        # stage 1 its view of the full-size gradient buffer, else None (the gradient is released once reduced).
+        self.zero_shard = shard_grad.zero_  # the shard on disk: its file zeroed without I/O (tiers/grad_shard.py)
+        # Per parameter, what .grad holds while autograd accumulates: stage 1 its view of the flat buffer, else None.
         self.resting = resting_grads
         self.full_grads = any(g is not None for g in resting_grads)
         self.shard = grad_shard
@@ -78,28 +63,21 @@ class GradSync:
         self.world_group = world_group
         self.replicas = replicas
         self.nonfinite = nonfinite
-        # Without loss scaling an inf that clip_grad_value_ clamped away is gone (Note [A clamped gradient loses
-        # its inf]); with it, the inf says the scale overflowed, and the step is skipped whatever came after.
+        # Note [A clamped gradient loses its inf]: only without loss scaling.
         self.clamp_clears_inf = not loss_scaled
         self.phase = phase
         self.engine = None         # created by ShardedDDP (it knows the model's parameter order)
         self.attached = False      # a live ShardedDDP feeds the engine (Note [Hooks die with the wrapper])
-        # installed[i] is what this optimizer last put in parameter i's .grad: its ShardedGrad, its
-        # stage-1 view, or None.
+        # What this optimizer last put in each parameter's .grad: its ShardedGrad, its stage-1 view, or None.
         self.installed: list = list(resting_grads)
         self.last_used = torch.zeros(len(params), dtype=torch.bool)  # global, at the last step
         self.handles_out = False   # some installed[i] may be a ShardedGrad (else reconcile has nothing to do)
         self.backwards = 0         # backward passes reduced since the last step
         self.global_used = None    # per parameter: got a gradient on some rank (cached until step)
         self.found_nonfinite = False  # some rank's gradients held inf/nan (valid with global_used)
-        # Note [The step's flags ride the end of backward]: what the last end-of-backward all-reduce said
-        # (per parameter: used anywhere; some rank reached a parameter; some rank saw inf/nan; per parameter:
-        # its gradient holds inf/nan, holds nan), and this rank's p.grad replacements since then (parameter ->
-        # (has a gradient now, it holds inf/nan)). None: finish() all-reduces them.
+        # Note [The step's flags ride the end of backward]; None: finish() all-reduces them.
         self.flags_at_end: tuple[torch.Tensor, bool, bool, torch.Tensor, torch.Tensor] | None = None
         self.replaced_since: dict[int, tuple[bool, bool]] = {}
-        # The index of the parameters with a gradient in the order clip totals sum their norms (Note [Norms
-        # summed in the model's order]; the shard holds that order), kept until that set changes.
         self._norm_pick: tuple[torch.Tensor, torch.Tensor] | None = None  # (who had a gradient, its index)
 
     def require_engine(self):
@@ -119,14 +97,8 @@ class GradSync:
         self.attached = False
 
     # Note [Norms summed in the model's order]
-    # -----------------------------------------
-    # The total of torch's clip_grad_norm_(model.parameters()) is vector_norm of the per-parameter norms
-    # of the gradients that exist, in the model's order. The optimizer's own order is its groups' (the HF
-    # Trainer puts decayed parameters before the rest), and a norm of the same values in another order can
-    # differ in the last bit: the clip coefficient then differs by an ulp, which bf16 autocast amplifies
-    # past the parity bars within a few steps (seen on a GPU and on the CPU, 2026-11-26). ShardedDDP hands
-    # its module's order over (order_norms_as), and the norms skip the parameters without a gradient, as
-    # torch's do.
+    # torch's clip_grad_norm_(model.parameters()) totals the norms in the model's order, not the groups'; another
+    # order can change the last bit, which bf16 autocast amplifies past parity. So ShardedDDP hands its order over.
     def order_norms_as(self, order: list[int]) -> None:
         """Parameter indices in the model's order (those it does not list follow in this optimizer's)."""
         seen = set(order)
@@ -134,8 +106,6 @@ class GradSync:
         self._norm_pick = None
 
     def norms_in_model_order(self, ord: float) -> torch.Tensor:
-        """Every global per-parameter norm of order `ord` of the parameters with a gradient, in the model's
-        order (Note above). The index goes to the norms' device only when that set changes."""
         norms = self.shard.norms(ord)
         had = self.had_grad()
         if self._norm_pick is None or not torch.equal(self._norm_pick[0], had):
@@ -148,13 +118,8 @@ class GradSync:
         used = self.engine.used().bool() if self.engine is not None else torch.zeros_like(self.last_used)
         return used | self.last_used | self.shard.kept
 
-    # ------------------------------------------------------------- backward
     def begin_backward(self) -> None:
-        """A backward pass starts (the first C++ hook: Note [Gradient hooks in C++] in csrc/comm/grad_hooks.h).
-
-        Take in what user code did to p.grad (Note [Sharded p.grad]), then no p.grad
-        holds a ShardedGrad while autograd accumulates.
-        """
+        """A backward starts: takes in what user code did to p.grad (Note [Sharded p.grad]), then resets p.grad."""
         if not self.handles_out:
             return  # no ShardedGrad was installed since the last zero_grad
         self.reconcile()
@@ -163,25 +128,8 @@ class GradSync:
                 p.grad = self.installed[i] = self.resting[i]
 
     # Note [The step's flags ride the end of backward]
-    # --------------------------------------------------
-    # A step needs three answers from every rank: which parameters got a gradient anywhere, whether any
-    # rank ran a backward that reached a parameter, and whether any rank saw inf/nan. They used to take
-    # an all-reduce of their own in finish(), after the end-of-backward one: one more point per step
-    # where every rank waits for the slowest. On a small model that wait was 3-5% of the step against
-    # DDP's one all-reduce (2 ranks, 500 tensors: benchmarks/results/2026-11-26-idioms-flags.md).
-    # Nothing between the end of the last backward and step() changes them, except user code
-    # replacing p.grad (reconcile: None clears a parameter's gradient, a tensor gives it one). So the
-    # end-of-backward all-reduce carries the three answers too, and finish() takes them from there,
-    # with this rank's replacements since then applied on top (the inf/nan answer per parameter, from the
-    # norms that all-reduce sums: Note [A replaced gradient brings its own inf]): for a loop that does the same on every
-    # rank, as DDP requires, that is exactly what a second all-reduce (MAX over ranks) would give. Each
-    # rank decides alone, and every rank decides the same (no collective can go missing on one rank):
-    # every step's end_backward() all-reduces, also on a rank with no backward (finish() calls it),
-    # and zero_grad forgets the answers on every rank. A loop that replaces p.grad on some ranks only
-    # (DDP's replicas would drift apart) gets each rank's own view of those parameters, where the
-    # second all-reduce gave their union; the other parameters are unaffected. With gradients on a
-    # device the flags still take finish()'s all-reduce: reading "saw inf/nan" at the end of backward
-    # would add a host synchronisation there (Note [Norms live with the gradients] in sharded_grad.py).
+    # On the host the end-of-backward all-reduce carries the step's flags (one wait for the slowest rank, not two);
+    # finish() applies this rank's p.grad replacements on top. On a device they keep an all-reduce of their own.
     def end_backward(self, reached: bool = True) -> None:
         """End of a backward pass (or, reached=False, a rank that had none): reduce what is left."""
         engine = self.require_engine()
@@ -196,10 +144,7 @@ class GradSync:
         engine.flush()
         self.phase["reduce"] += time.perf_counter() - t0
         self.backwards += 1
-        # The gradients now live in the shard (Note [Sharded p.grad]). As with DDP, a parameter
-        # has one if some rank's backward reached it (or it had one before); the others keep None.
-        # The same all-reduce gives every parameter's 2-norm, so reading one needs no collective.
-        # Over every rank: replicas hold equal shards, so their squared norms count R times.
+        # As with DDP a parameter has a gradient if some rank's backward reached it; replicas' squares count R times.
         n = len(self.params)
         had, squares = self.had_grad().double(), self.shard.local_square_norms()
         several = dist.get_world_size(self.world_group) > 1
@@ -207,7 +152,6 @@ class GradSync:
         self.replaced_since.clear()
         if squares.device == had.device:  # gradients on the host: one all-reduce for all
             used = (engine.used().bool() | self.shard.kept).double()
-            # With offload the shard is on the host and the engine's inf/nan flag on the gradients' device.
             tail = torch.cat([torch.tensor([float(reached)], dtype=torch.float64),
                               engine.found_nonfinite().reshape(1).to(had.device, torch.float64)])
             stats = torch.cat([had, squares, used, tail])
@@ -216,8 +160,7 @@ class GradSync:
                                 "end-of-backward (which parameters have gradients, their norms, the step's flags)")
             had, squares = stats[:n], stats[n:2 * n]
             reached_any, found = (stats[3 * n:] > 0).tolist()
-            # A parameter's summed squares are inf/nan exactly when some rank's pieces of it are (float64
-            # squares of the master dtype's values do not overflow): which gradient holds the inf, for free.
+            # Summed float64 squares are inf/nan exactly when some rank's pieces are: which gradient holds one.
             self.flags_at_end = (stats[2 * n:3 * n] > 0, reached_any, found, ~torch.isfinite(squares),
                                  torch.isnan(squares))
         elif several:
@@ -238,11 +181,7 @@ class GradSync:
         self.installed = grads
 
     def reconcile(self) -> None:
-        """Takes in replacements of a reduced p.grad by user code (Note [Sharded p.grad]).
-
-        None (nn.Module.zero_grad): the parameter's gradient is cleared, and it
-        no longer counts as having one. A tensor: it becomes the gradient.
-        """
+        """Takes in user code's replacements of a reduced p.grad: None clears it, a tensor becomes it."""
         if not self.handles_out or all(map(operator.is_, map(_GRAD, self.params), self.installed)):
             return  # nothing installed, or nothing replaced (C loops)
         cleared = []
@@ -255,9 +194,7 @@ class GradSync:
                 self.installed[i] = None
                 self.replaced_since[i] = (False, False)
             else:
-                # Gradients on the host, or flags already taken this step: whether it holds inf/nan is read
-                # here, for finish() (Note [A replaced gradient brings its own inf], Note [A gradient replaced
-                # after the flags were taken]); else, on a device, the flag is recomputed below.
+                # On the host, or once flags are taken (Note [A gradient replaced after the flags were taken]).
                 bad = (self.flags_at_end is not None or self.global_used is not None) and \
                     bool((~torch.isfinite(p.grad)).any())
                 self.shard.assign(i, p.grad)
@@ -265,9 +202,7 @@ class GradSync:
                 p.grad = handle
                 self.replaced_since[i] = (True, bad)
         if cleared and not any(isinstance(h, ShardedGrad) for h in self.installed):
-            # model.zero_grad(): every gradient there was is cleared (parameters that got none, unused or on
-            # a branch not taken, had nothing to clear): the same as opt.zero_grad(), the inf/nan flag of a
-            # skipped step included (Note [A cleared gradient forgets its inf]).
+            # model.zero_grad(): as opt.zero_grad() (Note [A cleared gradient forgets its inf]).
             self.zero(set_to_none=True)
             return
         if cleared:
@@ -278,20 +213,9 @@ class GradSync:
             self.last_used[idx] = False
             self.shard.kept[idx] = False
         # Note [A cleared gradient forgets its inf]
-        # The engine's inf/nan flag is set while gradients are reduced and cleared by zero_grad. After a
-        # skipped step (fp16 loss scaling) the gradients still hold the inf/nan; if user code then clears
-        # them, the flag must go too, or every later step is skipped as well (seen: fp16, model.zero_grad()
-        # and one parameter without a gradient, skipping every step after the first overflow). Where only
-        # some are cleared, what is kept may still hold one: the flag becomes whether this rank's shard does
-        # (the reduced inf/nan lands in the shard of the rank that owns it; finish() takes the max over
-        # ranks). No host read: the flag stays a tensor.
+        # After a skipped step, clearing the gradients must clear the inf/nan flag too, or every later step skips.
         # Note [A replaced gradient brings its own inf]
-        # The same holds the other way: a tensor the user puts in p.grad between backward and step may hold
-        # inf/nan, and the step must see it (skip under loss scaling, raise under nonfinite='raise'), not
-        # write it into the weights (seen: every weight inf after one such step, every later step skipped).
-        # Here the engine's flag is recomputed from the shard after any replacement; with gradients on the
-        # host, finish() takes the answer from the end-of-backward norms and the replacements instead
-        # (Note [The step's flags ride the end of backward]).
+        # A tensor put in p.grad may hold inf/nan: the step must skip or raise, so the flag is recomputed here.
         self._found_from_shard()
 
     def _found_from_shard(self) -> None:
@@ -299,11 +223,8 @@ class GradSync:
         found = self.engine.found_nonfinite()
         found.copy_((~torch.isfinite(self.shard_grad)).any().to(found.device, found.dtype).reshape(found.shape))
 
-    # ----------------------------------------------------------------- step
     def finish(self, at_step=None) -> torch.Tensor:
-        """Makes sure gradients are reduced and returns the global "got a gradient" flags. `at_step()` runs
-        once this rank has joined every reduction of its peers' backwards, before the flags' own all-reduce
-        (stage 3's pass agreement: Note [Passes every rank agrees on] in zero3/passes.py)."""
+        """Gradients reduced; returns the global "got a gradient" flags (`at_step()` runs before they are agreed)."""
         if self.global_used is not None:  # taken earlier this step (opt.clip_grad_norm, a norm read)
             if self.handles_out:
                 self._take_late_replacements()
@@ -312,8 +233,7 @@ class GradSync:
         engine = self.require_engine()
         self.reconcile()
         if self.backwards == 0:
-            # This rank ran no backward that reached a parameter; its peers may
-            # have, and wait for its share of every bucket: reduce zeros.
+            # No backward reached a parameter here; peers may wait for this rank's share: reduce zeros.
             self.end_backward(reached=False)
             self.backwards = 0
         if at_step is not None:
@@ -338,14 +258,7 @@ class GradSync:
     def _flags_from_end(self) -> tuple[torch.Tensor, bool, bool]:
         """(used, reached, found) from the end-of-backward all-reduce, with what changed since on top."""
         # Note [A clamped gradient loses its inf]
-        # Under DDP an inf gradient that clip_grad_value_ clamps becomes the bound, and the step uses it; a
-        # nan stays nan. Here the step's inf/nan answer came from the end of backward, so such a step was
-        # refused (nonfinite='raise', the default for fp32/bf16: FloatingPointError) or skipped ('skip')
-        # where DDP trains on. So, without loss scaling, a parameter clamped from both sides by finite
-        # bounds since its last backward counts as nonfinite only if it holds a nan: the end-of-backward
-        # sums of squares say which do (inf squared is inf, never nan), with no collective. One-sided clamps
-        # keep the answer as it was. With loss scaling an inf means the scale overflowed and the step is
-        # skipped, as GradScaler decides at unscale_, before any clip.
+        # Under DDP a clamped inf is the bound: clamped from both sides, only a nan (its squares say) is nonfinite.
         used, reached, found, bad, nan = self.flags_at_end
         if found and self.clamp_clears_inf and self.shard.clamped_any:  # Note [A clamped gradient loses its inf]
             bad = torch.where(self.shard.clamped.all(dim=1), nan, bad)
@@ -359,14 +272,7 @@ class GradSync:
         return used, reached, found
 
     # Note [A gradient replaced after the flags were taken]
-    # finish() runs once per step; opt.clip_grad_norm (the HF Trainer's clip) calls it before step(). Code
-    # that replaces p.grad between that clip and step() (clears a parameter's gradient, assigns a tensor) was
-    # not looked at again, so the step used the gradients from before the replacement (seen: l2's gradient
-    # cleared after the clip, stepped anyway; DDP does not step it). So a later finish() reconciles again and
-    # settles the flags anew: from the end-of-backward answers with gradients on the host (exact, no
-    # collective), and on a device on top of the flags already agreed (no second collective: a parameter
-    # cleared then counts as without a gradient, a tensor with inf/nan sets the inf flag, a cleared inf keeps
-    # it). Clearing every gradient after the clip leaves no gradient to step, as at the start of a step.
+    # A p.grad replaced between opt.clip_grad_norm (which runs finish()) and step() still counts, as under DDP.
     def _take_late_replacements(self) -> None:
         before = dict(self.replaced_since)
         self.reconcile()
@@ -389,10 +295,7 @@ class GradSync:
         self.last_used |= used
         self.found_nonfinite = bool(found)
         # Note [GradScaler owns the inf]
-        # nonfinite="raise" (fp32 and bf16 models) stops a diverged run. Under torch.amp.GradScaler an
-        # inf/nan is how a too-large scale shows: once scaler.unscale_(opt) went over these gradients (its
-        # found_inf then makes scaler.step skip opt.step), a clip in between, opt.clip_grad_norm as much as
-        # torch's, returns the inf/nan norm as it does under DDP instead of raising.
+        # After scaler.unscale_(opt) an inf/nan is GradScaler's too-large scale (it skips the step): no raise.
         if self.found_nonfinite and self.nonfinite == "raise" and not self.shard.unscaled_by_amp:
             raise FloatingPointError(
                 "gradients hold inf or nan on at least one rank (every rank raises this). The model has "
@@ -417,7 +320,7 @@ class GradSync:
         if self.engine is not None:
             self.engine.zero_grad()
         if not set_to_none:
-            self.shard_grad.zero_()  # the ShardedGrads left in p.grad read zeros
+            self.zero_shard()  # the ShardedGrads left in p.grad read zeros
             self.shard.set_norms(2.0, torch.zeros(len(self.params), dtype=torch.float64, device=self.shard.device))
         else:
             self.shard.kept.zero_()

@@ -7,72 +7,14 @@
 
 Note [Join]
 -----------
-torch's Join (torch/distributed/algorithms/join.py) runs two protocols side by side. A rank that still has
-inputs calls `Join.notify_join_context(first joinable)` before each iteration's collectives: one all-reduce
-of a 1 on the Join's process group (DDP does it in forward). A rank whose loop ended sits in Join's exit,
-where each turn is one all-reduce of a 0 on that group (paired with the others' notifications; their sum
-says how many ranks are still active) and then one call of every joinable's `join_hook().main_hook()`,
-which must issue exactly the collectives the active ranks issue until their next notification; once the
-sum is 0 every rank runs the `post_hook`s. DDP's main hook broadcasts buffers and all-reduces zeros for
-every gradient bucket (the others divide by the initial world size); ZeroRedundancyOptimizer's calls its
-step. DDP can guess each turn from one more all-reduce ("will this forward's backward sync?"); here a
-turn can be one of four passes with different collectives, and a joined rank owns a shard that must
-still be stepped, so each turn says which pass it is:
-
-  - The pass agreement. Under an enabled Join every pass an active rank starts - a forward without
-    gradients (LOOK), a training forward whose backward reduces (FORWARD), one under no_sync (LOCAL), the
-    step (STEP) - begins with the notification and then one all-gather of (pass, count, flags) on a gloo
-    group of the world's ranks (this room's `group`); a joined rank's main hook takes part in that
-    all-gather as JOINED. Every exchange is preceded by exactly one all-reduce of the Join's on every
-    rank (a notification, or a turn of the exit loop), so the k-th exchange of every rank pairs with its
-    k-th all-reduce, and the exit loop ends at the same exchange everywhere. `decide` turns the exchange
-    into the same outcome on every rank (pure): all active ranks start the same pass -> it goes ahead;
-    some start a LOOK -> the LOOKs go ahead, the other active ranks shadow it and ask again (a LOOK may
-    differ in number per rank: generation, evaluation, as Note [Passes every rank agrees on] in
-    zero3/passes.py allows without Join; at stage 3 the store's own agreement is this one under Join,
-    through its `join_agree`); otherwise every rank raises, naming each rank's pass. So no collective
-    of one pass can pair with one of another pass: both sides know which pass they are in first.
-  - What a joined rank does per outcome (`_shadow`): the buffer broadcast the forward starts with (DDP's
-    rule under Join: from the highest-ranked active rank that broadcasts, since a joined rank's buffers are
-    stale); at stage 3 the forward's parameter gathers (LOOK: the store's shadow_look; FORWARD/LOCAL: the
-    whole forward schedule keeping the seam, then the backward round at once, through the store's own
-    begin_forward / end_forward / settle, so the gathers are the walk every rank makes); for FORWARD the
-    backward's reduce-scatters and end-of-backward all-reduce with zero gradients (GradSync.end_backward,
-    reached=False: what a rank without a backward already does at its step); for STEP the whole step
-    (ShardedOptimizer.step: this rank's shard of the optimizer state is stepped with the others'
-    gradients, and the updated chunks are all-gathered), then zero_grad; before a forward's pass it waits
-    for the last step's gathers, as a forward does (overlap_gather). Its first turn forgets gradients
-    it kept unstepped (a no_sync backward's), as DDP's joined rank contributes zeros.
-  - Averaging. The engine divides every reduction by the world size, and a joined rank contributes zeros:
-    the active ranks' gradient sum divided by the initial world size, as DDP's default
-    (divide_by_initial_world_size=True); False is refused. Clipping: the end-of-backward all-reduce gives
-    every rank the same global norms, so max_grad_norm (inside step) clips the joined rank's shard as the
-    others'. A clip the active ranks' own code makes between backward and step (opt.clip_grad_norm,
-    torch's clip_grad_norm_ over model.parameters(), any p.grad.mul_) scales their shards only; so, in a
-    step some rank has joined, the highest active rank sends its per-parameter global norms just before
-    the update (`before_update`, one broadcast) and the joined rank scales its pieces by the ratio to its
-    own (a float64 ratio of the same norms: the clip coefficient again). Other edits of p.grad there
-    (clip_grad_value_, assigning or clearing a p.grad) cannot be repeated from norms: every rank raises.
-  - What a joined rank cannot shadow, refused on every rank: a training forward whose backward has not
-    run when the rank starts its next pass while some rank has joined (two forwards, one backward; an
-    evaluation between forward and backward), since the joined rank walks a forward and its backward as
-    one (the OWES flag of the exchange). The joined rank is then inside that backward's collectives, so the
-    owing rank first runs them with zero gradients (`_pay`: its backward round and reductions) and both
-    meet at the exchange, where every rank raises. A second backward of one forward (retain_graph) is not
-    caught: its reductions wait for a joined rank that is already at the next exchange (the group's
-    timeout ends it). Hybrid sharding, OneBitAdam, divide_by_initial_world_size=False
-    (at Join(...), on every rank); neither the ShardedDDP nor its optimizer first in the Join's list (its
-    notifications are the ones Join counts). Collectives of the user's own in the loop are not seen, as
-    with DDP: use throw_on_early_termination=True there, which behaves as DDP's (every rank raises when one
-    runs out).
-  - Join([model]), Join([opt]) and Join([model, opt]) do the same: the ShardedDDP and its optimizer share
-    this room, and one turn shadows the whole iteration (with DDP + a plain optimizer a joined rank does
-    not step, as it holds the whole state; here it must). The hooks of one Join count their calls, and
-    the first hook to reach a new turn works it (`_Hook`). At the end (post_hook) buffers take the last
-    joiner's values, as DDP's final model sync does (the parameters agree already: every rank published
-    every step), and the Join's settings on both are reset, so passes after the block pay nothing.
-The cost, under an enabled Join only: per pass one all-reduce of one element and one all-gather of three
-integers on gloo.
+In torch's Join a rank with inputs left notifies (an all-reduce of a 1) before each iteration; a rank out of
+inputs answers with a 0, then runs every joinable's `main_hook()`, which must issue the active ranks' exact
+collectives. An iteration has four kinds of pass (LOOK: a forward without gradients; FORWARD; LOCAL: under
+no_sync; STEP), so after each notification the ranks all-gather (pass, count, flags) and `decide` (pure) lets
+the pass go ahead, lets LOOKs go ahead while the others shadow them, or raises on every rank. A joined rank
+shadows each pass (`_shadow`), its shard stepped with the active ranks' clip (`before_update`). Refused: a
+training forward whose backward has not run by the next pass (OWES), hybrid sharding, OneBitAdam. The cost,
+under an enabled Join only: per pass one all-reduce of one element and one all-gather of three integers.
 """
 from __future__ import annotations
 
@@ -142,7 +84,7 @@ def decide(everyone: list[tuple[int, int, int]], ranks: list[int]) -> Outcome:
                    len(active) < len(everyone))
 
 
-class JoinRoom:
+class ShardedJoin:
     """A ShardedOptimizer's part in torch's Join, shared with its ShardedDDP (Note [Join])."""
 
     def __init__(self, optimizer):
@@ -161,12 +103,11 @@ class JoinRoom:
         self._joined = False       # some rank had joined at the last agreement
         self._step: Outcome | None = None  # the step's agreement, for before_update
         self._entered = False      # this rank's first turn as joined is done
-        self.rounds = self.posts = 0  # main/post hook calls worked in this Join (_Hook)
+        self.turns = self.posts = 0  # main/post hook calls worked in this Join (_Hook)
         store = optimizer.store
-        if hasattr(store, "join_agree"):  # stage 3: its pass agreement is this one under Join
-            store.join_agree = self.store_agree
+        if not store.holds_whole:  # stage 3: its pass agreement is this one under Join
+            store.set_join_agreement(self.store_agree)
 
-    # ------------------------------------------------------------------ setup
     def attach(self, wrapper) -> None:
         self._wrapper = weakref.ref(wrapper)
 
@@ -198,7 +139,7 @@ class JoinRoom:
         if self.group is None:  # a collective: every rank constructs the Join at the same point
             self.group = copy_group(opt.world_group, backend="gloo")
             self.ranks = [dist.get_global_rank(self.group, r) for r in range(dist.get_world_size(self.group))]
-        self.rounds = self.posts = 0
+        self.turns = self.posts = 0
         self._entered = False
         self.pending, self._last, self._awaiting, self._forwards, self._joined = None, None, False, 0, False
         self._since = self.backwards
@@ -211,11 +152,9 @@ class JoinRoom:
         raise RuntimeError("torch's Join counts the notifications of the first joinable in its list: put the "
                            "ShardedDDP (or its ShardedOptimizer) first, e.g. Join([model, opt])")
 
-    # ------------------------------------------------------------ active ranks
     @torch.compiler.disable
     def before_forward(self, wrapper) -> int | None:
-        """ShardedDDP.forward under an enabled Join: the forward's agreement; returns the global rank whose
-        buffers every rank takes now, or None."""
+        """The forward's agreement; returns the global rank whose buffers every rank takes now, or None."""
         self.pending = None
         if not torch.is_grad_enabled():
             move = Move.LOOK
@@ -227,8 +166,7 @@ class JoinRoom:
         return out.buffers_from
 
     def store_agree(self, intent) -> bool:
-        """Stage 3's store starts a pass (ShardedStore._start, a zero3.passes.Intent): True if agreed here
-        (under Join). Stores are the optimizer's to import (tests/test_imports.py): the Intent by its name."""
+        """Stage 3's store starts a pass (a zero3.passes.Intent, by name): True if agreed here, under Join."""
         if not self.enabled():
             return False
         if self.shadowing:
@@ -247,8 +185,7 @@ class JoinRoom:
         return True
 
     def at_step(self) -> None:
-        """The step's agreement: once this rank has joined its peers' backward reductions (GradSync.finish's
-        at_step), before stage 3's own (which asks store_agree)."""
+        """The step's agreement, once this rank has joined its peers' backward reductions."""
         if not self.enabled() or self.shadowing or self._last is Move.STEP:
             return
         self._step = self._agree(Move.STEP)
@@ -257,7 +194,7 @@ class JoinRoom:
 
     def _owes(self, move: Move) -> bool:
         """Whether the last training forward's backward has not run once (Note [Join]: OWES)."""
-        if getattr(self.opt.store, "backwards_owed", 0) and move is not Move.STEP:
+        if self.opt.store.backwards_owed and move is not Move.STEP:
             return True  # stage 3: its backward round is still to be walked
         ran = self.backwards - self._since
         if not self._awaiting:
@@ -284,10 +221,8 @@ class JoinRoom:
         return out
 
     def _pay(self) -> None:
-        """The collectives of the backward this rank owes, which a joined rank is running now (it shadowed the
-        forward with its backward): with zero gradients, so that it reaches the exchange where every rank
-        raises (Note [Join], OWES) instead of waiting for them until the group's timeout."""
-        if getattr(self.opt.store, "backwards_owed", 0):
+        """The owed backward's collectives with zero gradients, to reach the exchange that raises (OWES)."""
+        if self.opt.store.backwards_owed:
             self.opt.store.settle()
         if self._awaiting and self.backwards == self._since:
             self.opt.grads.begin_backward()
@@ -300,8 +235,7 @@ class JoinRoom:
 
     @torch.no_grad()
     def before_update(self) -> None:
-        """ShardedOptimizer.step, after its clip and before the update: in a step some rank has joined, the
-        joined ranks take the active ranks' per-parameter norms and scale their pieces to them (Note [Join])."""
+        """Before the update: joined ranks scale their pieces to the active ranks' clipped norms (Note [Join])."""
         if not self.enabled():
             return
         out = self._step
@@ -329,7 +263,6 @@ class JoinRoom:
             if value != 1.0:
                 shard.scale((ratio == value).nonzero().flatten().tolist(), value)
 
-    # ------------------------------------------------------------ joined ranks
     def turn(self) -> None:
         """One turn of Join's exit loop on this rank, which has joined: the exchange, then the pass."""
         if not self._entered:
@@ -384,20 +317,20 @@ class JoinRoom:
 
 
 class _Hook(JoinHook):
-    """The join hook of a ShardedDDP or a ShardedOptimizer: both work their shared room once per turn."""
+    """The join hook of a ShardedDDP or a ShardedOptimizer: both work their shared ShardedJoin once per turn."""
 
-    def __init__(self, room: JoinRoom):
-        self.room = room
+    def __init__(self, joining: ShardedJoin):
+        self.joining = joining
         self.calls = self.posts = 0
 
     def main_hook(self) -> None:
         self.calls += 1
-        if self.calls > self.room.rounds:  # the first of this Join's hooks to reach the turn works it
-            self.room.rounds += 1
-            self.room.turn()
+        if self.calls > self.joining.turns:  # the first of this Join's hooks to reach the turn works it
+            self.joining.turns += 1
+            self.joining.turn()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.posts += 1
-        if self.posts > self.room.posts:
-            self.room.posts += 1
-            self.room.finish(is_last_joiner)
+        if self.posts > self.joining.posts:
+            self.joining.posts += 1
+            self.joining.finish(is_last_joiner)

@@ -1,73 +1,40 @@
 """The flat layout: where every parameter lives, how the buffer is cut into buckets, who owns what.
 
-Pure code: no process group, no tensors allocated. Everything the sharded
-optimizer and the bucket engine do is indexed by the objects built here, and
-their tests need only shapes and numbers.
+Pure code: no process group, no tensors; its tests need only shapes and numbers.
 
 Note [Flat layout]
 ------------------
-Trainable parameters are laid out in one flat buffer. Each optimizer param
-group gets its own *region* (so every bucket belongs to exactly one group and
-the inner optimizer's hyper-parameters apply to whole chunks). Within a region
-parameters are in reverse registration order, which is close to the order in
-which backward produces their gradients, so buckets fill one after the other.
+Each param group gets a *region* of one flat buffer (so its hyper-parameters apply to whole chunks), its
+parameters in reverse registration order, about the order backward produces gradients. A region is cut into
+buckets of `bucket_numel` = reduce_bucket_size rounded up to `align = lcm(world_size, 128)`, the last one
+zero-padded to `align`. Only a region's end is padded: a parameter is one contiguous run even across
+buckets, so model parameters are views into the buffer.
 
-A region is cut into buckets of `bucket_numel` elements, where `bucket_numel`
-is `reduce_bucket_size` rounded up to a multiple of `align = lcm(world_size,
-128)`; the region's last bucket holds the rest, rounded up to `align` with zero
-padding. Only the end of a region is padded, so a parameter is always one
-contiguous run of the buffer even when it straddles buckets: model parameters
-can be views into it.
-
-Every bucket is split into `world_size` equal contiguous chunks and rank r owns
-chunk r of every bucket (Megatron-style; a fixed permutation of that when ranks
-span nodes: Note [Node-aware chunk order]). A bucket's gradient reduction is then
-one reduce-scatter, and its parameter refresh one all-gather, both writing in
-place. A *piece* is the intersection of one parameter with one chunk: the unit
-of optimizer state. Keeping state per piece (not per flat chunk) gives every
-parameter its own step count and lets a parameter with no gradient be skipped
-exactly as torch.optim skips it; checkpoints are keyed by (parameter, element
-range), so any world size can read them.
-
-All-gathers follow the reduce buckets: each bucket's chunk is gathered in
-sub-ranges of `allgather_bucket_size / world_size` elements (rounded to 128),
-one collective each, written into a strided view of the bucket.
+Rank r owns chunk r of the `world_size` equal chunks of every bucket (Megatron-style; Note [Node-aware chunk
+order]): a bucket's reduction is one reduce-scatter and its refresh one all-gather, both in place. A *piece*,
+one parameter inside one chunk, is the unit of optimizer state: each parameter keeps its step count and is
+skipped without a gradient as in torch.optim, and checkpoints keyed by (parameter, element range) load at any
+world size. All-gathers cover a chunk in spans of allgather_bucket_size / world_size (rounded to 128).
 
 Note [Node-aware chunk order]
 -----------------------------
-When the W = R * K ranks span R nodes of K ranks (rank = node * K + local, as
-torchrun numbers them), node-aware collectives (Note [Two-level collectives]
-in parallel/mesh_plan.py) reduce a bucket in two phases: a reduce-scatter
-inside the node leaves local rank j with the node's sum of the bucket's j-th
-K-part (its *node chunk*), then an exchange across the nodes, among the R
-ranks with the same local rank, leaves node i's rank with part i of that node
-chunk summed over every rank. For both phases to be contiguous, rank (i, j)
-owns chunk j * R + i of the bucket, not chunk i * K + j:
+W = R * K ranks on R nodes (rank = node * K + local). Two-level collectives (Note [Two-level collectives] in
+parallel/mesh_plan.py) leave local rank j the node's sum of the bucket's j-th K-part (its *node chunk*),
+then node i's rank part i of that, summed over every rank. Both phases are contiguous when rank (i, j) owns
+chunk j * R + i, not i * K + j:
 
-    W = 4, R = 2 nodes x K = 2:  rank 0 (0,0) -> chunk 0   rank 1 (0,1) -> chunk 2
-                                 rank 2 (1,0) -> chunk 1   rank 3 (1,1) -> chunk 3
+    W = 4, R = 2 x K = 2:  rank 0 (0,0) -> chunk 0   rank 1 (0,1) -> chunk 2
+                           rank 2 (1,0) -> chunk 1   rank 3 (1,1) -> chunk 3
 
-Only `Bucket.chunk(rank)` knows this; pieces, master chunks, gradient shards
-and checkpoints (keyed by parameter name and element range) follow from it
-unchanged, so a node-aware checkpoint loads at any world size and back. The
-bucket and chunk sizes are those of flat sharding over W (the node chunk is R
-consecutive chunks), so the alignment needs nothing more.
+Only `chunk_index` knows this; sizes are flat sharding's over W (a node chunk is R consecutive chunks).
 
 Note [Stage-3 buckets hold whole parameters]
 --------------------------------------------
-At stage 3 a bucket's full parameters exist only while it is gathered, in
-storage of its own that is allocated for the gather and freed after use
-(zero3/store.py). A parameter is a view into that storage, so it must not
-straddle two buckets: with `whole_params=True` a bucket closes before the
-parameter that would cross `bucket_numel`, and each bucket is padded to
-`align` on its own (a parameter larger than `bucket_numel` gets a bucket of
-its own, bigger than the others). Parameters named in `persistent` (small
-ones: biases, norms; DeepSpeed's stage3_param_persistence_threshold) go into
-buckets of their own at the end of their region, marked `persistent`: they
-stay gathered on every rank and are refreshed after each step as at stage 2,
-which costs little memory and saves a gather per use. Everything else
-(pieces, reduce-scatters, checkpoints by name and element range) is the
-same as with split parameters.
+A stage-3 parameter is a view into its bucket's storage, which exists only while gathered, so none may
+straddle buckets: a bucket closes before the parameter that would cross `bucket_numel` (a larger one gets
+its own) and is padded to `align` alone. `persistent` parameters (biases, norms: DeepSpeed's
+stage3_param_persistence_threshold) get buckets at their region's end that stay gathered, refreshed after
+each step as at stage 2: little memory for a gather saved per use.
 """
 from __future__ import annotations
 
@@ -77,29 +44,19 @@ import math
 import mmap
 from typing import Sequence
 
-# Chunk boundaries on multiples of 128 elements keep every rank's chunk aligned
-# to 512 bytes in fp32: whole cache lines and full SIMD vectors for the kernels.
-CHUNK_ALIGN = 128
-
-# A stage-3 bucket whose chunk is at least this many pages is padded to whole pages when the store may map it
-# (`page_numel`: Note [Stage-3 buckets mapped, not copied] in zero3/shared_shard.py); smaller ones are copied.
-MAP_MIN_PAGES = 16
+CHUNK_ALIGN = 128  # elements: 512 bytes in fp32, whole cache lines and SIMD vectors for every chunk
+MAP_MIN_PAGES = 16  # stage 3 maps a chunk of at least this many pages (`mappable`), copies a smaller one
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
     """Where one trainable parameter lives in the flat buffer."""
 
-    index: int
-    """Position in the layout's parameter list (the order given, flattened over groups)."""
-    name: str
-    """The parameter's name (a module path, or `group{g}.param{i}` when names are unknown)."""
+    index: int  # in Layout.params: the order given, flattened over groups
+    name: str  # a module path, or `group{g}.param{i}` when names are unknown
     shape: tuple[int, ...]
-    """The parameter's shape."""
-    group: int
-    """Index of the optimizer param group it belongs to."""
-    offset: int
-    """First element in the flat buffer."""
+    group: int  # its optimizer param group
+    offset: int  # first element in the flat buffer
 
     @property
     def numel(self) -> int:
@@ -115,21 +72,13 @@ class Bucket:
     """A run of the flat buffer reduced by one reduce-scatter."""
 
     index: int
-    """Position in the layout's bucket list (flat-buffer order)."""
-    group: int
-    """The param group (region) it belongs to."""
-    start: int
-    """First element in the flat buffer."""
-    numel: int
-    """Elements, padding included; a multiple of world_size."""
-    params: tuple[int, ...]
-    """Indices of the parameters that overlap it."""
-    world_size: int
-    """Number of chunks it is split into."""
-    persistent: bool = False
-    """Stage 3: its parameters stay gathered (Note [Stage-3 buckets hold whole parameters])."""
-    nodes: int = 1
-    """Node-aware collectives: the ranks span this many nodes (Note [Node-aware chunk order])."""
+    group: int  # the param group (region) it belongs to
+    start: int  # first element in the flat buffer
+    numel: int  # padding included; a multiple of world_size
+    params: tuple[int, ...]  # the parameters that overlap it
+    world_size: int  # chunks it is split into
+    persistent: bool = False  # stage 3: stays gathered (Note [Stage-3 buckets hold whole parameters])
+    nodes: int = 1  # node-aware collectives over this many nodes (Note [Node-aware chunk order])
 
     @property
     def end(self) -> int:
@@ -158,13 +107,9 @@ class Piece:
     """The part of one parameter inside one rank's chunk: the unit of optimizer state."""
 
     param: int
-    """Index of the parameter."""
-    bucket: int
-    """Index of the bucket whose chunk holds it."""
-    start: int
-    """First element in the flat buffer."""
+    bucket: int  # the bucket whose chunk holds it
+    start: int  # [start, end) in the flat buffer
     end: int
-    """One past the last element in the flat buffer."""
 
     @property
     def numel(self) -> int:
@@ -176,35 +121,23 @@ class GatherSpan:
     """One all-gather: elements [lo, hi) of every rank's chunk of one bucket."""
 
     bucket: int
-    """Index of the bucket."""
     lo: int
-    """Offset inside each chunk where the span starts."""
     hi: int
-    """Offset inside each chunk where the span ends."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The whole plan for one world size. Build with `plan_layout`."""
 
-    world_size: int
-    """Ranks the buckets are split over."""
-    align: int
-    """Every bucket's size is a multiple of this (lcm(world_size * replicas, 128))."""
-    bucket_numel: int
-    """Size of a full bucket (reduce_bucket_size rounded up to `align`)."""
-    params: tuple[ParamSlot, ...]
-    """Every trainable parameter, in the order given."""
-    buckets: tuple[Bucket, ...]
-    """Every bucket, in flat-buffer order."""
-    gather_spans: tuple[GatherSpan, ...]
-    """Every all-gather issued after a step, in order."""
-    total_numel: int
-    """Size of the flat buffer, padding included."""
-    whole_params: bool = False
-    """No parameter straddles two buckets (stage 3; Note [Stage-3 buckets hold whole parameters])."""
-    nodes: int = 1
-    """Nodes the ranks span with node-aware collectives; 1 otherwise (Note [Node-aware chunk order])."""
+    world_size: int  # ranks the buckets are split over
+    align: int  # every bucket's size is a multiple of lcm(world_size * replicas, 128)
+    bucket_numel: int  # a full bucket: reduce_bucket_size rounded up to `align`
+    params: tuple[ParamSlot, ...]  # in the order given
+    buckets: tuple[Bucket, ...]  # in flat-buffer order
+    gather_spans: tuple[GatherSpan, ...]  # every all-gather after a step, in order
+    total_numel: int  # the flat buffer, padding included
+    whole_params: bool = False  # stage 3: Note [Stage-3 buckets hold whole parameters]
+    nodes: int = 1  # nodes of node-aware collectives, else 1 (Note [Node-aware chunk order])
 
     def shard_numel(self) -> int:
         """Elements rank r owns (the same for every rank)."""
@@ -255,24 +188,20 @@ def page_numel(itemsize: int) -> int:
 
 
 def stage3_page_numel(world_size: int, nodes: int, replicas: int, device_type: str, itemsize: int) -> int:
-    """`page_numel` for plan_layout at stage 3: elements per memory page where the store may map buckets (the
-    CPU, one level of W > 1 ranks; "meta": a model built on the meta device, materialized on the CPU), else 0.
-    On the CPU the padding does not wait to know whether shared memory will be used, so the layout (and the
-    order of every sum) does not depend on the way the gathers travel."""
+    """plan_layout's `page_numel` at stage 3: elements per page where the store may map buckets, else 0; not
+    whether it then does, so the layout (and every sum's order) does not depend on how gathers travel."""
     mapped = world_size > 1 and nodes == 1 and replicas == 1 and device_type in ("cpu", "meta")
     return page_numel(itemsize) if mapped else 0
 
 
 def mappable(bucket: Bucket, page_numel: int) -> bool:
-    """Whether stage 3 maps `bucket` instead of copying it (Note [Stage-3 buckets mapped, not copied] in
-    zero3/shared_shard.py): not persistent, its chunk whole pages, at least MAP_MIN_PAGES of them."""
+    """Whether stage 3 maps `bucket` (Note [Stage-3 buckets mapped, not copied] in parallel/shared_memory.py)."""
     n = bucket.chunk_numel
     return not bucket.persistent and n % page_numel == 0 and n >= MAP_MIN_PAGES * page_numel
 
 
 def place_chunks(buckets: Sequence[Bucket], page_numel: int) -> tuple[list[int], int]:
-    """Where each bucket's chunk lies in a stage-3 shard held in shared memory (elements), and the shard's size:
-    one after the other, a mappable bucket's on a page boundary."""
+    """Each bucket's chunk offset in a stage-3 shard in shared memory (mappable ones page-aligned), and its size."""
     offsets, at = [], 0
     for b in buckets:
         if mappable(b, page_numel):
@@ -286,20 +215,11 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
                 reduce_bucket_size: int, allgather_bucket_size: int, replicas: int = 1, *,
                 whole_params: bool = False, persistent: frozenset = frozenset(), nodes: int = 1,
                 page_numel: int = 0) -> Layout:
-    """Plans the flat buffer for trainable parameters given per param group as (name, shape).
+    """Plans the flat buffer for trainable parameters given per param group as (name, shape) (Note [Flat layout]).
 
-    Parameters keep the given order in `Layout.params`; the buffer holds each
-    group's parameters in reverse order (see Note [Flat layout]). With hybrid
-    sharding, `world_size` is the shard group's size and `replicas` the number
-    of replicas: buckets are padded so that each chunk also splits into
-    `replicas` equal parts (the inter-node hop; Note [Hybrid sharding]).
-    `whole_params` and `persistent` (indices into the flattened parameter list)
-    are stage 3's: Note [Stage-3 buckets hold whole parameters]. `nodes` > 1: the
-    world_size ranks span that many nodes and use node-aware collectives (Note
-    [Node-aware chunk order]). `page_numel` > 0 (elements per memory page; stage 3 on one host): a bucket that is
-    not persistent and whose chunk has at least MAP_MIN_PAGES pages is padded until every chunk is whole pages,
-    so that the store can map it instead of copying it (Note [Stage-3 buckets mapped, not copied] in
-    zero3/shared_shard.py).
+    Hybrid sharding: `world_size` is the shard group's, and chunks split into `replicas` parts (Note [Hybrid
+    sharding]). `whole_params`, `persistent`: Note [Stage-3 buckets hold whole parameters]. `nodes`: Note
+    [Node-aware chunk order]. `page_numel` > 0: buckets that can be mapped are padded to whole pages per chunk.
     """
     if world_size < 1 or replicas < 1:
         raise ValueError(f"world_size and replicas must be >= 1, got {world_size} and {replicas}")
@@ -318,7 +238,7 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
     page_align = math.lcm(align, world_size * page_numel) if page_numel else 0
 
     def bucket_end(start: int, offset: int, keep: bool) -> int:
-        """Where a whole-parameter bucket of [start, offset) ends: padded to `align`, or to whole pages per chunk."""
+        """The end of a whole-parameter bucket of [start, offset): padded to `align` or to pages per chunk."""
         end = _round_up(offset, align)
         if page_align and not keep and (end - start) // world_size >= MAP_MIN_PAGES * page_numel:
             end = start + _round_up(end - start, page_align)
@@ -347,14 +267,13 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
         members = range(first, len(params))
         if not whole_params:
             region_start = offset
-            # Reverse registration order inside the region (see Note [Flat layout]).
             for i in reversed(members):
                 params[i] = dataclasses.replace(params[i], offset=offset)
                 offset += params[i].numel
             region_end = _round_up(offset, align) if offset > region_start else offset
             offset = close(g, region_start, region_end, members, False)
             continue
-        # Whole parameters: sharded ones first, then the persistent ones (each kind in reverse order).
+        # Whole parameters: sharded ones first, then the persistent ones, each in reverse order.
         for keep in (False, True):
             start, placed = offset, []
             for i in reversed(members):
@@ -379,9 +298,7 @@ def plan_layout(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_s
 
 
 def append_layout(first: Layout, second: Layout) -> Layout:
-    """`second`'s parameters and buckets after `first`'s, as one layout: their indices, groups and offsets
-    shifted past `first`'s (stage 3 shards frozen parameters in buckets after the trainable ones: Note
-    [Frozen parameters at stage 3] in zero3/store.py). `first`'s buckets and chunks are unchanged."""
+    """`second`'s parameters and buckets after `first`'s (Note [Frozen parameters at stage 3] in zero3/build.py)."""
     if (first.world_size, first.nodes, first.whole_params) != (second.world_size, second.nodes, second.whole_params):
         raise ValueError("append_layout: the layouts differ in world size, nodes or whole_params")
     n_params, n_buckets, at = len(first.params), len(first.buckets), first.total_numel
@@ -396,15 +313,9 @@ def append_layout(first: Layout, second: Layout) -> Layout:
 
 
 def plan_launch_order(layout: Layout, positions: Sequence[int]) -> tuple[int, ...]:
-    """Bucket indices in the order every rank launches their reduce-scatters.
-
-    `positions[i]` is parameter i's registration position in the model. Backward
-    reaches the latest-registered parameters first, so a bucket is expected to
-    be complete once its earliest-registered parameter has its gradient. With one
-    param group this is flat-buffer order; with several (say decay / no-decay),
-    it interleaves the groups' buckets the way backward fills them. Every rank
-    computes the same order from the same (checked) layout and model.
-    """
+    """Bucket indices in the order every rank launches their reduce-scatters; `positions[i]`: parameter i's
+    registration position. Backward reaches late-registered parameters first, so a bucket is complete once its
+    earliest-registered one has its gradient (several param groups: interleaved as backward fills them)."""
     if len(positions) != len(layout.params):
         raise ValueError(f"need one position per parameter ({len(layout.params)}), got {len(positions)}")
 

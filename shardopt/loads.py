@@ -13,20 +13,13 @@ def install_load_hooks(module: torch.nn.Module, optimizer) -> list:
 
 # Note [A load of the values held]
 # --------------------------------
-# With separate master weights (a bf16/fp16 model, offload: Note [Master weights] in master_step.py), a
-# state dict loaded into the model is the new truth: the masters take the loaded values whole (at stage
-# 3 as well), or the next step would publish the old ones over them. A load that changes no value is
-# different: code that puts the model's own weights back (Lightning's WeightAveraging on resume, a
-# checkpoint reloaded into the process that wrote it) would round a bf16 model's fp32 masters to bf16,
-# where under DDP such a load changes nothing. So before a load, the values it brings are compared with
-# the managed parameters' (in the model's dtype, as the load will write them; parameters it leaves out
-# count as unchanged); if none differs, the masters keep their bits. One compare pass per load.
-# A loaded value finer than the model's dtype (an fp32 checkpoint, pretrained weights, into a bf16 model)
-# holds more than the model can: the masters take it at their own precision, not the model's rounding of
-# it (which the load writes into the model), whether or not that rounding changed the model. So a bf16
-# model wrapped first and loaded after starts from the file's fp32 values (a plain checkpoint loaded by the
-# Lightning strategy too), as FSDP2's sharded fp32 parameters would; the model holds their rounding, as
-# after any step.
+# With separate masters (Note [Master weights] in master_step.py) a state dict loaded into the model is the
+# new truth: the masters take it whole, or the next step would publish the old values over it. But a load
+# that changes no value (Lightning's WeightAveraging on resume, a checkpoint reloaded by its writer) would
+# round fp32 masters to bf16 where under DDP it changes nothing; so the values are compared first (in the
+# model's dtype; left-out parameters count as unchanged), and if none differs the masters keep their bits.
+# A value finer than the model's dtype (fp32 weights into a bf16 model) goes to the masters at their own
+# precision, as FSDP2's sharded fp32 parameters would take it; the model holds its rounding.
 def same_values_hook(optimizer, same: list, finer: dict):
     def hook(mod, state_dict, prefix, *args):
         with torch.no_grad():

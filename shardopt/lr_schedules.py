@@ -2,14 +2,10 @@
 
 Note [WarmupLR as DeepSpeed steps it]
 -------------------------------------
-DeepSpeed's WarmupLR sets every group's lr to min_lr + (max_lr - min_lr) * gamma(i), with
-gamma(i) = log(i + 1) / log(N) ("log", the default) or i / N ("linear") for i < N and 1 after,
-N = max(2, warmup_num_steps), i = last_batch_iteration. Built with last_batch_iteration = -1 it sets
-min_lr; DeepSpeed's engine calls its step() after every optimizer step, so step k of training (k = 1,
-2, ...) runs with i = k - 2 (min_lr for the first two). torch's LRScheduler counts last_epoch = k - 1
-at step k (its constructor steps once), so this class uses i = last_epoch - 1: called as any torch
-scheduler (scheduler.step() after optimizer.step()), it gives the same lr at every step as
-DeepSpeed's (tests/test_onebit.py compares them).
+lr = min_lr + (max_lr - min_lr) * gamma(i), gamma(i) = log(i + 1) / log(N) ("log") or i / N ("linear") for
+i < N, else 1; N = max(2, warmup_num_steps), i = last_batch_iteration. DeepSpeed's engine steps it after
+every optimizer step, so training step k (1, 2, ...) runs with i = k - 2; torch's LRScheduler has
+last_epoch = k - 1 there, so i = last_epoch - 1 gives DeepSpeed's lr at every step (tests/test_onebit.py).
 """
 from __future__ import annotations
 
@@ -42,7 +38,6 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
         self.max_lrs = per_group(warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
-        # DeepSpeed's last_batch_iteration i is our last_epoch - 1 (see the Note).
         super().__init__(optimizer, last_epoch=last_batch_iteration + 1 if last_batch_iteration >= 0 else -1)
 
     def _gamma(self, i: int) -> float:

@@ -1,26 +1,9 @@
-"""ShardedOptimizer: each rank steps only its chunks of the parameters (ZeRO stages 1, 2 and 3).
-
-Where the parameters live is its parameter store's, chosen once here by the stage (Note [One parameter
-store] in param_store.py): flat_params.py for stages 1-2, zero3/ for stage 3. The constructor is wiring:
-config -> groups -> layout -> the store -> the rooms below.
-
-Lifecycle of one iteration (see Note [Flat layout] in layout.py and Note
-[Bucket engine] in csrc/comm/bucket_engine.h):
-  backward  -> ShardedDDP's hooks hand gradients to the bucket engine, which
-               reduce-scatters each bucket into this rank's gradient shard;
-  clip      -> one all-reduce of the local squared norm;
-  step      -> one all-reduce of "which parameters got a gradient anywhere,
-               and did any rank see an inf/nan", the inner torch optimizer
-               steps this rank's pieces (fp32 master values), and the store
-               puts every rank's updated chunks into the model.
-
-The rooms it asks: the store (where parameters live), grad_sync.py (the end of backward, p.grad, the
-step's flags), master_step.py (the inner optimizer on this rank's pieces; Note [Master weights]),
-publish.py (updated chunks back into the model), onebit.py (OneBitAdam's compressed steps).
-"""
+"""ShardedOptimizer: each rank steps only its chunks (ZeRO 1-3; Note [One parameter store] in param_store.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import operator
 import time
 import warnings
@@ -30,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
-from shardopt.config import (DEFAULT_ALLGATHER_BUCKET_SIZE, DEFAULT_REDUCE_BUCKET_SIZE, ShardConfig,
-                             auto_bucket_size)
+from shardopt.config import ShardConfig, auto_bucket_size
 from shardopt import device_ops as _device_ops
 from shardopt import offload as _offload
 from shardopt import onebit as _onebit
+from shardopt.onebit_step import OneBitStep
 from shardopt.elementwise import check_elementwise
 from shardopt.flat_params import FlatStore
 from shardopt.grad_sync import GradSync, build_engine
-from shardopt.join import JoinRoom
+from shardopt.join import ShardedJoin
 from shardopt.master_step import MasterStep
 from shardopt.publish import Publisher
 from shardopt.parallel.consistency import check_same_across_ranks
@@ -47,45 +30,31 @@ from shardopt.parallel.mesh import require_dist, resolve_groups
 from shardopt.parallel.mesh_plan import param_phase_dtype
 from shardopt.precision import LossScaler, resolve_loss_scale, resolve_nonfinite
 from shardopt.sharded_grad import GradShard
+from shardopt.tiers.disk import failed_anywhere, made_everywhere
+from shardopt.tiers.grad_shard import MappedShard
 from shardopt.view import OptimizerView
 from shardopt.zero3.store import ShardedStore
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 _VERSION = operator.attrgetter("_version")
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ShardConfig))
 
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
-    """Drop-in replacement for a torch.optim optimizer that shards its state over ranks.
+    """Drop-in replacement for a torch.optim optimizer that shards its state over ranks: `optim` (elementwise)
+    takes the options that are not ShardConfig fields. Use with `ShardedDDP(model, optimizer)`."""
 
-    `optim` is an elementwise torch optimizer class; `optim_kwargs` go to it.
-    `param_groups` is the user's view (LR schedulers work unchanged); the inner
-    optimizer runs on this rank's pieces (see layout.py) with the same groups.
-    Use with `ShardedDDP(model, optimizer)`, which feeds it gradients.
-    """
-
-    def __init__(self, params, optim=None, *, stage: int = 2,
-                 reduce_bucket_size: int | None = DEFAULT_REDUCE_BUCKET_SIZE,
-                 allgather_bucket_size: int | None = DEFAULT_ALLGATHER_BUCKET_SIZE, overlap_comm: bool = True,
-                 overlap_gather: bool = False, offload: str = "none", pin_memory: bool = True,
-                 reduce_dtype: torch.dtype | None = None, loss_scale="auto", nonfinite: str = "auto",
-                 max_grad_norm: float | None = None,
-                 process_group=None, mesh=None, shard_group: str | None = None, inter_node_dtype=None,
-                 num_staging_buffers: int = 2, comm_impl: str = "auto", reshard_after_forward: bool = True,
-                 prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
-                 param_persistence_threshold: int = 0, node_aware: bool | None = None,
-                 inter_node_param_dtype=None, shared_memory_gather: bool | None = None, **optim_kwargs):
-        self.config = ShardConfig(
-            stage=stage, reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
-            overlap_comm=overlap_comm, overlap_gather=overlap_gather, offload=offload, pin_memory=pin_memory,
-            reduce_dtype=reduce_dtype, loss_scale=loss_scale, nonfinite=nonfinite, max_grad_norm=max_grad_norm,
-            num_staging_buffers=num_staging_buffers, comm_impl=comm_impl, inter_node_dtype=inter_node_dtype,
-            reshard_after_forward=reshard_after_forward, prefetch_bucket_size=prefetch_bucket_size,
-            max_live_parameters=max_live_parameters, param_persistence_threshold=param_persistence_threshold,
-            node_aware=node_aware, inter_node_param_dtype=inter_node_param_dtype,
-            shared_memory_gather=shared_memory_gather)
-        # OneBitAdam: our AdamW path plus the compression room (Note [1-bit Adam under ZeRO] in onebit.py).
+    def __init__(self, params, optim=None, *, process_group=None, mesh=None, shard_group: str | None = None,
+                 **options):
+        # Each option is a ShardConfig field, declared and documented there once; the rest go to `optim`.
+        self.config = ShardConfig(**{k: v for k, v in options.items() if k in _CONFIG_FIELDS})
+        optim_kwargs = {k: v for k, v in options.items() if k not in _CONFIG_FIELDS}
+        # OneBitAdam: our AdamW path plus its compressed exchange (Note [1-bit Adam under ZeRO] in onebit.py).
         optim, optim_kwargs, onebit_config = _onebit.split_options(optim, optim_kwargs, self.config.offload)
+        if onebit_config is not None and self.config.offload == "nvme":
+            raise NotImplementedError("OneBitAdam keeps its residuals and frozen variance in host memory and steps "
+                                      "them whole: use offload='cpu' with it, not 'nvme'")
         optim, optim_kwargs = _offload.default_optimizer(optim, optim_kwargs, self.config.offload)
         check_elementwise(optim)
         require_dist()  # before any work: the groups are resolved once the parameters are known
@@ -94,10 +63,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.optim_class = optim
         self._take_params()
         self._resolve_groups(process_group, mesh, shard_group)
-        # The one place the stage picks how parameters are kept (Note [One parameter store]).
         store_class = ShardedStore if self.config.stage == 3 else FlatStore
         self.layout: Layout = self._plan(store_class)
-        self._resolve_precision()
+        self._resolve_precision(store_class.holds_whole)
         check_same_across_ranks(
             self.sharding.signature() + self.config.signature()
             + [f"optimizer {optim.__module__}.{optim.__qualname__}", f"dtype {self.dtype}"] + self.layout.signature()
@@ -107,20 +75,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._phase = dict.fromkeys(("reduce", "step", "publish", "gather"), 0.0)  # see phase_seconds()
         self.store = store_class(self.layout, self.rank, self._params, self.sharding, self.config, self.device,
                                  self._phase)
-        self._build_rooms(optim, optim_kwargs)
-        # What checkpoint/, DCP, the integrations and onebit.py see of it (Note [The optimizer's view] in view.py).
+        self._build_step_parts(optim, optim_kwargs)
         self.view = OptimizerView(self)
         self.engine = None          # created by ShardedDDP (it knows the model's parameter order)
-        self.onebit = _onebit.OneBitStep(self, onebit_config) if onebit_config is not None else None
+        self.onebit = OneBitStep(self, onebit_config) if onebit_config is not None else None
+        if self.state_tier is not None and self.store.tier is not None and self.onebit is None:
+            # Note [The step walked in the next forward] in tiers/pending_step.py
+            self.stepper.leave_steps_open(self._phase, self.store.tier, self.store.forward_order)
         self.skipped_steps = 0
         self.last_step_skipped = False
-        # torch's Join (`with Join([model, opt])`): a rank out of batches shadows the others (Note [Join]).
         self._join_config = _JoinConfig.construct_disabled_join_config()
-        self.join = JoinRoom(self)
+        self.join = ShardedJoin(self)
 
-    # ----------------------------------------------------------------- setup
     def _take_params(self) -> None:
-        """The trainable parameters, in the groups' order, checked."""
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]
                                                   if p.requires_grad]
         if not self._params:
@@ -129,8 +96,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._check_params()
 
     def _resolve_groups(self, process_group, mesh, shard_group) -> None:
-        """Which ranks shard together and which replicate (Note [Hybrid sharding] in mesh_plan.py).
-        process_group / rank / world_size are the shard group's: the layout is split over it."""
+        """Which ranks shard together (process_group, rank, world_size) and replicate (Note [Hybrid sharding])."""
         where = _device_ops.materialization_device(self._params[0].device)  # a meta model's too
         self.sharding = resolve_groups(process_group, mesh, shard_group, where.type,
                                        node_aware=self.config.node_aware)
@@ -165,38 +131,45 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return store_class.plan(names, self.world_size, self.config, (rbs, agbs), self.sharding.shape.replicas,
                                 nodes.replicas if nodes is not None else 1, self._params)
 
-    def _resolve_precision(self) -> None:
-        """The model's dtype and device, the masters', the reductions' and the loss scaling."""
+    def _resolve_precision(self, holds_whole: bool) -> None:
         self.dtype, self.device = self._params[0].dtype, _device_ops.materialization_device(self._params[0].device)
-        # fp32 master values for a low-precision model; otherwise the model's own dtype.
         self.master_dtype = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
-        # Parameters crossing nodes narrower than the model (Note [Parameters across nodes in bf16]).
-        self.param_round = param_phase_dtype(self.config.inter_node_param_dtype, self.sharding.shape,
-                                             self.sharding.nodes, self.dtype)
+        phase = param_phase_dtype(self.config.inter_node_param_dtype, self.sharding.shape, self.sharding.nodes,
+                                  self.dtype)
+        # A model that holds whole parameters holds its masters rounded (Note [Parameters across nodes in bf16]);
+        # a stage-3 shard is the master and its gathers round (Note [Stage 3's parameters across nodes, rounded]).
+        self.param_round = phase if holds_whole else None
         self.reduce_dtype = self.config.reduce_dtype or self.master_dtype
         scale_config = resolve_loss_scale(self.config.loss_scale, self.dtype)
         self.loss_scaler = LossScaler(scale_config) if scale_config is not None else None
         self._nonfinite = resolve_nonfinite(self.config.nonfinite, self.loss_scaler is not None)
 
-    def _build_rooms(self, optim, optim_kwargs) -> None:
-        """The gradient shard, the master step, the publisher and the gradient sync over the store's chunks."""
-        offloaded = self.config.offload == "cpu"
+    def _build_step_parts(self, optim, optim_kwargs) -> None:
+        offloaded = self.config.offload in ("cpu", "nvme")
+        on_disk = self.config.offload == "nvme"  # Note [Tiers] in tiers/__init__.py
         self.master_device = torch.device("cpu") if offloaded else self.device
-        # GPU-only operations (pinning, side-stream copies, events): Note [Device
-        # operations behind an interface] in device_ops.py.
         self._ops = _device_ops.current()
-        self.shard_grad = _offload.zeros(self.layout.shard_numel(), self.master_dtype, self.master_device,
-                                         offloaded and self.config.pin_memory, self._ops)
-        self.stepper = MasterStep(self.layout, self.rank, self.store.chunks, self.shard_grad, self.param_groups,
-                                  optim, optim_kwargs, master_dtype=self.master_dtype, offloaded=offloaded,
-                                  round_to=self.param_round, pin=offloaded and self.config.pin_memory, ops=self._ops)
+        # Scratch files are made on every rank or on none (every rank raises: Note [Tiers]).
+        self.grad_file = made_everywhere(lambda: MappedShard(self.config.nvme_path, self.layout.shard_numel(),
+                                                             self.master_dtype), self.world_group) if on_disk else None
+        self.shard_grad = self.grad_file.tensor if on_disk else _offload.zeros(
+            self.layout.shard_numel(), self.master_dtype, self.master_device, offloaded and self.config.pin_memory,
+            self._ops)
+
+        def stepper():
+            return MasterStep(self.layout, self.rank, self.store.chunks, self.shard_grad, self.param_groups, optim,
+                              optim_kwargs, master_dtype=self.master_dtype, offloaded=offloaded,
+                              round_to=self.param_round, pin=offloaded and self.config.pin_memory, ops=self._ops,
+                              disk=self.config if on_disk else None, grad_file=self.grad_file,
+                              hold_model=self.store.holding if self.store.tier is not None else None)
+        self.stepper = made_everywhere(stepper, self.world_group) if on_disk else stepper()
         self.master, self.inner = self.stepper.master, self.stepper.inner
+        self.state_tier = self.stepper.tier  # offload="nvme" (Note [The optimizer's state on disk]), else None
         # Note [Weights edited in place]: whether an in-place edit of a parameter misses the optimizer.
-        self._edits_watched = not self.store.holds_whole or self.master is not None
+        self._edits_watched = not self.store.holds_whole or self.stepper.has_master
         self._note_model_version()
         self._pieces, self._piece_params = self.stepper.pieces, self.stepper.piece_params
         self.publisher = Publisher(self.stepper, self.store, self._ops, self.device, self._phase)
-        # p.grad once reduced (Note [Sharded p.grad] in sharded_grad.py).
         grad_shard = GradShard(self._params, self._pieces, self.stepper.piece_grads,
                                [slot.offset for slot in self.layout.params], self.process_group,
                                self.world_size, lambda: self.grads.had_grad(),
@@ -205,14 +178,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.grads = GradSync(self._params, self.store.resting_grads, self.shard_grad, grad_shard,
                               self.world_group, self.sharding.shape.replicas, self._nonfinite, self._phase,
                               loss_scaled=self.loss_scaler is not None)
+        if self.grad_file is not None:
+            self.grads.zero_shard = lambda: self.grad_file.forget(0, self.grad_file.numel)
 
     @classmethod
     def from_config(cls, params, config, **overrides) -> "ShardedOptimizer":
-        """Builds the optimizer a DeepSpeed config (dict or JSON path) describes.
-
-        Keyword arguments override the config (e.g. process_group=...). What each
-        key means, and which are refused: shardopt/deepspeed_config.py.
-        """
+        """Builds the optimizer a DeepSpeed config (dict or JSON path) describes (shardopt/deepspeed_config.py)."""
         from shardopt.deepspeed_config import optimizer_arguments, translate
 
         params, kwargs = optimizer_arguments(params, config, overrides)
@@ -222,7 +193,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         opt.lr_scheduler = scheduler[0](opt, **scheduler[1]) if scheduler is not None else None
         return opt
 
-    # ----------------------------------------------------------------- setup
     def _check_params(self) -> None:
         first = self._params[0]
         for i, p in enumerate(self._params):
@@ -240,12 +210,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                 "or model.bfloat16())")
 
     def _attach(self, positions: list[int], gather_order: list[int], waits) -> None:
-        """Called by ShardedDDP: builds the bucket engine in the model's backward order.
-
-        gather_order: indices into layout.gather_spans, in the order the
-        forward needs them (prefetch.plan_gather_order); waits: the buckets
-        each module's forward waits for (prefetch.plan_forward_waits).
-        """
+        """Called by ShardedDDP: builds the bucket engine in the model's backward order."""
         if self.grads.attached:
             raise RuntimeError("this ShardedOptimizer is already attached to a ShardedDDP model")
         flat_grad = self.store.flat_grad if self.store.flat_grad is not None else torch.empty(0, dtype=self.dtype)
@@ -267,15 +232,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.grads.attached = True
 
     def _detach_model(self) -> None:
-        """Called when the ShardedDDP wrapper is collected (Note [Hooks die with the wrapper] in ddp.py).
-
-        Gradients no longer reach the engine: a later step() raises instead of
-        stepping without gradients, and a new ShardedDDP may attach. The engine
-        stays until then, for its counters and memory_stats().
-        """
-        if self.engine is not None:
-            self.wait_params()
-        self.grads.detach()
+        """The ShardedDDP was collected (Note [Hooks die with the wrapper] in ddp.py): a later step() raises."""
+        try:
+            if self.engine is not None:
+                self.wait_params()
+        finally:
+            self.grads.detach()
 
     def add_param_group(self, param_group):
         if hasattr(self, "layout"):  # torch.optim.Optimizer.__init__ adds the constructor's groups first
@@ -283,67 +245,52 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                       "pass every group to the constructor")
         super().add_param_group(param_group)
 
-    # -------------------------------------------------------------- gradients
-    # ShardedDDP's hooks call this (the work is the store's and grad_sync.py's).
     def _end_backward(self) -> None:
-        # Stage 3: every all-gather of the backward round is issued before this rank waits for any
-        # reduce-scatter (Note [Stage 3 never waits in backward] in csrc/comm/bucket_engine.cpp).
+        # Stage 3's backward round is issued before any wait (Note [Stage 3 never waits in backward]).
         self.store.end_backward()
         self.grads.end_backward()
+        if self.grad_file is not None:  # Note [The gradient shard on disk] in tiers/grad_shard.py
+            self.grad_file.start_write_back()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the global gradient norm (over every rank's shard) to max_norm; returns the norm.
-
-        Same result as torch.nn.utils.clip_grad_norm_ on the full averaged gradients.
-        """
+        """Clips the global gradient norm to max_norm and returns it, as torch.nn.utils.clip_grad_norm_ would."""
         if self._compressing():
             self._settle_rounds()
             return self.onebit.clip_grad_norm(max_norm, norm_type)
         self._grads_and_rounds()
         norm_type = float(norm_type)
         g = self.shard_grad
-        # Per-parameter norms over every rank (cached for the 2-norm: Note [Sharded p.grad]), then their norm
-        # as torch.nn.utils.clip_grad_norm_ forms it from the per-parameter norms it gets (in the gradients'
-        # dtype, at least float32, in the model's order: Note [Norms summed in the model's order] in
-        # grad_sync.py): the same total, bit for bit, as that call over model.parameters().
+        # Totalled as torch's clip_grad_norm_ does (Note [Norms summed in the model's order] in grad_sync.py).
         norms = self.grads.norms_in_model_order(norm_type)
         if norms.numel():
             total = torch.linalg.vector_norm(norms.to(torch.promote_types(self.dtype, torch.float32)), norm_type)
             total = total.float()
         else:
             total = torch.zeros((), device=norms.device)
-        # As torch.nn.utils.clip_grad_norm_: scale by a clamped coefficient.
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         g.mul_(coef.to(g.dtype))
         self.grads.shard.scale_all(coef)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forgets accumulated gradients (the shard, and .grad of the managed parameters).
-
-        set_to_none=False keeps torch.optim's meaning: parameters that had a
-        gradient keep a zero one, so the next step() updates them (momentum,
-        weight decay) even if no backward reaches them.
-        """
+        """Forgets accumulated gradients. set_to_none=False keeps torch.optim's meaning: parameters that had a
+        gradient keep a zero one, so the next step() still updates them (momentum, weight decay)."""
+        if not set_to_none:
+            self.stepper.settle()  # a step left open reads the gradients (Note [The step walked in the next forward])
         self.grads.zero(set_to_none)
+        if set_to_none and self.grad_file is not None:  # Note [The gradient shard on disk] in tiers/grad_shard.py
+            self.stepper.forget_grads()
 
-    # ------------------------------------------------------ loss scaling
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without a loss scaler)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """loss times the current loss scale: call `opt.scale_loss(loss).backward()` (loss itself without one).
-
-        Gradients are unscaled during their reduction (Note [Unscaling inside
-        the reduction] in precision.py), so clip_grad_norm and step see true
-        gradients; there is nothing else to call.
-        """
+        """loss times the current loss scale, for `opt.scale_loss(loss).backward()` (unscaled in the reduction)."""
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
-    # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One optimizer step on every rank, or a skip on every rank if any rank saw inf/nan (see nonfinite)."""
@@ -353,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._compressing():  # the room reduces local gradients and steps (Note [1-bit Adam under ZeRO])
+        if self._compressing():  # OneBitStep reduces local gradients and steps (Note [1-bit Adam under ZeRO])
             self._settle_rounds()
             t0 = time.perf_counter()
             skip = self.onebit.step()
@@ -368,9 +315,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                     self.clip_grad_norm(self.config.max_grad_norm)
                 self.join.before_update()  # under Join: a joined rank's shard takes the others' clip (Note [Join])
                 t0 = time.perf_counter()
-                self.stepper.step(used, self.param_groups)
+                _inner_step(self, used)
                 self._phase["step"] += time.perf_counter() - t0
-                self._publish_params(copy_master=not self.stepper.kernel_writes_model,
+                self._publish_params(copy_master=not self.stepper.step_writes_model,
                                      defer=self.config.overlap_gather)
             if self.onebit is not None:
                 self.onebit.after_warmup_step(skip)
@@ -388,7 +335,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def _compressing(self) -> bool:
-        """OneBitAdam past its warm-up: its room steps (onebit.py)."""
+        """OneBitAdam past its warm-up: its OneBitStep steps (onebit_step.py)."""
         return self.onebit is not None and self.onebit.compressing
 
     def _local_grads(self) -> bool:
@@ -408,37 +355,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._note_model_version()
 
     # Note [Weights edited in place]
-    # ------------------------------
-    # Under DDP, code between steps may change weights in place: `with torch.no_grad(): p.clamp_(-c, c)`
-    # (WGAN), `p.copy_(pretrained)`, `nn.init.*_(p)`, `model.apply(init)`; the next step starts from the
-    # new values. Where this rank's chunks of the model are the optimizer's parameters (an fp32 model at
-    # stages 1-2, not offloaded), that holds here too. With separate master weights (a bf16/fp16 model,
-    # offload, the bf16 parameter hop: Note [Master weights] in master_step.py) the next step started from
-    # the masters and wrote them over the edit: silently undone (seen, 2026-11-27: weights clamped to 0.01
-    # were back at 4.1 one step later). torch counts in-place changes per tensor (`p._version`: ops on p,
-    # on p.detach(), nn.init); ShardedOptimizer's own writes go through the flat buffer's views and do not
-    # count. So before each step (and each save), if the parameters' counts moved, this rank's master chunks
-    # take the edited elements (Note [Writing back keeps the master's bits]); a list of the counts, when
-    # nothing moved, is the whole cost (well under 1 ms at 8000 tensors). Not before each forward: a forward
-    # uses the model's weights as they are anyway, and code that swaps other weights in for an evaluation
-    # and copies the old ones back before training on (an EMA's) leaves nothing changed, so the masters keep
-    # their fp32 bits (taken at the evaluation's forward, they came back rounded). At stage 3 a parameter is an
-    # empty tensor between uses, so such an edit changed nothing: refused, naming full_params(); a stage-3
-    # forward under torch.compile moves the counts itself (seen on torch 2.13), so they are noted again at
-    # each forward's end (ddp.py), and a check (at each forward and step) sees only what changed since.
-    # Writes through `p.data` are not counted by torch: a step does not see them (docs/guide.md says so), but
-    # a save does, at stages 1-2: there the masters take every element whose model value is not their
-    # rounding, counted or not (one pass over the shard, next to writing it out). Seen: Lightning's
-    # WeightAveraging copies the average into the module through p.data at the end of fit; with offload the
-    # checkpoint saved after held the weights from before it.
+    # Masters (Note [Master weights] in master_step.py) must not undo weights edited in place between steps
+    # (WGAN's clamp_): before each step and save, if `p._version` counts moved, the masters take the edits (not per
+    # forward: an EMA's swap would round them). Refused at stage 3; a compiled forward moves the counts itself.
     def _note_model_version(self) -> None:
         """The parameters' in-place change counts now hold no edit the optimizer has not taken."""
         self._model_versions = list(map(_VERSION, self._params)) if self._edits_watched else None
 
     def _take_model_edits(self, names: list[str] | None = None, saving: bool = False) -> None:
-        """Masters take the weights user code changed in place since the last look (Note above). saving: for a
-        checkpoint, compare the values whatever the counts say (writes through p.data, Lightning's
-        WeightAveraging putting the average in at the end of fit)."""
+        """Masters take in-place edits (Note above); saving: compare values whatever the counts say (p.data)."""
         if not self._edits_watched:
             return
         versions = list(map(_VERSION, self._params))  # C loops, as the check above
@@ -463,19 +388,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.publisher.publish(copy_master, defer)
 
     # Note [Parameters stay in the flat buffer]
-    # Every managed parameter is a view into flat_param: the all-gather writes
-    # there, the optimizer steps there. Code that gives a parameter new storage
-    # after wrapping (`p.data = ...`, model.to(dtype), model.half()) cuts it
-    # loose: the optimizer would go on stepping the buffer while the model
-    # computes with the new tensor. That cannot work, so it is refused: before
-    # each forward (ShardedDDP) and each step, on every rank, before anything
-    # wrong is computed. At stage 3 a parameter is its bucket's view while
-    # gathered and an empty tensor between uses (Note [Parameters between
-    # gathers] in zero3/store.py); anything else was put there by user code.
+    # Every managed parameter is a view into the buffer where the all-gather writes; new storage given after
+    # wrapping (`p.data = ...`, model.half()) would cut it loose (stage 3: Note [Parameters between gathers]).
     def check_params_in_place(self, names: list[str] | None = None, take_edits: bool = False) -> None:
-        """Raises if a managed parameter no longer lives in the flat buffer (see the Note above). Weights edited
-        in place (Note [Weights edited in place]): refused at stage 3; take_edits (at a step): into the masters."""
-        # Every forward: C loops over the parameters when nothing moved (the usual case).
+        """Raises if a managed parameter left the flat buffer; take_edits: the masters take in-place edits."""
         if self.store.all_in_place():
             if take_edits or not self.store.holds_whole:  # stage 3 refuses an edit at every check
                 self._take_model_edits(names)
@@ -492,16 +408,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._take_model_edits(names)  # stage 3: an edit outside full_params() did nothing (refused)
 
     def wait_params(self) -> None:
-        """Returns once every parameter holds the last step's value on this rank.
-
-        Only needed with overlap_gather=True, before reading parameters outside
-        a forward between step() and the next forward (Note [Gathering in the
-        next forward] in prefetch.py); cheap when nothing is in flight. Every
-        path that writes master chunks (step, loads) calls it first: it also
-        waits for the device to have read the master chunks of a non-blocking
-        copy back (offload to pinned memory; Note [Device operations behind an
-        interface] in device_ops.py).
-        """
+        """Returns once every parameter holds the last step's value (Note [Gathering in the next forward])."""
         self.publisher.wait()
 
     def _wait_buckets(self, buckets) -> None:
@@ -510,16 +417,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @contextlib.contextmanager
     def full_params(self, writeback: bool = True):
-        """Every parameter whole on this rank inside the block (a collective: every rank enters it).
-
-        For code that reads or writes weights outside a forward: an EMA, weight
-        logging, generate() on the bare module. At stage 3 it gathers every
-        bucket and frees them on exit; at stages 1-2 parameters are whole
-        anyway (it waits for gathers in flight). writeback=True: values written
-        inside become the parameters' values (master weights included); with a
-        bf16/fp16 model, elements left alone keep their fp32 master (Note
-        [Writing back keeps the master's bits] in master_step.py).
-        """
+        """Every parameter whole on this rank inside the block (a collective), for code outside a forward (an
+        EMA, generate()). writeback=True: values written inside become the parameters' values, masters included."""
         self.wait_params()
         with self.store.gathered(writeback):
             yield
@@ -533,15 +432,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return self.grads.finish(at_step=self._at_step)
 
     def _at_step(self) -> None:
-        """Every rank has joined its peers' backward reductions: the step's agreements (under torch's Join,
-        Note [Join] in join.py; at stage 3, Note [Passes every rank agrees on])."""
+        """The step's agreements (Note [Join] in join.py; Note [Passes every rank agrees on] at stage 3)."""
         self.join.at_step()
         self.store.start_step()
 
-    # ------------------------------------------------------ torch's Join (Note [Join] in join.py)
     def join_hook(self, **kwargs):
-        """The hook torch's Join runs on a rank out of inputs: it shadows the others' whole iteration (forward,
-        backward, this rank's part of the step), as the ShardedDDP's does (one covers both)."""
+        """The hook torch's Join runs on a rank out of inputs (the ShardedDDP's does the same)."""
         return self.join.make_hook(**kwargs)
 
     @property
@@ -558,26 +454,20 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def params_sharded(self) -> bool:
-        """Whether the model's parameters are empty tensors between uses (stage 3), so code that reads or writes
-        weights outside a forward needs `with opt.full_params():` (Note [One parameter store])."""
+        """Whether parameters are empty tensors between uses (stage 3): reading them then needs full_params()."""
         return not self.store.holds_whole
 
     def phase_seconds(self) -> dict:
-        """Cumulative wall seconds this rank spent per phase since construction.
-
-        reduce: waiting for reductions at the end of backward (communication
-        not hidden behind backward); copy: moving reduced chunks into the
-        gradient shard (device to host with offload; inside reduce or
-        backward); step: the inner optimizer; publish: master chunks into the
-        model (when separate); gather: starting the all-gather of updated
-        parameters and waiting for it (inside step(), or with overlap_gather
-        in the next forward's pre-hooks: then only the exposed waits count).
-        """
+        """Cumulative wall seconds this rank spent per phase: reduce (waiting at the end of backward), copy, step,
+        publish, gather (with overlap_gather, only the exposed waits); io: waiting for the disk tiers' transfers
+        (within step and publish)."""
         out = dict(self._phase)
         out["copy"] = self.engine.copy_seconds if self.engine is not None else 0.0
+        tier, params = self.state_tier, self.store.tier
+        out["io"] = (tier.ring.exposed + self.grad_file.exposed if tier is not None else 0.0) + \
+            (params.exposed if params is not None else 0.0)
         return out
 
-    # ------------------------------------------ state dicts (optim_state.py, checkpoint/save_load.py)
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on rank `to` for state_dict() (call on every rank)."""
         from shardopt.checkpoint import optim_state
@@ -595,18 +485,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.wait_params()
         optim_state.load_optimizer_state_dict(self, state_dict)
 
-    # ------------------------------------------------------------ inspection
     def memory_stats(self) -> dict:
-        """Bytes this rank holds in parameters, master weights, gradients, optimizer state and staging
-        buffers, and how much of it is on the model's device vs offloaded to the host. With OneBitAdam,
-        "onebit": its compression state (host memory, not in on_device)."""
+        """Bytes this rank holds in parameters, masters, gradients, optimizer state and staging, by device; with
+        disk tiers, `tier_buffers` (their host buffers) and `on_disk` (bytes per kind of state in their files)."""
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts)
         state = self.stepper.state_tensors()
+        shard_grad = [self.shard_grad] if self.grad_file is None else []  # on disk: Note [The gradient shard on disk]
         stats = {
             "params": self.store.param_bytes(),
             "master": nbytes([self.master]) if self.master is not None else 0,
-            "grads": nbytes([self.shard_grad] + ([self.store.flat_grad] if self.store.flat_grad is not None else [])),
+            "grads": nbytes(shard_grad + ([self.store.flat_grad] if self.store.flat_grad is not None else [])),
             "optimizer_state": nbytes(state),
             "staging": self.engine.staging_bytes if self.engine is not None else 0,
             # int8 inter-node hop: error feedback (Note [Compressed inter-node hop]).
@@ -614,11 +503,49 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         }
         if self.onebit is not None:  # residuals, frozen denominators, sketch signs: host memory (Note [1-bit Adam under ZeRO])
             stats["onebit"] = self.onebit.host_bytes()
-        # Where they live: with offload, master, gradient shard and state are host memory.
-        host = stats["master"] + nbytes([self.shard_grad]) + stats["optimizer_state"] \
-            if self.config.offload == "cpu" else 0
+        tier, params = self.state_tier, self.store.tier
+        stats["tier_buffers"] = (tier.ring.nbytes if tier is not None else 0) + \
+            (params.buffer_bytes() if params is not None else 0)
+        stats["on_disk"] = dict(tier.disk_bytes(), grads=self.grad_file.nbytes) if tier is not None else {}
+        if params is not None:
+            stats["on_disk"]["params"] = params.disk_bytes()
+        host = stats["master"] + nbytes(shard_grad) + stats["optimizer_state"] + stats["tier_buffers"] \
+            if self.config.offloaded else 0
         stats["offloaded"] = host
         stats["on_device"] = sum(stats[k] for k in ("params", "master", "grads", "optimizer_state", "staging",
-                                                    "hop_residual")) - host
+                                                    "hop_residual", "tier_buffers")) - host
         return stats
 
+
+def _inner_step(opt: ShardedOptimizer, used) -> None:
+    """The inner step; with disk tiers an I/O error in it (or in the walk the last step left open) raises on every
+    rank (a failed rank's peers would otherwise wait in the gather after it), and the run resumes from its last
+    checkpoint."""
+    if opt.state_tier is None and opt.store.tier is None:
+        opt.stepper.step(used, opt.param_groups)
+        return
+    error = None
+    try:
+        opt.stepper.raise_step_error()
+        opt.stepper.step(used, opt.param_groups)
+        if opt.store.tier is not None and opt.stepper.pending is None:
+            opt.store.tier.written()
+    except Exception as e:  # noqa: BLE001 - handed to every rank
+        error = e
+    failed_anywhere(error, opt.world_group, "the step's disk I/O")
+
+
+def _constructor_signature() -> inspect.Signature:
+    """The signature help() and the integrations read: every ShardConfig field is a keyword-only option."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    fields = [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+              for f in dataclasses.fields(ShardConfig)]
+    return inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("optim", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+        + fields + [inspect.Parameter(n, keyword, default=None) for n in ("process_group", "mesh", "shard_group")]
+        + [inspect.Parameter("optim_kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+
+ShardedOptimizer.__init__.__signature__ = _constructor_signature()

@@ -1,18 +1,13 @@
 """Loss scaling for fp16 training, and what to do when gradients are not finite.
 
-The cross-rank part (every rank learning that some rank saw an inf/nan) rides on
-the one small all-reduce the optimizer already does before each step (see
-GradSync.finish in grad_sync.py); this module is the single-process logic.
+The single-process logic; every rank learns of an inf/nan through the pre-step all-reduce (GradSync.finish).
 
 Note [Unscaling inside the reduction]
 -------------------------------------
-Gradients arrive scaled by the loss scale S. The bucket engine already divides
-every gradient by the world size N while copying it into the reduce buffer (as
-DDP's default hook does); it divides by N*S instead, so the reduced shard holds
-true, unscaled gradients with no extra pass, and the same copy pass checks for
-inf/nan (csrc/precision/unscale.cpp, csrc/cuda/unscale.cu; reference in
-shardopt/reference.py). A rank that saw an inf/nan raises a flag that the
-pre-step all-reduce turns into a decision every rank shares: all skip, or none.
+The bucket engine divides every gradient by the world size N while copying it into the reduce buffer, as
+DDP's hook does; with loss scale S it divides by N*S, so the reduced shard holds unscaled gradients with no
+extra pass, and the same pass checks for inf/nan (csrc/precision/, reference.py). A rank's flag becomes,
+through the pre-step all-reduce, a decision every rank shares: all skip, or none.
 """
 from __future__ import annotations
 
@@ -25,29 +20,17 @@ NONFINITE_ACTIONS = ("auto", "skip", "raise")
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-    """Dynamic (or static) loss scaling for fp16 parameters.
-
-    Dynamic scaling: after `growth_interval` steps in a row without inf/nan the
-    scale is multiplied by `growth_factor`; an inf/nan skips the step, and every
-    `hysteresis`-th such skip (since the scale last changed) multiplies the scale by
-    `backoff_factor`, never below `min_scale`. With the default hysteresis=1
-    this is torch.amp.GradScaler's rule; DeepSpeed's fp16 block uses 2.
-    """
+    """Loss scaling for fp16: the scale grows by `growth_factor` after `growth_interval` clean steps; an inf/nan
+    skips the step, and every `hysteresis`-th skip (GradScaler: 1, DeepSpeed: 2) multiplies it by
+    `backoff_factor`, down to `min_scale`. dynamic=False keeps init_scale (and still skips)."""
 
     init_scale: float = 2.0 ** 16
-    """Scale of the first step."""
     growth_factor: float = 2.0
-    """Multiplier applied after growth_interval clean steps (> 1)."""
     backoff_factor: float = 0.5
-    """Multiplier applied on overflow (in (0, 1))."""
     growth_interval: int = 1000
-    """Consecutive steps without inf/nan before the scale grows."""
     hysteresis: int = 1
-    """Overflows tolerated (each still skips its step) before the scale backs off."""
     min_scale: float = 1.0
-    """The scale never drops below this."""
     dynamic: bool = True
-    """False: the scale stays init_scale (overflowing steps are still skipped)."""
 
     def __post_init__(self):
         def bad(name, why):

@@ -1,43 +1,11 @@
-"""Which buckets each module's forward waits for when parameters are gathered in the next forward.
-
-Pure planning: reads the module tree and the layout, talks to no process group.
-ShardedDDP installs the hooks (ddp.py), the bucket engine runs the gathers.
+"""Which buckets each module's forward waits for when parameters are gathered in the next forward (pure planning).
 
 Note [Gathering in the next forward]
 ------------------------------------
-After a step every rank must all-gather the chunks the others updated. Done
-inside step() (overlap_gather=False) that collective is exposed: nothing else
-runs while it does. With overlap_gather=True, step() only *starts* the
-gathers, one per span, in the order the next forward is expected to need
-them, and returns. Each module's forward pre-hook then waits for the buckets
-holding the parameters it may touch, so block k's forward computes while the
-buckets of blocks k+1... are still on the wire (FSDP's forward prefetch,
-without FSDP's wrapping: the unit is the module call).
-
-Which parameters may a module's forward touch? Its own, and those of the
-submodules it could read directly instead of calling (nn.MultiheadAttention
-reads `out_proj.weight` without calling `out_proj`). So a module waits for the
-parameters of its whole subtree, except below a *container* (ModuleList,
-Sequential, ModuleDict): a container's children are run one by one (or read
-as a list of modules) and wait for themselves, which is what lets a stack of
-blocks overlap at all. A container itself waits only for parameters it holds
-directly. The assumption this rests on: code does not read the parameters of
-a container's child without calling that child (or an ancestor of it below
-the container). The root's post-forward hook waits for everything left, so
-whatever runs after the forward (the loss, the backward) sees final values.
-
-Outside a forward, parameters may still be in flight between step() and the
-next forward. Everything shardopt offers that reads or writes them waits
-first: the next step(), `opt.wait_params()`, the model's state_dict() and
-load_state_dict() (hooks on every module that waits), checkpoints,
-consolidate_state_dict(). Code that reads parameters directly right after
-step() (an EMA over `model.parameters()`, logging weight norms) must call
-`opt.wait_params()` first; that is why overlap_gather is opt-in.
-
-Gather order: the modules in registration order (the order most forwards run
-them in), each contributing the buckets of its wait set not yet listed; a
-bucket nobody waits for goes last. Every rank computes the same order from the
-same (checked) model and layout, as collectives require.
+With overlap_gather=True, step() only starts the all-gathers, in the order the next forward should need them,
+and each module's forward pre-hook waits for the buckets it may touch: its subtree's (nn.MultiheadAttention
+reads `out_proj.weight` without calling it), except below a container (ModuleList, Sequential, ModuleDict),
+whose children wait for themselves, so a stack of blocks overlaps. Other reads need `opt.wait_params()`.
 """
 from __future__ import annotations
 
@@ -58,16 +26,13 @@ class ForwardWait:
     name: str
     """The module's qualified name in the model ('' for the root)."""
     module: nn.Module
-    """The module itself."""
     buckets: tuple[int, ...]
     """Buckets holding a parameter its forward may touch (Note [Gathering in the next forward])."""
     covered: bool = False
-    """Its parent is a module that is not a container, so the parent's forward, which encloses this one,
-    waits for all of these buckets too (stage 3 frees after the enclosing forward: Note [Stage-3 schedule] in zero3/schedule.py)."""
+    """Its parent is not a container, so the parent's enclosing forward waits for these buckets too."""
 
 
 def _wait_set(module: nn.Module, index: dict[int, int]) -> list[int]:
-    """Managed parameter indices a module's forward may touch (see the Note)."""
     out = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
     if isinstance(module, CONTAINERS):
         return out
@@ -80,10 +45,7 @@ def _wait_set(module: nn.Module, index: dict[int, int]) -> list[int]:
 
 
 def plan_forward_waits(model: nn.Module, index: dict[int, int], layout: Layout) -> list[ForwardWait]:
-    """Every module with something to wait for, in registration order.
-
-    `index` maps id(parameter) to its position in `layout.params`.
-    """
+    """Every module with something to wait for, in registration order (`index`: id(p) -> its layout position)."""
     param_buckets: list[list[int]] = [[] for _ in layout.params]
     for b in layout.buckets:
         for i in b.params:

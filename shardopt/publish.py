@@ -1,8 +1,5 @@
-"""Publishing parameters after a step: master chunks into the model's chunks, then the parameter store
-puts every rank's chunks into the model (Note [One parameter store] in param_store.py): stages 1-2
-all-gather them into the flat buffer, now or during the next forward (Note [Gathering in the next
-forward] in prefetch.py); at stage 3 the next forward gathers what it uses and only the persistent
-buckets are refreshed here."""
+"""Publishing parameters after a step: master chunks into the model's, then the parameter store gathers every
+rank's (Note [One parameter store] in param_store.py)."""
 from __future__ import annotations
 
 import time
@@ -11,13 +8,7 @@ from shardopt.master_step import MasterStep
 
 
 class Publisher:
-    """Puts every rank's updated chunks into the model and knows what is still in flight.
-
-    Two things can be: the store's gathers (started by `publish(defer=True)`), and
-    the device's copy of master chunks into the model (offload to pinned memory,
-    Note [Device operations behind an interface] in device_ops.py), which must
-    be done before the master chunks are written again.
-    """
+    """Puts every rank's updated chunks into the model; knows what is in flight (gathers, the masters' copy)."""
 
     def __init__(self, master: MasterStep, store, ops, device, phase: dict):
         self.master = master
@@ -28,8 +19,7 @@ class Publisher:
         self.copy_back_mark = None
 
     def publish(self, copy_master: bool = True, defer: bool = False) -> None:
-        """A collective: every rank calls it. copy_master=False when the step's kernel already wrote the
-        model's copy (Note [Master weights]); defer=True only starts the gathers."""
+        """A collective. copy_master=False: the step's kernel wrote the model's copy; defer=True: only start gathers."""
         t0 = time.perf_counter()
         if copy_master and self.master.copy_to_model(self.ops):
             self.copy_back_mark = self.ops.mark(self.device)  # wait() waits for it
@@ -38,6 +28,7 @@ class Publisher:
 
     def wait(self) -> None:
         """Returns once every parameter holds the last step's value and the master chunks may be written."""
+        self.master.settle()  # Note [The step walked in the next forward] in tiers/pending_step.py
         self.store.wait()
         if self.copy_back_mark is not None:
             self.ops.host_wait(self.copy_back_mark)

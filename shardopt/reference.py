@@ -1,9 +1,5 @@
-"""Plain-PyTorch references of shardopt's kernels, for tests.
-
-One function per kernel. Each does in tensor ops exactly what its kernel
-promises, favouring clarity over speed, and is the ground truth the kernel's
-tests compare against.
-"""
+"""Plain-PyTorch references of shardopt's kernels: one per kernel, clear rather than fast, the ground truth its
+tests compare against."""
 import math
 
 import torch
@@ -11,13 +7,9 @@ import torch
 
 def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
                         adamw, step, bias_correction=True):
-    """One Adam/AdamW step on fp32 tensors, in place; the reference of ``shardopt::adam_step``.
-
-    ``step`` counts the step being taken (1 for the first). Bias corrections and
-    every scalar coefficient are computed in double and rounded to fp32 once,
-    as torch's fused Adam does; the element-wise math is fp32 with each
-    operation rounded separately, in the kernel's order (Note [Adam operation
-    order] in csrc/adam/adam_element.h):
+    """One Adam/AdamW step on fp32 tensors, in place: ``shardopt::adam_step``'s reference. Scalar coefficients
+    in double, rounded to fp32 once (as torch's fused Adam); elementwise fp32, each operation rounded, in the
+    kernel's order (Note [Adam operation order] in csrc/adam/adam_element.h):
 
         g = grad + weight_decay * param            (Adam, weight_decay != 0)
         param = param * (1 - lr * weight_decay)    (AdamW)
@@ -25,8 +17,7 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
         exp_avg_sq = exp_avg_sq * beta2 + (g * g) * (1 - beta2)
         param = param - (lr / bc1 * exp_avg) / (sqrt(exp_avg_sq) / sqrt(bc2) + eps)
 
-    with bc1 = 1 - beta1**step and bc2 = 1 - beta2**step, or both 1 when
-    ``bias_correction`` is False. Returns ``param``.
+    with bc1 = 1 - beta1**step and bc2 = 1 - beta2**step (both 1 without ``bias_correction``).
     """
     def f32(x):  # a double rounded to fp32 once, as a 0-dim tensor (torch would keep a Python float in double)
         return torch.tensor(x, dtype=torch.float32)
@@ -39,8 +30,7 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
     p = param * f32(1.0 - lr * weight_decay) if adamw else param.clone()
     exp_avg.copy_(exp_avg * f32(beta1) + g * f32(1.0 - beta1))
     exp_avg_sq.copy_(exp_avg_sq * f32(beta2) + (g * g) * f32(1.0 - beta2))
-    # The kernel's sqrt is IEEE (correctly rounded); torch's vectorised fp32 sqrt
-    # is off by an ulp now and then. sqrt in double rounded to fp32 is exact.
+    # The kernel's sqrt is correctly rounded, torch's vectorised fp32 one not always: sqrt in double is.
     sqrt_v = exp_avg_sq.double().sqrt().float()
     denom = sqrt_v / f32(math.sqrt(bc2)) + f32(eps)
     param.copy_(p - (f32(lr / bc1) * exp_avg) / denom)
@@ -48,16 +38,8 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
 
 
 def unscale_into_reference(src, dst, divisor, found):
-    """``dst = src / divisor`` cast to dst's dtype; ``found`` set to 1 if src holds an inf/nan.
-
-    The reference of ``shardopt::unscale_into`` on every device (the bucket
-    engine's gradient copy: Note [Unscaling inside the reduction] in
-    shardopt/precision.py; CPU and CUDA kernels share their arithmetic, Note
-    [Unscale rounding] in csrc/precision/unscale_element.h). The division is in
-    fp32, or fp64 when src or dst is fp64, with the divisor rounded to that
-    dtype once, and the quotient is rounded once into dst's dtype. ``found`` is
-    only ever raised, never cleared, and only by non-finite *src* values.
-    """
+    """``shardopt::unscale_into``: ``dst = src / divisor`` in fp32 (fp64 if src or dst is), rounded once into
+    dst's dtype; ``found`` raised, never cleared, if src holds an inf/nan (Note [Unscale rounding])."""
     acc = torch.float64 if torch.float64 in (src.dtype, dst.dtype) else torch.float32
     v = src.to(acc)
     if not torch.isfinite(v).all():
@@ -67,10 +49,8 @@ def unscale_into_reference(src, dst, divisor, found):
 
 
 def int8_block_encode_reference(x, block=256):
-    """The int8 inter-node hop's encoding of fp32 ``x`` (Note [Fused int8 codec] in
-    csrc/comm/int8_codec.h): per block of ``block`` elements (the last one zero-padded),
-    scale = max|x| / 127 in fp32, q = round-half-to-even(x * (1 / scale)) clamped to [-127, 127]
-    (0 where scale is 0, and where x * (1 / scale) is nan). Returns (scales fp32, q int8)."""
+    """The int8 hop's (scales, q) of fp32 ``x`` (Note [Fused int8 codec]): per zero-padded block scale = max|x| /
+    127, q = round-half-even(x * (1 / scale)) clamped to +-127 (0 where scale is 0 or the product nan)."""
     m = x.numel()
     nb = -(-m // block)
     padded = torch.zeros(nb * block, dtype=torch.float32)
@@ -92,9 +72,7 @@ def int8_block_decode_reference(scale, q, block=256):
 
 
 def int8_encode_feedback_reference(x, residual=None, block=256):
-    """The hop's encode with error feedback (Note [Fused int8 codec]): v = x + residual in fp32
-    is encoded, and ``residual`` (if given) becomes, in place, v - decode(message): what the
-    rounding lost. Returns (scales, q, decoded)."""
+    """Encodes v = x + residual (fp32); ``residual`` becomes v - decode(message). Returns (scales, q, decoded)."""
     v = x.float() if residual is None else x.float() + residual
     scale, q = int8_block_encode_reference(v, block)
     decoded = int8_block_decode_reference(scale, q, block)
@@ -110,12 +88,9 @@ def int8_decode_reference(scale, q, out, base=None, block=256):
 
 
 def int8_hop_reference(chunks, residuals=None, block=256):
-    """The int8 inter-node hop (Note [Compressed inter-node hop] in csrc/comm/replica_hop.h) of all
-    R replicas at once: ``chunks[k]`` is replica k's chunk (n elements, fp32/bf16/fp16),
-    ``residuals[k]`` its error-feedback residual (n + n / R fp32, updated in place) or None.
-    Returns the chunk every replica ends with. Part j (n / R elements) is owned by replica j: the
-    others send it encoded (with their residual for it), j sums in rank order in fp32 (its own
-    part exact), encodes the sum (with its residual's last n / R elements), and everyone decodes."""
+    """The int8 hop of R replicas' ``chunks`` (residuals n + n / R fp32, or None): the chunk every replica ends
+    with. Replica j owns part j: the others send it encoded, j sums in rank order in fp32 (its own part exact)
+    and sends the sum back encoded with its residual's last n / R (Note [Compressed inter-node hop])."""
     reps = len(chunks)
     n = chunks[0].numel()
     m = n // reps
@@ -137,14 +112,35 @@ def int8_hop_reference(chunks, residuals=None, block=256):
     return out
 
 
-# ------------------------------------------------------------------ 1-bit format
-# Note [1-bit format] in shardopt/onebit.py: per block of ONEBIT_BLOCK elements one fp32 scale (the
-# mean |x| of the block's real elements, or with scale="rms" their root mean square) and one sign bit per
-# element (1: x >= 0), packed 8 to a byte, element 8k+i in bit i of byte k; a value decodes to +scale or
-# -scale.
+def param_phase_reference(chunk, fmt, block=256):
+    """What every rank holds of one rank's fp32 ``chunk`` after a two-level gather whose phase across nodes is
+    ``fmt`` (None, "bfloat16" or "int8": Note [Stage 3's parameters across nodes, rounded]): the chunk, its bf16
+    rounding, or its int8 message (no error feedback) decoded."""
+    if fmt is None:
+        return chunk.clone()
+    if fmt == "bfloat16":
+        return chunk.to(torch.bfloat16).float()
+    if fmt == "int8":
+        return int8_block_decode_reference(*int8_block_encode_reference(chunk.float(), block), block)
+    raise ValueError(f"fmt must be None, 'bfloat16' or 'int8', got {fmt!r}")
+
+
+def two_level_all_gather_reference(inputs, nodes, fmt=None, block=256):
+    """``csrc/comm/two_level.h``'s all-gather of W = len(inputs) ranks on ``nodes`` nodes (rank = node * K +
+    local): rank (node i, local j)'s input, each rounded as ``fmt`` crosses, at chunk j * nodes + i."""
+    world = len(inputs)
+    per_node = world // nodes
+    n = inputs[0].numel()
+    out = torch.empty(world * n, dtype=inputs[0].dtype)
+    for rank, x in enumerate(inputs):
+        at = (rank % per_node) * nodes + rank // per_node
+        out[at * n:(at + 1) * n] = param_phase_reference(x, fmt if nodes > 1 else None, block)
+    return out
+
+
 def onebit_encode_reference(x, block=1024, scale="mean", gain=1.0):
-    """fp32 ``x`` (n elements) -> (scales fp32 [ceil(n / block)], bits uint8 [ceil(n / 8)]); every block's scale
-    its mean |x| or RMS (``scale``) times ``gain``, the product in fp32."""
+    """fp32 ``x`` -> (fp32 scale per block: mean |x| or RMS, times ``gain``; sign bits, element 8k+i in bit i
+    of byte k, 1 for x >= 0): Note [1-bit format] in onebit.py."""
     n = x.numel()
     nb = -(-n // block)
     x = x.float()
@@ -157,7 +153,6 @@ def onebit_encode_reference(x, block=1024, scale="mean", gain=1.0):
         mean = acc / part.numel()
         scales[k] = torch.tensor(mean if scale == "mean" else math.sqrt(mean), dtype=torch.float64).float()
     scales = scales * gain  # fp32 times a Python number: an fp32 product
-    # element 8k+i in bit i of byte k (whole tensor ops: the same bits as setting them one by one)
     ones = torch.zeros(-(-n // 8) * 8, dtype=torch.int32)
     ones[:n] = (x >= 0).to(torch.int32)
     bits = (ones.view(-1, 8) << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
@@ -173,8 +168,7 @@ def onebit_decode_reference(scales, bits, n, block=1024):
 
 
 def onebit_encode_feedback_reference(x, residual=None, block=1024, scale="mean", gain=1.0):
-    """Encode with error feedback: v = x + residual (fp32) is encoded and ``residual`` becomes, in place,
-    v - decode(message). Returns (scales, bits, decoded)."""
+    """Encodes v = x + residual (fp32); ``residual`` becomes v - decode(message). Returns (scales, bits, decoded)."""
     v = x.float() if residual is None else x.float() + residual
     scales, bits = onebit_encode_reference(v, block, scale, gain)
     decoded = onebit_decode_reference(scales, bits, v.numel(), block)
@@ -184,21 +178,16 @@ def onebit_encode_feedback_reference(x, residual=None, block=1024, scale="mean",
 
 
 def onebit_local_momentum_reference(grad, local, denom, a, beta1):
-    """Note [The local momentum in one pass] (csrc/comm/onebit_codec.h): ``local`` = local * beta1 + grad * a, in
-    place, in fp32 ops (each scalar an fp32 as ATen takes a Python float); returns local / denom."""
+    """``local`` = local * beta1 + grad * a in place, fp32 ops; returns local / denom (Note [The local momentum in
+    one pass] in csrc/comm/onebit_codec.h)."""
     local.mul_(beta1).add_(grad.float().mul(a))
     return local / denom
 
 
 def onebit_allreduce_reference(chunks, worker_residuals, server_residuals, block=1024, scale="mean", gains=(1.0, 1.0)):
-    """The compressed all-reduce of 1-bit Adam's momentum over R ranks, replicas on a hybrid mesh or every rank on a flat
-    one (Note [1-bit Adam under ZeRO]):
-    ``chunks[k]`` replica k's fp32 momentum (n elements, n % R == 0), ``worker_residuals[k]`` (n) and
-    ``server_residuals[k]`` (n / R) its residuals, updated in place. Part j is owned by replica j: the
-    others send it 1-bit with their worker residual, j averages in rank order in fp32 (its own part
-    exact), encodes the mean with its server residual, and every replica decodes that (every message's
-    scale per block: "mean" |x| or "rms", times gains[0] on the replicas' messages and gains[1] on the owners').
-    Returns the chunk every replica ends with."""
+    """1-bit Adam's all-reduce of R ranks' fp32 momentum ``chunks`` (Note [1-bit Adam under ZeRO]), worker (n)
+    and server (n / R) residuals updated in place. Rank j owns part j: the others send it 1-bit (gains[0]), j
+    averages in rank order in fp32 and sends the mean back 1-bit (gains[1]). Returns every rank's result."""
     reps = len(chunks)
     n = chunks[0].numel()
     m = n // reps

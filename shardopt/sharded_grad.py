@@ -13,9 +13,10 @@ parameter's `.grad` is a ShardedGrad: a tensor with the parameter's shape,
 dtype and device but no storage (a wrapper subclass, as DTensor is), whose
 operations act on this rank's pieces and agree with what DDP's full gradient
 would give:
-  * norms (torch.linalg.vector_norm, Tensor.norm; what clip_grad_norm_ calls):
-    the norm of the whole averaged gradient. Every parameter's 2-norm is
-    computed at the end of each reducing backward, in the small all-reduce
+  * norms (torch.linalg.vector_norm, Tensor.norm, torch._foreach_norm: what
+    clip_grad_norm_ and get_total_norm call): the norm of the whole averaged
+    gradient. Every parameter's 2-norm is computed at the end of each
+    reducing backward, in the small all-reduce
     that also tells which parameters got a gradient anywhere, so reading a
     2-norm is local and cheap, as with DDP: rank 0 alone may log it. Scaling
     and zeroing keep the cached norms exact; other orders (inf, 1, ...) and
@@ -35,6 +36,10 @@ would give:
     the values; a collective too;
   * anything else raises, naming what works. Casting or moving the model
     (model.half(), model.to(dtype)) lands here and is refused.
+Every way torch offers to clip (clip_grad_norm_, get_total_norm then
+clip_grads_with_norm_, _foreach_norm by hand, clip_grad_value_, with and
+without foreach, 2- and inf-norms) runs against DDP at stages 1-3 in
+tests/test_clip_entry_points.py: libraries change which one they call.
 The user may also replace `p.grad`: with None (nn.Module.zero_grad) the
 parameter's pieces and its "got a gradient" flag are cleared, as DDP's
 gradient would be; with a tensor (a full gradient, the same on every rank),
@@ -60,7 +65,8 @@ from shardopt.parallel import comm
 
 aten = torch.ops.aten
 
-_HOW = ("what works on a sharded p.grad: torch.nn.utils.clip_grad_norm_ / clip_grad_value_, p.grad.norm(), "
+_HOW = ("what works on a sharded p.grad: torch.nn.utils.clip_grad_norm_ / clip_grad_value_ / get_total_norm / "
+        "clip_grads_with_norm_, torch._foreach_norm, p.grad.norm(), "
         "mul_/div_/clamp_/zero_, GradScaler.unscale_, and p.grad.full_tensor() for the whole gradient (a "
         "collective: call it on every rank)")
 
@@ -318,9 +324,9 @@ if ShardedGrad not in _foreach_utils._foreach_supported_types:
 # it decides with: which parameters have a gradient (p.grad None or not; a host
 # tensor, all-reduced through the GPU on NCCL, Note [Host bookkeeping on NCCL])
 # and whether a gradient is inf/nan (skip or raise, as GradScaler reads it).
-# With offload the shard is in host memory, and so are its norms. Measured on
-# an H200 (benchmarks/results/2026-11-26-gpu-check.md): norms on the host made
-# 4 host syncs per step with torch's clip_grad_norm_, on the device 1.
+# With offload the shard is in host memory, and so are its norms. On a GPU,
+# norms on the host made 4 host syncs per step with torch's clip_grad_norm_, on
+# the device 1 (benchmarks/results/, the GPU check).
 
 
 class GradShard:

@@ -89,7 +89,7 @@ def run_case(rank, world_size, steps, stage, dtype, optim, kw, tol):
     # Ranks on several nodes: node-aware collectives are on by default (Note [Two-level collectives]).
     nodes = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
     if nodes > 1 and (opt.sharding.nodes is None or opt.sharding.nodes.replicas != nodes
-                      or (stage == 3 and opt.store.nodes != opt.sharding.nodes)):
+                      or (stage == 3 and opt.store.gather.route != "two-level")):
         failures.append(f"{what}: node-aware collectives are not on over {nodes} nodes ({opt.sharding.nodes})")
     for step in range(steps):
         total = 0.0

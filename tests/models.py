@@ -51,6 +51,19 @@ def uses_branch(step: int, rank: int) -> bool:
     return (step + rank) % 3 == 0 and step % 4 != 1
 
 
+def awkward_loss(fn, step: int, rank: int) -> torch.Tensor:
+    """AwkwardNet's loss on `batch(step, rank)`: fn(x, use_branch) is the model, wrapped or not."""
+    x, y = batch(step, rank)
+    return nn.functional.cross_entropy(fn(x, uses_branch(step, rank)).float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def decay_groups(model: nn.Module) -> list[dict]:
+    """The trainable parameters as two groups, decay (matrices) and no decay (vectors)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 class TinyNet(nn.Module):
     """Rows of 7 and 13 elements that no chunk or partition size divides (7x13, 13x5): pieces cut rows,
     so DeepSpeed partitions, shardopt chunks and DCP boxes all split parameters (test_interop_*)."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from dist_harness import RankFailure, run_ranks
 from models import VOCAB, AwkwardNet, batch, uses_branch
+from same_state import snapshot as _snapshot
 
 GLOBAL_BATCH = 6
 OPTIMS = {
@@ -75,13 +76,6 @@ def _train(wrapper, opt, sched, steps, rank, world_size):
         opt.step()
         opt.zero_grad()
         sched.step()
-
-
-def _snapshot(model, opt):
-    """Model state and the consolidated torch.optim state dict (None except on rank 0)."""
-    opt.consolidate_state_dict(to=0)
-    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optim": opt.state_dict() if opt.rank == 0 else None}
 
 
 def _differences(a, b, rtol):

@@ -278,6 +278,127 @@ def test_run_ranks_on_cluster(cluster):
         run_ranks_on_cluster(cluster, 2, 1, _where, 1, timeout=120)
 
 
+# ------------------------------------------------------------------ nothing but the link between nodes
+@needs_cluster
+def test_each_node_has_its_own_hostname_and_dev_shm(cluster, tmp_path):
+    """Note [A node shares nothing but its link]: a file one node puts in /dev/shm is not in another node's,
+    nor in the machine's; each node has its own hostname (its namespace's name), kept across processes."""
+    seen = []
+    for i in range(2):
+        log = tmp_path / f"node{i}.log"
+        p = cluster.popen(i, ["sh", "-c", "hostname; touch /dev/shm/shardopt-probe-$(hostname); ls /dev/shm; pwd"],
+                          log=str(log), cwd=str(tmp_path))
+        assert cluster.wait([p], 60) == [0], log.read_text()
+        seen.append(log.read_text().split())
+    for i, (host, *files, cwd) in enumerate(seen):
+        assert host == cluster.plan.nodes[i].hostname, seen
+        assert files == [f"shardopt-probe-{host}"], seen  # its own file only
+        assert cwd == str(tmp_path)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("shardopt-probe-")]
+
+
+def _tx(rank):
+    """This node's link counter, read by its local rank 0 between barriers (None on the others)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if int(os.environ["LOCAL_RANK"]) != 0:
+        return None
+    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _step_bytes(rank, world_size, params_across, grads_across, steps=3):
+    """Bytes this node sent per stage-3 step (its local rank 0's answer) and what they must be at least: every
+    bucket's gathers (forward, and backward but the seam's) and its gradient phase, each rank's chunk crossing to
+    the other nodes in its format (Note [Stage 3's parameters across nodes, rounded])."""
+    import shardopt
+    from shardopt.parallel.mesh_plan import bytes_per_element
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(384, 384) for _ in range(6)])
+    opt = shardopt.ShardedOptimizer(model.parameters(), lr=1e-3, stage=3, reduce_bucket_size=200_000,
+                                    inter_node_param_dtype=params_across, inter_node_dtype=grads_across)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    x = torch.randn(8, 384, generator=torch.Generator().manual_seed(rank))
+
+    def step():
+        wrapper(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    before = _tx(rank)
+    for _ in range(steps):
+        step()
+    after = _tx(rank)
+    nodes, per_node = opt.sharding.nodes.replicas, int(os.environ["LOCAL_WORLD_SIZE"])
+    fmt = {None: None, torch.bfloat16: "bfloat16", "int8": "int8"}
+
+    def across(b, what):  # one gather's bytes from this node: its ranks' chunks to the (R-1) other nodes
+        chunk = opt.layout.buckets[b].chunk_numel
+        if what == "int8":
+            message = -(-(4 * -(-chunk // 256) + chunk) // 4) * 4  # scales, values, a slot of whole words
+        else:
+            message = chunk * bytes_per_element(what)
+        return per_node * (nodes - 1) * message
+
+    rounds = opt.store.rounds
+    gathers = list(rounds.schedule.forward) + [b for b in rounds.schedule.backward if b not in rounds.seam]
+    payload = sum(across(b, fmt[params_across]) for b in gathers) + \
+        sum(across(b.index, fmt[grads_across]) for b in opt.layout.buckets)
+    return None if before is None else ((after - before) / steps, payload)
+
+
+def _nothing_bypasses_the_link(rank, world_size):
+    """2 nodes x 2 ranks: which ranks share a host, what their agreements and gathers send over the link."""
+    import socket
+
+    import torch.distributed as dist
+    from shardopt.zero3.passes import Intent, exchange
+    from shardopt.parallel.shm_exchange import open_shm_exchange
+
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    hosts = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    nodes = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world_size // per_node)]
+    mine = nodes[rank // per_node]
+    sharing = {"world": open_shm_exchange(dist.group.WORLD) is not None, "node": open_shm_exchange(mine) is not None}
+    # Stage 3's pass agreements across nodes: each must carry every rank's 16 bytes over the link.
+    shm = open_shm_exchange(dist.group.WORLD)
+    before = _tx(rank)
+    rounds = 500
+    for i in range(rounds):
+        exchange(Intent.FORWARD, i, dist.group.WORLD, shm)
+    after = _tx(rank)
+    agreements = None if before is None else (after - before, rounds * per_node * 16)
+    steps = {(str(p), str(g)): _step_bytes(rank, world_size, p, g)
+             for p, g in ((None, None), ("int8", "int8"), (torch.bfloat16, torch.bfloat16))}
+    return hosts, sharing, agreements, steps
+
+
+@needs_cluster
+def test_no_byte_between_nodes_bypasses_the_link(cluster):
+    """Ranks of a node share a host and its /dev/shm, ranks of two nodes do not: stage 3's agreements and
+    gathers cross the link. Counted on each node's veth: 500 pass agreements send at least every rank's 16
+    bytes each (they would send nothing through a /dev/shm the nodes shared), and a stage-3 step sends its
+    arithmetic, exact, bf16 and int8 (the payload, plus at most 15% of headers, acknowledgements, barriers)."""
+    from shardopt.cluster.node_ranks import run_ranks_on_cluster
+
+    got = run_ranks_on_cluster(cluster, 2, 2, _nothing_bypasses_the_link, timeout=300)
+    hosts = got[0][0]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
+    assert hosts[0] == cluster.plan.nodes[0].hostname and hosts[2] == cluster.plan.nodes[1].hostname
+    assert all(g[1] == {"world": False, "node": True} for g in got), [g[1] for g in got]
+    for node in (0, 2):  # the local rank 0s
+        sent, least = got[node][2]
+        assert sent >= least, f"node {node // 2}: 500 agreements sent {sent} bytes over the link, < {least}"
+        for what, (per_step, payload) in got[node][3].items():
+            print(f"\nnode {node // 2}, stage 3 (params, grads) across nodes {what}: {per_step / 1e6:.3f} MB per "
+                  f"step, payload {payload / 1e6:.3f} MB ({per_step / payload:.3f})")
+            assert payload <= per_step <= 1.15 * payload, (what, per_step, payload)
+
+
 # ------------------------------------------------------------------ cleaning up
 @needs_cluster
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -105,7 +105,7 @@ def test_every_unsupported_key_and_auto_value_in_one_error():
         translate(cfg)
     msg = str(e.value)
     for needle in ("zero_optimization.reduce_scatter", "zero_optimization.zero_quantized_gradients",
-                   "offload_optimizer.device", "NVMe", "optimizer.type", "Lamb", "flops_profiler",
+                   "offload_optimizer.nvme_path", "needs nvme_path", "optimizer.type", "Lamb", "flops_profiler",
                    "fp16.consecutive_hysteresis", "zero_optimization.reduce_bucket_size, optimizer.params.lr, "
                    "gradient_clipping = \"auto\"", "Hugging Face", "inter_node_dtype='int8'"):
         assert needle in msg, needle
@@ -227,12 +227,10 @@ DS_ZERO3_TUTORIAL = json.loads("""
 """)
 
 
-def test_zero3_tutorial_config_refuses_only_offload_param_and_translates_the_rest():
-    with pytest.raises(ValueError) as e:
-        translate(DS_ZERO3_TUTORIAL)
-    msg = str(e.value)
-    assert msg.count("\n  ") == 1 and "zero_optimization.offload_param" in msg, msg  # the one key we do not do
-    assert "offload_optimizer" in msg.split("offload_param", 1)[1]  # ... and what to use instead
+def test_zero3_tutorial_config_translates_with_its_parameter_offload():
+    t = translate(DS_ZERO3_TUTORIAL)  # offload_param "cpu": on a CPU model the shard is in host memory already
+    assert t.kwargs == dict(stage=3, max_live_parameters=2000, prefetch_bucket_size=1000, offload_param="cpu",
+                            param_persistence_threshold=60, reduce_bucket_size=1000, offload="cpu", max_grad_norm=1.0)
     cfg = json.loads(json.dumps(DS_ZERO3_TUTORIAL))
     del cfg["zero_optimization"]["offload_param"]
     t = translate(cfg)
@@ -255,8 +253,8 @@ def test_zero3_tutorial_config_refuses_only_offload_param_and_translates_the_res
     ("stage3_module_granularity_threshold", 100, ("refused", "gathers by bucket")),
     ("stage3_use_all_reduce_for_fetch_params", True, ("refused", "all-gather")),
     ("mics_shard_size", 8, ("refused", "MiCS")),
-    ("cpu_offload_param", True, ("refused", "parameter offload is not supported")),
-    ("offload_param", {"device": "nvme", "nvme_path": "/x"}, ("refused", "parameter offload is not supported")),
+    ("cpu_offload_param", True, ("kwargs", {"offload_param": "cpu"})),
+    ("offload_param", {"device": "nvme", "nvme_path": "/x"}, ("refused", "needs offload_optimizer.device")),
     ("stage3_max_live_parameters", -1, ("refused", "whole number >= 0")),
     ("stage3_prefetch_bucket_size", "auto", ("refused", "Hugging Face")),
 ])
@@ -292,3 +290,153 @@ def test_zero3_tutorial_config_trains_as_the_kwargs_run():
     config = results[0][0][4]
     assert (config.stage, config.offload, config.prefetch_bucket_size, config.max_live_parameters,
             config.param_persistence_threshold) == (3, "cpu", 1000, 2000, 60)
+
+
+# ---------------------------------------------------------------- key names
+def _deepspeed_names(model) -> set:
+    return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+def test_the_names_we_check_are_deepspeeds():
+    """The tables of valid names equal the installed DeepSpeed's pydantic models (extra="forbid")."""
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    precision = pytest.importorskip("deepspeed.runtime.precision_config")
+    from shardopt.deepspeed_config import (DS_BF16_KEYS, DS_FP16_KEYS, DS_OFFLOAD_OPTIMIZER_KEYS,
+                                           DS_OFFLOAD_PARAM_KEYS, DS_ZERO_KEYS)
+
+    assert DS_ZERO_KEYS == _deepspeed_names(config.DeepSpeedZeroConfig)
+    assert DS_OFFLOAD_OPTIMIZER_KEYS == _deepspeed_names(offload.DeepSpeedZeroOffloadOptimizerConfig)
+    assert DS_OFFLOAD_PARAM_KEYS == _deepspeed_names(offload.DeepSpeedZeroOffloadParamConfig)
+    assert DS_FP16_KEYS == _deepspeed_names(precision.DeepSpeedFP16Config)
+    assert DS_BF16_KEYS == _deepspeed_names(precision.DeepSpeedBF16Config)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("by_alias", [False, True])
+def test_every_zero_key_deepspeed_knows_at_its_default_translates(stage, by_alias):
+    """DeepSpeed's own zero_optimization, every key written out at its default, is a config we take at every
+    stage (translated or accepted without effect): no valid name is mistaken for a typo."""
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    zero = json.loads(config.DeepSpeedZeroConfig(stage=stage).model_dump_json(by_alias=by_alias))
+    assert len(zero) > 40
+    t = translate(_minimal(zero_optimization=zero))
+    assert t.kwargs["stage"] == stage
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_misspelt_key_is_refused_at_every_stage_with_the_nearest_name(stage):
+    cfg = _minimal(zero_optimization={"stage": stage, "stage3_prefetch_bucket_sise": 1000000,
+                                      "reduce_bucket_sise": 5e7, "stage3_prefetch_bucket_size": 1000,
+                                      "offload_optimizer": {"devise": "cpu"}, "offload_param": {"devcie": "none"},
+                                      "mics_shard_size": 8, "stage3_whatever": "auto"},
+                   fp16={"enabled": False, "loss_scale_windoe": 100}, gradient_cliping=1.0)
+    with pytest.raises(ValueError) as e:
+        translate(cfg)
+    msg = str(e.value)
+    for key, near in [("zero_optimization.stage3_prefetch_bucket_sise", "stage3_prefetch_bucket_size"),
+                      ("zero_optimization.reduce_bucket_sise", "reduce_bucket_size"),
+                      ("zero_optimization.offload_optimizer.devise", "device"),
+                      ("zero_optimization.offload_param.devcie", "device"),
+                      ("gradient_cliping", "gradient_clipping")]:
+        line = next((ln for ln in msg.split("\n") if ln.startswith(f"  {key} = ")), None)
+        assert line is not None and f"did you mean {near!r}?" in line, (key, msg)
+    assert "zero_optimization.stage3_whatever = \"auto\": unknown key" in msg  # "auto" or not
+    assert "zero_optimization.mics_shard_size = 8: MiCS was removed" in msg
+    assert "fp16.loss_scale_windoe = 100: unknown key, which DeepSpeed refuses too: did you mean " \
+           "'loss_scale_window'?" in msg  # a disabled block's names too, as DeepSpeed checks them
+    assert msg.count("\n  ") == 8, msg
+    # Fixed, the same config translates; at stage 3 the prefetch the user asked for is there.
+    for key in ("stage3_prefetch_bucket_sise", "reduce_bucket_sise", "mics_shard_size", "stage3_whatever"):
+        del cfg["zero_optimization"][key]
+    cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "none"})
+    del cfg["gradient_cliping"], cfg["fp16"]["loss_scale_windoe"]
+    assert translate(cfg).kwargs.get("prefetch_bucket_size") == (1000 if stage == 3 else None)
+
+
+def test_what_is_accepted_without_effect_is_said_once_at_construction(caplog):
+    cfg = _minimal(train_batch_size=64, zero_optimization={"stage": 2, "contiguous_gradients": True,
+                                                           "stage3_max_live_parameters": 10})
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with caplog.at_level("INFO", logger="shardopt"):
+        optimizer_arguments(params, cfg, {})
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardopt"]
+    assert len(lines) == 1, lines
+    for key in ("train_batch_size", "zero_optimization.contiguous_gradients",
+                "zero_optimization.stage3_max_live_parameters"):
+        assert key in lines[0], lines
+
+
+# ------------------------------------------------------------------- tiers
+# DeepSpeed's ZeRO-Infinity example (docs/_pages/config-json.md, "ZeRO-Infinity"), the nvme variant; the cpu
+# variant sets both devices to "cpu" and drops the NVMe keys.
+DS_ZERO_INFINITY = json.loads("""
+{
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 1000,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4, "pin_memory": false,
+                              "pipeline_read": false, "pipeline_write": false, "fast_init": false},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "buffer_size": 1e8,
+                          "max_in_cpu": 1e9, "pin_memory": false}
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": false,
+            "overlap_events": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+    "gradient_clipping": 0.5
+}
+""")
+
+
+def test_zero_infinity_config_maps_onto_the_tiers():
+    t = translate(DS_ZERO_INFINITY)
+    assert t.optim is shardopt.CPUAdam and t.optim_kwargs == dict(lr=1e-2, weight_decay=0.1, adamw=True)
+    assert t.kwargs == dict(stage=3, reduce_bucket_size=1000, offload="nvme", offload_param="nvme",
+                            nvme_path="/local_nvme", offload_buffer_count=5, pin_memory=False, max_grad_norm=0.5,
+                            aio=dict(block_size=1048576, queue_depth=8, thread_count=1))
+    z = "zero_optimization"
+    assert set(t.ignored) == {f"{z}.offload_optimizer.pipeline_read", f"{z}.offload_optimizer.pipeline_write",
+                              f"{z}.offload_optimizer.fast_init", f"{z}.offload_param.buffer_size",
+                              f"{z}.offload_param.max_in_cpu", "aio.single_submit", "aio.overlap_events"}
+    cpu = json.loads(json.dumps(DS_ZERO_INFINITY))
+    cpu[z]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cpu[z]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    del cpu["aio"]
+    assert translate(cpu).kwargs == dict(stage=3, reduce_bucket_size=1000, offload="cpu", offload_param="cpu",
+                                         pin_memory=True, max_grad_norm=0.5)
+    # DeepSpeed 0.19's name for thread_count; below stage 3 offload_param is ignored, as DeepSpeed does.
+    cfg = _minimal(aio={"intra_op_parallelism": 2}, zero_optimization={"stage": 2, "offload_param": {"device": "nvme"}})
+    assert translate(cfg).kwargs == dict(stage=2, aio={"thread_count": 2})
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"offload_param": {"device": "nvme", "nvme_path": "/other"}}, "one nvme_path for both tiers"),
+    ({"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "cpu"}}, "needs nvme_path"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.5}}, "partial offload"),
+    ({"offload_optimizer": {"device": "disk"}}, "must be \"none\", \"cpu\" or \"nvme\""),
+    ({"offload_optimizer": {"device": "none"}}, "needs offload_optimizer.device"),
+    ({"offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}}, "one pin_memory"),
+])
+def test_offload_blocks_refused_with_the_reason(change, needle):
+    cfg = json.loads(json.dumps(DS_ZERO_INFINITY))
+    cfg["zero_optimization"].update(change)
+    with pytest.raises(ValueError, match=needle):
+        translate(cfg)
+    for aio, needle in (({"use_gds": True}, "GPUDirect"), ({"block_size": 1000}, "multiple of 4096"),
+                        ({"queue_dept": 8}, "did you mean 'queue_depth'")):
+        with pytest.raises(ValueError, match=needle):
+            translate(_minimal(aio=aio))
+
+
+def test_zero_infinity_config_trains_as_the_kwargs_run(tmp_path):
+    """The nvme variant through from_config: the same run as the keyword arguments, bit for bit."""
+    cfg = json.loads(json.dumps(DS_ZERO_INFINITY))
+    for block in ("offload_optimizer", "offload_param"):
+        cfg["zero_optimization"][block]["nvme_path"] = str(tmp_path)
+    kwargs = dict(optim=shardopt.CPUAdam, lr=1e-2, weight_decay=0.1, adamw=True, stage=3, reduce_bucket_size=1000,
+                  offload="nvme", offload_param="nvme", nvme_path=str(tmp_path), offload_buffer_count=5,
+                  pin_memory=False, max_grad_norm=0.5, aio=dict(block_size=1048576, queue_depth=8, thread_count=1))
+    results = run_ranks(_run_both, 2, cfg, kwargs, 4)
+    _assert_same(results)
+    config = results[0][0][4]
+    assert (config.offload, config.offload_param, config.offload_buffer_count) == ("nvme", "nvme", 5)

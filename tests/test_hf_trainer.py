@@ -73,7 +73,7 @@ def _fit(sharded, args, resume=None, dataset=48, cls=None, replay=None, **kw):
     model = kw.pop("model", None) or tiny_gpt2()
     cls = cls or (ShardedTrainer if sharded else transformers.Trainer)
     trainer = cls(model=model, args=args, train_dataset=TextDataset(dataset), **kw)
-    train_counting_clips(trainer, replay, resume_from_checkpoint=resume)
+    train_observed(trainer, replay, resume_from_checkpoint=resume)
     logs = [{k: v for k, v in entry.items() if k in ("loss", "grad_norm", "learning_rate", "step", "eval_loss")}
             for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
     # At stage 3 the parameters are empty between uses: full_params gathers them (a no-op at stages 1-2).
@@ -82,15 +82,36 @@ def _fit(sharded, args, resume=None, dataset=48, cls=None, replay=None, **kw):
     return logs, weights, trainer
 
 
-def train_counting_clips(trainer, replay=None, **train_kw):
-    """trainer.train(**train_kw), counting torch's clip_grad_norm_ calls in trainer.torch_clips (the Trainer's
-    clipping should be the optimizer's own). replay: the grad norms a sharded run logged, for DDP replaying it
-    (Note [DDP replaying the sharded run]); torch's own norms then in trainer.torch_norms."""
-    clip_fn = replay_clip(replay) if replay is not None else torch.nn.utils.clip_grad_norm_
-    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=clip_fn) as clip:
-        trainer.train(**train_kw)
-    trainer.torch_clips = clip.call_count
-    trainer.torch_norms = getattr(clip_fn, "torch_norms", None)
+def train_observed(trainer, replay=None, **train_kw):
+    """trainer.train(**train_kw), recording what the tests judge by what the run did, not by which torch function
+    a library clips with: trainer.optimizer_clips, the ShardedOptimizer's own clip_grad_norm calls (Note [The
+    Trainer's clipping is the optimizer's]); and given replay, the grad norms a sharded run logged, DDP replaying
+    it (Note [DDP replaying the sharded run]): trainer.torch_norms, torch's norm of the gradients each optimizer
+    step was given, before the replay's clip. trainer.clip_limit: the arguments' max_grad_norm."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from shardopt import ShardedOptimizer
+
+    own_clip, clips = ShardedOptimizer.clip_grad_norm, []
+
+    def counted(opt, *args, **kw):
+        clips.append(opt)
+        return own_clip(opt, *args, **kw)
+
+    trainer.clip_limit, trainer.torch_norms, hook = trainer.args.max_grad_norm, [], None
+    if replay is not None:
+        # The libraries measure and log the norm and scale by 1; the hook at the step clips by the sharded
+        # run's norm (Note [DDP replaying the sharded run]).
+        trainer.args.max_grad_norm = math.inf
+        hook = register_optimizer_step_pre_hook(_replay_at_step(trainer, replay))
+    try:
+        with mock.patch.object(ShardedOptimizer, "clip_grad_norm", counted):
+            trainer.train(**train_kw)
+    finally:
+        if hook is not None:
+            hook.remove()
+        trainer.args.max_grad_norm = trainer.clip_limit
+    trainer.optimizer_clips = len(clips)
 
 
 def _compare(ref, ours, tol, what):
@@ -124,36 +145,44 @@ def _compare(ref, ours, tol, what):
 # within 1e-7 of DDP where the sharded run parted by 1.8e-5; three twins, each one ulp up at one step, within
 # 3.3e-6 where it parted by 5.6e-5).
 # So the comparison is split where the arithmetic differs. The reference is DDP replaying the sharded run:
-# torch's clip_grad_norm_ at its k-th call clips by the norm the sharded run logged at its k-th step
-# (replay_clip), and keeps torch's own total norm of the same gradients. Then (_replayed):
-# - the sharded run's logged losses, grad norms and learning rates, and its final weights, equal the
+# its Trainer runs with max_grad_norm=inf, so whatever path the libraries take to clip (torch's
+# clip_grad_norm_, get_total_norm then clip_grads_with_norm_, a DTensor-aware loop) they measure and log the
+# norm and scale by exactly 1; a hook at torch.optim's step, which every path ends in, takes torch's total
+# norm of the gradients the step was given and scales them as clip_grads_with_norm_ does, by the norm the
+# sharded run logged at that step and the run's max_grad_norm (_replay_at_step). Then (_replayed):
+# - the sharded run's logged losses, learning rates and evaluation losses, and its final weights, equal the
 #   replay's bit for bit: gradients, their average over the ranks, the clip's scaling, AdamW and the
-#   weights are DDP's, and a fault there (a gradient or an update missed, a stale weight) shows; and
+#   weights are DDP's, and a fault there (a gradient or an update missed, a clip not applied, a stale
+#   weight) shows; and
 # - at every step the sharded norm is within tol of torch's total norm of the very gradients it was taken
-#   of (before any parting, at most 1.2e-7 relative in those 48 runs: an ulp or two): a wrong norm shows.
-# Tried: a norm 2e-5 too large fails the second at every step; a clip coefficient 2e-7 too large, the first.
+#   of (before any parting, at most 1.2e-7 relative in those 48 runs: an ulp or two): a wrong norm shows;
+#   the replay's own logged norm is within tol of it too (the hook saw the gradients the run measured).
+# _clipping_active: torch's norm was above max_grad_norm at some step, so the clip changed the weights.
+# Tried: a norm 2e-5 too large fails the second at every step; a clip coefficient 2e-7 too large, the first;
+# so do a norm 1e-3 too large and a sharded run that does not clip, with accelerate 1.3 (whose Accelerator
+# clips through clip_grad_norm_) and 1.16 (get_total_norm, clip_grads_with_norm_).
 # test_trl.py's trainers and this file's parity tests (fp32, bf16, fp16, checkpointing, torch.compile, stage 3
 # with evaluations) are held so; runs at other process counts, or with another optimizer (DeepSpeed's config:
 # CPUAdam), sum or step in another order and keep a bar (_compare).
-def replay_clip(norms):
-    """torch.nn.utils.clip_grad_norm_ for DDP replaying a sharded run that logged `norms`, one per optimizer
-    step (Note [DDP replaying the sharded run]): its k-th call clips by norms[k] and returns it (so the
-    Trainer logs it); torch's own total norm of the same gradients goes to clip.torch_norms."""
-    torch_norms = []
-
-    def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        grads = [p.grad for p in ([parameters] if torch.is_tensor(parameters) else parameters) if p.grad is not None]
-        own = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        torch_norms.append(own.item())
-        if len(torch_norms) > len(norms):
-            raise AssertionError(f"the replay clipped {len(torch_norms)} times; the sharded run logged {len(norms)}")
-        total = torch.tensor(norms[len(torch_norms) - 1], dtype=own.dtype)
-        # As torch.nn.utils.clip_grads_with_norm_, with the sharded run's norm.
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return total
-
-    clip.torch_norms = torch_norms
-    return clip
+def _replay_at_step(trainer, norms):
+    """A torch.optim step pre-hook for DDP replaying a sharded run that logged `norms`, one per optimizer step
+    (Note [DDP replaying the sharded run]): at the trainer's k-th step, torch's total norm of the gradients goes
+    to trainer.torch_norms, and the gradients are scaled as clip_grads_with_norm_ does by norms[k]."""
+    def hook(opt, args, kwargs):
+        inner = trainer.optimizer
+        while hasattr(inner, "optimizer"):  # accelerate's wrapper(s) around the torch optimizer
+            inner = inner.optimizer
+        if opt is not inner:
+            return
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        own = torch.nn.utils.get_total_norm([p.grad for p in params])
+        trainer.torch_norms.append(own.item())
+        if len(trainer.torch_norms) > len(norms):
+            raise AssertionError(f"the replay stepped {len(trainer.torch_norms)} times; the sharded run logged "
+                                 f"{len(norms)} steps")
+        total = torch.tensor(norms[len(trainer.torch_norms) - 1], dtype=own.dtype)
+        torch.nn.utils.clip_grads_with_norm_(params, trainer.clip_limit, total)
+    return hook
 
 
 def _norms(run):
@@ -162,27 +191,33 @@ def _norms(run):
 
 
 def _replayed(ours, replay, tol, what):
-    """Note [DDP replaying the sharded run]'s two checks: ours (a _fit result) equal to its replay bit for bit,
-    and each of its logged norms within tol (relative) of torch's norm of the same gradients."""
+    """Note [DDP replaying the sharded run]'s checks: ours (a _fit result) equal to its replay bit for bit, each of
+    its logged norms within tol (relative) of torch's norm of the same gradients, and so the replay's own."""
     (logs, w, _), (replay_logs, replay_w, replayer) = ours, replay
-    norms_of_replay = replayer.torch_norms
     out = []
-    if logs != replay_logs:
-        out.append(f"{what}: logged {logs}, DDP replaying it {replay_logs}")
+    if _without_norms(logs) != _without_norms(replay_logs):
+        out.append(f"{what}: logged {_without_norms(logs)}, DDP replaying it {_without_norms(replay_logs)}")
     out += [f"{what}: final {n} differs from DDP replaying the run by {(p - replay_w[n]).abs().max().item():.2e}"
             for n, p in w.items() if not torch.equal(p, replay_w[n])]
-    norms = _norms(ours)
-    if len(norms_of_replay) != len(norms):
-        out.append(f"{what}: torch clipped {len(norms_of_replay)} times in the replay of {len(norms)} logged steps")
-    for step, (n, own) in enumerate(zip(norms, norms_of_replay), 1):
+    norms, torch_norms = _norms(ours), replayer.torch_norms
+    if len(torch_norms) != len(norms):
+        out.append(f"{what}: the replay clipped at {len(torch_norms)} optimizer steps for {len(norms)} logged steps")
+    for step, (n, own, logged) in enumerate(zip(norms, torch_norms, _norms(replay)), 1):
         if n is None or abs(n - own) > tol * own:
             out.append(f"{what}: step {step} grad norm {n!r}, torch's of the same gradients {own!r}")
+        if logged is None or abs(logged - own) > tol * own:
+            out.append(f"{what}: step {step}: the replay logged grad norm {logged!r}, torch's of the gradients "
+                       f"its optimizer step was given {own!r}")
     return out
+
+
+def _without_norms(logs):
+    return [{k: v for k, v in entry.items() if k != "grad_norm"} for entry in logs]
 
 
 def _clipping_active(replay, what):
     """That torch's own norm was above the clip at some step of DDP's replay (else the clip tested nothing)."""
-    norms, limit = replay[2].torch_norms, replay[2].args.max_grad_norm
+    norms, limit = replay[2].torch_norms, replay[2].clip_limit
     return [] if any(n > limit for n in norms) else [f"{what}: clipping never active (torch's grad norms {norms})"]
 
 
@@ -199,9 +234,9 @@ def _is_sharded(trainer, what):
     if opt.engine.num_reduce_scatters != steps * len(opt.layout.buckets):
         out.append(f"{what}: {opt.engine.num_reduce_scatters} reduce-scatters for {steps} steps of "
                    f"{len(opt.layout.buckets)} buckets")
-    # Note [The Trainer's clipping is the optimizer's]: no per-tensor torch clip_grad_norm_.
-    if trainer.torch_clips:
-        out.append(f"{what}: torch.nn.utils.clip_grad_norm_ ran {trainer.torch_clips} times")
+    # Note [The Trainer's clipping is the optimizer's]: the optimizer's own clip, once per step.
+    if trainer.optimizer_clips != steps:
+        out.append(f"{what}: the optimizer's clip_grad_norm ran {trainer.optimizer_clips} times in {steps} steps")
     return out
 
 
@@ -222,9 +257,9 @@ def _parity(rank, world_size, tmp):
         failures += _is_sharded(ours[2], what)
         if "ddp_bucket_cap_mb" in kw and ours[2]._sharded()[1].config.reduce_bucket_size != 2621:
             failures.append(f"{what}: reduce_bucket_size {ours[2]._sharded()[1].config.reduce_bucket_size}")
-        if ref[2].torch_clips < ref[2].state.global_step:
-            failures.append(f"{what}: the DDP reference clipped {ref[2].torch_clips} times in "
-                            f"{ref[2].state.global_step} steps (the count of torch's clips cannot be trusted)")
+        if len(ref[2].torch_norms) != ref[2].state.global_step:
+            failures.append(f"{what}: the DDP replay clipped at {len(ref[2].torch_norms)} optimizer steps of "
+                            f"{ref[2].state.global_step}")
         failures += _clipping_active(ref, what)
     return failures
 
@@ -488,8 +523,9 @@ def test_onebit_config_clips_by_the_mean_gradient(launches):
 REFUSED = [
     (dict(optim="adafactor"), {}, "not known to be elementwise"),
     ({CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}}, {}, "use_reentrant=False"),
-    ({}, dict(shardopt_config={"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
-     "parameter offload is not supported"),
+    ({}, dict(shardopt_config={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                                                     "nvme_path": "/tmp"}}}),
+     "needs offload_optimizer.device"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, optimizer={"type": "Lamb", "params": {"lr": "auto"}})), "Lamb"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, gradient_clipping=2.0)), "gradient_clipping is 2.0 in the config"),
     ({}, dict(shardopt_config=dict(DS_ZERO2, scheduler={"type": "OneCycle", "params": {}})), "lr_scheduler_type"),

@@ -14,12 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dist_harness import run_ranks
-from models import AwkwardNet, batch, uses_branch
-
-VOCAB = 37
+from models import AwkwardNet, awkward_loss, decay_groups
 
 
 # ------------------------------------------------------------------ pure planning
@@ -237,17 +234,6 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _loss(fn, step, rank):
-    x, y = batch(step, rank)
-    return nn.functional.cross_entropy(fn(x, uses_branch(step, rank)).float().reshape(-1, VOCAB), y.reshape(-1))
-
-
-def _param_groups(model):
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _optim(name):
     return {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
             "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01))}[name]
@@ -263,7 +249,7 @@ class _Reference:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         cls, kw = _optim(optim_name)
-        groups = _param_groups(self.model)
+        groups = decay_groups(self.model)
         index = {id(p): i for i, p in enumerate(self.params)}
         self.opt = cls([dict(g, params=[self.master[index[id(p)]] for p in g["params"]]) for g in groups], **kw)
         self.world_size = world_size
@@ -274,7 +260,7 @@ class _Reference:
         for r in range(self.world_size):
             for m in range(micro):
                 self.model.zero_grad(set_to_none=True)
-                loss = _loss(lambda x, u: self.model(x, u), step * 10 + m, r) / micro
+                loss = awkward_loss(lambda x, u: self.model(x, u), step * 10 + m, r) / micro
                 loss.backward()
                 losses.append(loss.item())
                 for i, p in enumerate(self.params):
@@ -309,7 +295,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     else:
         where = {"mesh": _mesh(shape)}
     persistence = {"param_persistence_threshold": persist} if persist else {}
-    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
+    opt = shardopt.ShardedOptimizer(decay_groups(model), optim=cls, stage=stage, reduce_bucket_size=rbs,
                                     allgather_bucket_size=agbs, overlap_gather=gather,
                                     inter_node_param_dtype=param_hop, comm_impl=impl, **where, **persistence, **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -331,7 +317,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
         for m in range(micro):
             ctx = wrapper.no_sync() if (accum and m < micro - 1) else _null()
             with ctx:
-                loss = _loss(wrapper, step * 10 + m, rank) / micro
+                loss = awkward_loss(wrapper, step * 10 + m, rank) / micro
                 loss.backward()
             total += loss.item()
         if clip:
@@ -354,7 +340,7 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
                 failures.append(f"{what}: final {name} relative error {err:.2e}")
     # Replicas must hold bit-equal parameters (their shards took the same hop results).
     if opt.sharding.replicate is not None:
-        mine = opt.store.flat_param if not opt.params_sharded else opt.store.shard
+        mine = opt.store.flat_param if not opt.params_sharded else opt.store.gather.shard
         copies = [torch.empty_like(mine) for _ in range(shape[0])]
         dist.all_gather(copies, mine, group=opt.sharding.replicate)
         if not all(torch.equal(copies[0], c) for c in copies):
@@ -376,18 +362,18 @@ def _train(rank, world_size, shape, optim_name, stage, rbs, dtype, clip, accum, 
     # Memory is that of flat sharding over the shard group (stage 3: the parameters' too).
     if opt.shard_grad.numel() * shape[1] != opt.layout.total_numel:
         failures.append(f"{what}: gradient shard has {opt.shard_grad.numel()} elements, not 1/{shape[1]}")
-    if stage == 3 and (opt.store.shard.numel() * shape[1] != opt.layout.total_numel
+    if stage == 3 and (opt.store.gather.shard.numel() * shape[1] != opt.layout.total_numel
                        or opt.store.live_bytes() != _persistent_bytes(opt)):
-        failures.append(f"{what}: parameter shard has {opt.store.shard.numel()} elements (not 1/{shape[1]}) "
+        failures.append(f"{what}: parameter shard has {opt.store.gather.shard.numel()} elements (not 1/{shape[1]}) "
                         f"and {opt.store.live_bytes()} bytes gathered between steps")
     return failures
 
 
 def _two_level_param_gathers(opt, nodes):
-    """Stage 3's ParamShard gathers in two levels over the node-aware shape, on a node and an across group of
+    """Stage 3's gathers in two levels over the node-aware shape, on a node and an across group of
     its own (the bucket engine reduces on the optimizer's pair meanwhile)."""
-    ps, sh = opt.store, opt.sharding
-    return (ps.nodes == sh.nodes and ps.nodes.replicas == nodes and ps.group is None
+    ps, sh = opt.store.gather, opt.sharding
+    return (ps.route == "two-level" and sh.nodes.replicas == nodes and ps.group is None
             and dist.get_world_size(ps.across_group) == nodes
             and dist.get_world_size(ps.node_group) == dist.get_world_size() // nodes
             and ps.node_group is not sh.node and ps.across_group is not sh.across)
@@ -395,7 +381,7 @@ def _two_level_param_gathers(opt, nodes):
 
 def _persistent_bytes(opt):
     """Stage 3: bytes of the buckets that stay gathered between steps (param_persistence_threshold)."""
-    return sum(b.numel for b in opt.layout.buckets if b.persistent) * opt.store.full[0].element_size()
+    return sum(b.numel for b in opt.layout.buckets if b.persistent) * opt.store.buckets.full[0].element_size()
 
 
 class _null:
@@ -475,7 +461,7 @@ def _compressed(rank, world_size):
     if stats["hop_residual"] != want:
         out.append(f"memory_stats hop_residual {stats['hop_residual']} != {want}")
     for step in range(3):
-        loss = _loss(wrapper, step, rank)
+        loss = awkward_loss(wrapper, step, rank)
         if step == 1 and rank == 3:
             loss = loss * float("inf")
         loss.backward()
@@ -501,25 +487,25 @@ def _hop_vs_reference(rank, world_size, hop, optim_name, stage, shape=(2, 2), st
     base = AwkwardNet()
     model = copy.deepcopy(base)
     cls, kw = _optim(optim_name)
-    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=cls, stage=stage, reduce_bucket_size=1000,
+    opt = shardopt.ShardedOptimizer(decay_groups(model), optim=cls, stage=stage, reduce_bucket_size=1000,
                                     inter_node_dtype=hop, **_where(shape, world_size), **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(model, opt)
     plain = copy.deepcopy(base)
-    groups = _param_groups(plain)
+    groups = decay_groups(plain)
     params = [p for g in groups for p in g["params"]]
     ref = HopTrainingReference(params, cls(groups, **kw), opt.layout, 2, 2, hop)
     what = f"{shape} hop={hop} {optim_name} stage {stage}"
     out = []
     for step in range(steps):
-        loss = _loss(wrapper, step, rank)
+        loss = awkward_loss(wrapper, step, rank)
         loss.backward()
         opt.step()
         opt.zero_grad()
         grads = []
         for r in range(world_size):
             plain.zero_grad(set_to_none=True)
-            ref_loss = _loss(plain, step, r)
+            ref_loss = awkward_loss(plain, step, r)
             ref_loss.backward()
             if r == rank and loss.item() != ref_loss.item():
                 out.append(f"{what} step {step}: loss {loss.item()!r} vs reference {ref_loss.item()!r}")
@@ -617,12 +603,12 @@ def _ckpt_save(rank, world_size, path, shape, stage=2):
 
     torch.manual_seed(0)
     model = AwkwardNet()
-    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+    opt = shardopt.ShardedOptimizer(decay_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                     reduce_bucket_size=300, stage=stage, **_where(shape, world_size))
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     wrapper = shardopt.ShardedDDP(model, opt)
     for step in range(3):
-        _loss(wrapper, step, rank).backward()
+        awkward_loss(wrapper, step, rank).backward()
         opt.step()
         opt.zero_grad()
     shardopt.save_checkpoint(path, wrapper, opt, tag=f"from-{shape}-{stage}")
@@ -639,7 +625,7 @@ def _ckpt_load(rank, world_size, path, saved_shape, shape, saved_stage=2, stage=
 
     torch.manual_seed(1)  # other weights: the load must replace them
     model = AwkwardNet()
-    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+    opt = shardopt.ShardedOptimizer(decay_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                     reduce_bucket_size=1000, stage=stage, **_where(shape, world_size))
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     if (opt.sharding.nodes is not None) != (shape is not None and shape[0] == "nodes"):
@@ -660,7 +646,7 @@ def _ckpt_load(rank, world_size, path, saved_shape, shape, saved_stage=2, stage=
                 if not torch.equal(torch.as_tensor(v), torch.as_tensor(got["state"][i][k])):
                     out.append(f"{saved_shape} stage {saved_stage} -> {shape} stage {stage}: state {i} {k} differs")
     # Training goes on (a step over the loaded state, every replica alike).
-    _loss(wrapper, 5, rank).backward()
+    awkward_loss(wrapper, 5, rank).backward()
     opt.step()
     return out
 
@@ -716,7 +702,7 @@ def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False
 
     torch.manual_seed(0 if load is None else 1)  # a loaded run starts from other weights
     model = AwkwardNet()
-    opt = shardopt.ShardedOptimizer(_param_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+    opt = shardopt.ShardedOptimizer(decay_groups(model), optim=torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                     reduce_bucket_size=rbs, inter_node_dtype=hop, inter_node_param_dtype=param_hop,
                                     stage=stage, **_where(shape, dist.get_world_size()))
     os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -730,7 +716,7 @@ def _int8_run(rank, shape, steps, *, first=0, save=None, load=None, forget=False
         if forget:
             opt.engine.reset_hop_residual()
     for step in range(first, first + steps):
-        _loss(wrapper, step, rank).backward()
+        awkward_loss(wrapper, step, rank).backward()
         opt.step()
         opt.zero_grad()
     if save is not None:
@@ -871,9 +857,9 @@ def _refusals(rank, world_size):
     refused("node_aware=True is for flat", node_aware=True, mesh=mesh)
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     # Parameters across nodes in bf16: only where node-aware flat sharding sends fp32 parameters across.
-    refused("must be None", inter_node_param_dtype="int8")
+    refused("must be None", inter_node_param_dtype=torch.float16)
+    refused("'int8' is built for stage 3", inter_node_param_dtype="int8")
     refused("hybrid sharding", inter_node_param_dtype=torch.bfloat16, mesh=mesh)
-    refused("stages 1-2", inter_node_param_dtype=torch.bfloat16, stage=3)
     refused("node-aware collectives", inter_node_param_dtype=torch.bfloat16, node_aware=False)
     try:
         shardopt.ShardedOptimizer(AwkwardNet().bfloat16().parameters(), lr=1e-3,
@@ -896,8 +882,8 @@ def _refusals(rank, world_size):
     from shardopt.parallel.mesh import group_timeout
     world_timeout = group_timeout(dist.group.WORLD)
     flat3 = shardopt.ShardedOptimizer(AwkwardNet().parameters(), lr=1e-3, stage=3, node_aware=False).store
-    groups = [sharding.node, sharding.across, s3[0].store.node_group, s3[0].store.across_group,
-              flat3.group]
+    groups = [sharding.node, sharding.across, s3[0].store.gather.node_group, s3[0].store.gather.across_group,
+              flat3.gather.group]
     if world_timeout is None or world_timeout.total_seconds() >= 1800 or \
             {group_timeout(g) for g in groups} != {world_timeout}:
         out.append(f"node-aware groups' timeouts {[group_timeout(g) for g in groups]} differ from the world's "
@@ -959,7 +945,7 @@ def _same_as_flat(rank, world_size):
         wrapper = shardopt.ShardedDDP(model, opt)
         trace = []
         for step in range(6):
-            loss = _loss(wrapper, step, rank)
+            loss = awkward_loss(wrapper, step, rank)
             if kind == "fp16-offload" and step == 2:
                 loss = loss * 1e6  # overflows fp16 on every rank: the step is skipped, the scale backs off
             opt.scale_loss(loss).backward()

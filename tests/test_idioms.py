@@ -355,11 +355,11 @@ def ema_after_step_overlap_gather(rank, stage):
         opt.zero_grad()
         sharded = opt is pair.opt
         if sharded:
-            in_flight.append(opt.store.gatherer.num_pending_gathers)
+            in_flight.append(opt.store.gather.num_pending_gathers)
         ema = emas[1 if sharded else 0]
         params = list(wrapper.parameters()) + list(module.parameters())
         if sharded:
-            in_flight.append(opt.store.gatherer.num_pending_gathers)
+            in_flight.append(opt.store.gather.num_pending_gathers)
         with torch.no_grad():
             for e, p in zip(ema, params):
                 e.mul_(0.5).add_(p, alpha=0.5)

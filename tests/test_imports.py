@@ -1,9 +1,9 @@
-"""The package's import graph, read with `ast` (no import runs): the engine stands without its wings.
+"""The package's shape, read with `ast` (no import runs): the engine stands without its wings.
 
 shardopt/*.py is the engine; parallel/, checkpoint/ and zero3/ are wings it may use; integrations/, cluster/
 and tools/ sit on top of it and the engine never imports them, not even inside a function. And no
 module imports itself back through another (a cycle of any length), lazily or not. The parameter stores
-(flat_params.py, zero3/) are imported by the optimizer's constructor alone, and no room below the engine's
+(flat_params.py, zero3/) are imported by the optimizer's constructor alone, and no module below the engine's
 classes (ShardedOptimizer, ShardedDDP) imports them: checkpoint/ included. The stage is decided in three
 modules (the config, the constructor's one choice of store, the flat store's stage 1 vs 2).
 """
@@ -85,7 +85,7 @@ def test_no_import_cycles(graph):
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-# Note [One parameter store] (shardopt/param_store.py): the constructor picks the store once; below it, rooms
+# Note [One parameter store] (shardopt/param_store.py): the constructor picks the store once; below it, modules
 # ask the store and never import a store, and nothing below the engine's classes imports them back.
 ENGINE_CLASSES = ("shardopt.optimizer", "shardopt.ddp")
 STORES = ("shardopt.flat_params", "shardopt.zero3")
@@ -104,8 +104,8 @@ def test_only_the_constructor_picks_a_store(graph):
     assert not bad, "a store is chosen once, in ShardedOptimizer's constructor:\n" + "\n".join(bad)
 
 
-def test_no_room_imports_the_engine_classes(graph):
-    # checkpoint/, zero3/, the stores and every room below take the optimizer's view or plain tensors instead.
+def test_nothing_below_imports_the_engine_classes(graph):
+    # checkpoint/, zero3/, the stores and every module below take the optimizer's view or plain tensors instead.
     bad = sorted(f"{m} imports {i}" for m, deps in graph.items() for i in deps
                  if i in ENGINE_CLASSES and m not in ABOVE_THE_ENGINE and not m.startswith(TOP_WINGS))
     assert "shardopt.checkpoint.save_load" in graph and "shardopt.zero3.hooks" in graph
@@ -150,5 +150,105 @@ def test_the_stage_is_decided_in_three_modules():
     deciding = {m for m, path in modules.items() if _stage_decisions(path)
                 and not m.startswith(TOP_WINGS) and m not in DESCRIBES_THE_STAGE}
     assert _stage_decisions(modules["shardopt.config"]) > 0  # guards the counter
-    assert deciding <= {"shardopt.config", "shardopt.optimizer", "shardopt.flat_params"}, sorted(deciding)
+    assert deciding <= {"shardopt.config", "shardopt.optimizer"}, sorted(deciding)
     assert _stage_decisions(modules["shardopt.optimizer"]) == 1  # the one choice of store
+
+
+def _private_members(tree: ast.AST) -> set:
+    """Private names a module defines on its classes: methods `def _x` and attributes `self._x = ...`."""
+    names = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_"):
+                names.add(node.attr)
+    return {n for n in names if not (n.startswith("__") and n.endswith("__"))}
+
+
+def _reaches(tree: ast.AST, names: set) -> list:
+    """`x._name` for `_name` in `names`, where x is not the module's own self or cls."""
+    return sorted({(node.lineno, node.attr) for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr in names
+                   and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))})
+
+
+def test_the_stage_3_modules_are_used_through_public_members():
+    # zero3/hooks.py and every module outside zero3/ call the stage-3 modules' public members only; so does
+    # each stage-3 module with another's (a private member is its own module's to change).
+    modules = _modules()
+    trees = {m: ast.parse(open(p, encoding="utf-8").read()) for m, p in modules.items()}
+    stage3 = {m: _private_members(t) for m, t in trees.items() if _within(m, ("shardopt.zero3",))}
+    assert "_point" in stage3["shardopt.zero3.buckets"]  # guards the reader
+    bad = []
+    for m, tree in trees.items():
+        others = set().union(*(names for owner, names in stage3.items() if owner != m)) - _private_members(tree)
+        bad += [f"{m}:{line} reaches {name}" for line, name in _reaches(tree, others)]
+    assert not bad, "private members of stage-3 modules used from outside them:\n" + "\n".join(bad)
+
+
+def test_no_import_climbs(graph):
+    # The wings (parallel/, checkpoint/, weights/, zero3/, integrations/, ...) form layers: a wing may import
+    # wings below it and the engine's modules, never a wing that imports it back (weights/ below checkpoint/:
+    # the file helpers both use are shardopt/files.py).
+    def wing(m):
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 or os.path.isdir(os.path.join(ROOT, parts[-1])) and len(parts) == 2 \
+            else None
+    above: dict = {}
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = wing(m), wing(d)
+            if a and b and a != b:
+                above.setdefault(a, {}).setdefault(b, []).append(f"{m} imports {d}")
+    assert "weights" in above.get("checkpoint", {})  # guards the reader
+    climbs = [line for a, below in above.items() for b, lines in below.items() if a in above.get(b, {})
+              for line in lines]
+    assert not climbs, "wings importing each other:\n" + "\n".join(sorted(climbs))
+
+
+def test_modules_and_classes_stay_small():
+    # One job per module: a module over 700 lines or a class over 40 methods does several.
+    big = []
+    for m, path in _modules().items():
+        text = open(path, encoding="utf-8").read()
+        if len(text.splitlines()) > 700:
+            big.append(f"{m}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+                if methods > 40:
+                    big.append(f"{m}.{node.name}: {methods} methods")
+    assert not big, "\n".join(big)
+
+
+def _prose_lines(text: str) -> tuple[int, int]:
+    """(non-blank lines, of those: comment or docstring lines)."""
+    doc = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            doc.update(range(node.lineno, node.end_lineno + 1))
+    lines = [(i, line.strip()) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    return len(lines), sum(1 for i, line in lines if i in doc or line.startswith("#"))
+
+
+def test_prose_leaves_room_for_the_code():
+    # Comments and docstrings say what is true now and why; history and dated measurements live in commit
+    # messages and benchmarks/results/.
+    total = prose = 0
+    for path in _modules().values():
+        n, c = _prose_lines(open(path, encoding="utf-8").read())
+        total, prose = total + n, prose + c
+    assert total > 5000 and prose > 500  # guards the counter
+    assert prose <= 0.20 * total, f"{prose} of {total} non-blank lines of shardopt/ are comments or docstrings"
+
+
+def test_no_dated_lines_in_the_source():
+    import re
+    csrc = os.path.join(os.path.dirname(ROOT), "csrc")
+    paths = list(_modules().values()) + [os.path.join(d, f) for d, _, fs in os.walk(csrc) for f in fs]
+    dated = [f"{os.path.relpath(p, os.path.dirname(ROOT))}:{i}" for p in paths
+             for i, line in enumerate(open(p, encoding="utf-8", errors="replace"), 1)
+             if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert not dated, "dated lines (measurements belong in benchmarks/results/):\n" + "\n".join(dated)

@@ -327,7 +327,7 @@ def _weights_only_at_stage3(rank, world_size, root):
             before = store.live_bytes()
             trainer.save_checkpoint(path, weights_only=True)
             seen["gathered"] = store.peak_live - before
-            sizes = [f.numel() * f.element_size() for f, b in zip(store.full, store.layout.buckets) if not b.persistent]
+            sizes = [f.numel() * f.element_size() for f, b in zip(store.buckets.full, store.layout.buckets) if not b.persistent]
             seen["bucket"], seen["buckets"] = max(sizes), sum(sizes)
 
     def spy(obj, f, *args, **kwargs):
@@ -531,6 +531,83 @@ def _ckpt_two_ranks(rank, world_size, root):
     if not os.path.isfile(ddp_file) or len(from_ddp.losses) != CKPT_STEPS or max(errs) > 1e-5:
         fails.append(f"ddp file resumed by shardopt: {from_ddp.losses} vs {full.losses[CKPT_STEPS:]}")
     return fails, full.losses
+
+
+def _ckpt_async_io(rank, world_size, root):
+    """Trainer(plugins=[AsyncCheckpointIO()]): ModelCheckpoint's sharded saves are written behind the fit
+    (Note [Lightning's AsyncCheckpointIO]) and complete at teardown; the run's losses are the blocking run's,
+    and fit(ckpt_path=...) from one continues as from the blocking run's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+    expected = _ckpt_fit(2, ShardedStrategy(reduce_bucket_size=300))[0].losses  # saving nothing
+    every_epoch = ModelCheckpoint(dirpath=os.path.join(root, "async"), filename="e{epoch}", every_n_epochs=1,
+                                  save_top_k=-1, auto_insert_metric_name=False)
+    model = AwkwardModule("sgd", "step", seed=0, same_data_split=True)
+    trainer = _trainer(world_size, ShardedStrategy(reduce_bucket_size=300), max_epochs=2, gradient_clip_val=0.3,
+                       callbacks=[every_epoch], enable_checkpointing=True, plugins=[AsyncCheckpointIO()])
+    trainer.fit(model, _loader(2 * CKPT_BATCH * CKPT_STEPS, batch=2 * CKPT_BATCH // world_size))
+    fails = []
+    if max(_rel_errors(expected, model.losses)) > 0 or len(model.losses) != len(expected):
+        fails.append(f"losses {model.losses} vs the blocking run's {expected}")
+    for name in ("e0.ckpt", "e1.ckpt"):
+        entries = sorted(os.listdir(os.path.join(root, "async", name)))
+        if entries != ["ckpt-000001", "latest"]:
+            fails.append(f"{name} holds {entries}")
+    resumed, _ = _ckpt_fit(2, ShardedStrategy(stage=1), ckpt_path=os.path.join(root, "async", "e0.ckpt"), seed=7)
+    if max(_rel_errors(expected[CKPT_STEPS:], resumed.losses)) > 1e-6 or len(resumed.losses) != CKPT_STEPS:
+        fails.append(f"resumed from the async e0: {resumed.losses} vs {expected[CKPT_STEPS:]}")
+    return fails
+
+
+def test_async_checkpoint_io_writes_sharded_checkpoints_behind_the_fit(launches):
+    for rank, fails in enumerate(launches.results("ckpt_async_io")):
+        assert not fails, f"rank {rank}:\n" + "\n".join(fails)
+
+
+def _ckpt_async_io_disk_full(rank, world_size, root):
+    """AsyncCheckpointIO, rank 1's disk full while epoch 0's save is written behind the fit: the fit raises the
+    failure on every rank at epoch 1's save, naming rank 1, and no checkpoint of the failed save is committed."""
+    import errno
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    import shardopt
+    from shardopt.checkpoint import staging
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    _external_ranks(rank)
+
+    def full(fd, view):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    every_epoch = ModelCheckpoint(dirpath=os.path.join(root, "async"), filename="e{epoch}", every_n_epochs=1,
+                                  save_top_k=-1, auto_insert_metric_name=False)
+    model = AwkwardModule("sgd", "step", seed=0, same_data_split=True)
+    trainer = _trainer(world_size, ShardedStrategy(reduce_bucket_size=300), max_epochs=2, gradient_clip_val=0.3,
+                       callbacks=[every_epoch], enable_checkpointing=True, plugins=[AsyncCheckpointIO()])
+    write_all = staging.write_all
+    if rank == 1:
+        staging.write_all = full
+    try:
+        trainer.fit(model, _loader(2 * CKPT_BATCH * CKPT_STEPS, batch=2 * CKPT_BATCH // world_size))
+        raised = None
+    except shardopt.CheckpointError as e:
+        raised = str(e)
+    finally:
+        staging.write_all = write_all
+    return {"raised": raised, "steps": len(model.losses),
+            "e0": sorted(n for n in os.listdir(os.path.join(root, "async", "e0.ckpt")) if not n.startswith("."))}
+
+
+def test_async_checkpoint_io_raises_a_failed_background_save_on_every_rank(launches):
+    for rank, r in enumerate(launches.results("ckpt_async_io_disk_full")):
+        assert r["raised"] is not None, f"rank {rank}: the fit went on after the failed save"
+        assert "No space left on device" in r["raised"] and "rank 1" in r["raised"], r["raised"]
+        assert r["steps"] == 2 * CKPT_STEPS and r["e0"] == [], r
 
 
 def _ckpt_one_rank(rank, world_size, ckpt, expected):
@@ -768,7 +845,8 @@ def launches(tmp_path_factory):
     r = tmp_path_factory.mktemp("lightning")
 
     def cases():
-        for d in ("stage3", "weights_only", "kept_sharded", "ckpt", "averaging", "averaging_resume", "swa"):
+        for d in ("stage3", "weights_only", "kept_sharded", "ckpt", "async_io", "async_io_full", "averaging",
+                  "averaging_resume", "swa"):
             (r / d).mkdir()   # as each test's tmp_path was
         return {
             "parity": (_parity, ()),
@@ -776,6 +854,8 @@ def launches(tmp_path_factory):
             "weights_only_at_stage3": (_weights_only_at_stage3, (str(r / "weights_only"),)),
             "stage3_kept_sharded": (_stage3_kept_sharded, (str(r / "kept_sharded"),)),
             "ckpt_two_ranks": (_ckpt_two_ranks, (str(r / "ckpt"),)),
+            "ckpt_async_io": (_ckpt_async_io, (str(r / "async_io"),)),
+            "ckpt_async_io_disk_full": (_ckpt_async_io_disk_full, (str(r / "async_io_full"),)),
             "mixed": (_mixed, ()),
             "weight_averaging": (_weight_averaging, (str(r / "averaging"),)),
             "weight_averaging_resume": (_weight_averaging_resume, (str(r / "averaging_resume"),)),

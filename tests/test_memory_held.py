@@ -38,10 +38,10 @@ hundred kB that the Python objects a step makes (hooks, the optimizer's dicts) c
 steps holds its chunks only: the estimate's `gathered` (buckets gathered at once in forward and
 backward) is not held then and is left out; stages 1-2 keep the whole flat parameter buffer. Stage 3's
 staging pool grows by a bucket instead of waiting in backward (Note [Stage 3 never waits in backward]),
-as often as the ranks' timing asks: the estimate counts the pool's first buffers, test_estimate.py checks
-the bound (one per bucket) on memory_stats(), and here the buffers the pool grew by (memory_stats()'s
-staging less the estimate's; seen: 0 or one 8 MiB bucket) are added to what is held. Only that, and the size of
-the peer's buffer, read shardopt's counters.
+as often as the ranks' timing asks, and gives those buffers back once the backward's reductions are done
+(Note [The staging pool between backward passes] in csrc/comm/bucket_engine.cpp): between steps it holds
+the estimate's buffers. Whatever memory_stats()'s staging counts beyond the estimate's is added to what is
+held all the same. Only that, and the size of the peer's buffer, read shardopt's counters.
 """
 import bisect
 import ctypes
@@ -173,17 +173,17 @@ def _held(rank, world_size):
         # Stage 3's big buckets, gathered as every rank's shard mapped again end to end (Note [Stage-3 buckets
         # mapped, not copied]): not memory of their own, if every page of them is a shard's.
         again = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in getattr(opt.store, "maps", {}).values()}
+                 for t in getattr(getattr(opt.store, "buckets", None), "maps", {}).values()}
         grown = [(ptr, n) for ptr, n in _storages().items() if ptr not in before and ptr not in again]
         storages = sum(n for ptr, n in grown if _owner(ptr, maps) in (None, rank))
         peers = sum(n for ptr, n in grown if _owner(ptr, maps) not in (None, rank))
         est = estimate(shapes, EstimateConfig(world_size=world_size, stage=stage, device="cpu"))
         out[stage] = dict(storages=storages, peers=peers, pages=pages, total=est.total, staging=est.staging,
                           gathered=est.gathered, tensors=len(shapes), stats=opt.memory_stats(),
-                          shared=getattr(opt.store, "shared_gather", None) is not None,
+                          shared=opt.store.gather.shared is not None,
                           # stage 3's pass agreements through shared memory: each peer's slots mapped here
                           # (Note [Agreements in shared memory]: 4 int64 per rank)
-                          agree=32 * (world_size - 1) if getattr(opt.store, "agree_shm", None) is not None else 0,
+                          agree=32 * (world_size - 1) if getattr(getattr(opt.store, "rounds", None), "agree_shm", None) is not None else 0,
                           mapped=(len(again), all(_in_shards(ptr, n, maps) for ptr, n in again.items())))
         del model, opt, wrapper
         gc.collect()
@@ -197,7 +197,7 @@ def test_estimate_matches_memory_held():
         for rank, r in enumerate(per_rank):
             m = r[stage]
             held = m["total"] - m["gathered"]  # between steps (Note above)
-            if stage == 3:  # the staging pool may have grown (Note above): those buffers are held too
+            if stage == 3:  # staging memory_stats() counts beyond the estimate's (Note above) is held too
                 held += max(0, m["stats"]["staging"] - m["staging"])
             visible = m["total"] - m["gathered"] - m["staging"]  # tensors: the staging buffers are C++'s
             where = f"stage {stage} rank {rank}: held {held}, visible {visible}, {m}"
@@ -205,7 +205,7 @@ def test_estimate_matches_memory_held():
             # Nothing the estimate leaves out but bookkeeping (Note [Memory measured two ways]): far inside 10%.
             assert abs(m["storages"] - visible) <= BOOKKEEPING + PER_TENSOR * m["tensors"], where
             # The other rank's shared-memory buffer is mapped, and read, not held (/dev/shm holds both): at
-            # stages 1-2 its flat buffer, at stage 3 its shard (Note [Stage 3's gathers through shared memory]),
+            # stages 1-2 its flat buffer, at stage 3 its shard (Note [Gathering through shared memory]),
             # both as large as this rank's; at stage 3 also the peer's 32-byte agreement slots. Else the process
             # group gathers and nothing is mapped but those slots.
             assert m["peers"] == (m["stats"]["params"] if m["shared"] else 0) + m["agree"], where

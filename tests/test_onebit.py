@@ -143,7 +143,7 @@ def test_local_momentum_in_one_pass_matches_the_pytorch_ops(n):
 
 def test_sketch_estimates_the_norm():
     """Note [Clipping by a sketch]: exact up to SKETCH elements; above, within a few times its 0.8%."""
-    from shardopt import onebit
+    from shardopt import onebit_sketch as onebit
 
     small = torch.randn(5000, generator=torch.Generator().manual_seed(1))
     s = onebit.sketch(small)
@@ -747,7 +747,7 @@ def _resume(rank, world_size, path, shape, stage):
     if rank == 0:
         import json
         import os
-        from shardopt.checkpoint.files import MANIFEST, atomic_write_bytes, manifest_bytes
+        from shardopt.files import MANIFEST, atomic_write_bytes, manifest_bytes
 
         with open(os.path.join(saved, MANIFEST)) as f:
             body = json.load(f)["body"]

@@ -67,7 +67,7 @@ def test_growth_measure_tells_a_shaky_freeze():
     """The warning's measure (Note [Is the variance settled at the freeze]) on the suite's tasks: the MLP whose
     gradient scales collapse during warm-up (seed 1) is beyond GROWTH_WARN at its freeze; the regression
     frozen at a quarter of its run is not, nor the GPT (whose frozen variance ends within 1% of AdamW)."""
-    from shardopt.onebit import GROWTH_WARN
+    from shardopt.onebit_step import GROWTH_WARN
 
     for name, seed, shaky in (("scales", 1, True), ("regress-seed", 0, False), ("gpt", 0, False)):
         task = S.TASKS[name]

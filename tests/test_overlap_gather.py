@@ -99,7 +99,7 @@ def _run(rank, world_size, tmp, dtype, offload, shared):
         runs[defer] = (model, opt, shardopt.ShardedDDP(model, opt))
     model, opt, wrapper = runs[True]
     pending_at_block0 = []
-    model.blocks[0].register_forward_pre_hook(lambda m, a: pending_at_block0.append(opt.store.gatherer.num_pending_gathers))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: pending_at_block0.append(opt.store.gather.num_pending_gathers))
     losses = {False: [], True: []}
     after_step, after_forward = [], []
     for step in range(6):
@@ -107,12 +107,12 @@ def _run(rank, world_size, tmp, dtype, offload, shared):
         for defer, (m, o, w) in runs.items():
             loss = nn.functional.cross_entropy(w(x).float().reshape(-1, cfg.vocab), y.reshape(-1))
             if defer:
-                after_forward.append(o.store.gatherer.num_pending_gathers)
+                after_forward.append(o.store.gather.num_pending_gathers)
             loss.backward()
             o.step()
             o.zero_grad()
             if defer:
-                after_step.append(o.store.gatherer.num_pending_gathers)
+                after_step.append(o.store.gather.num_pending_gathers)
             losses[defer].append(loss.item())
     out["losses equal"] = losses[False] == losses[True]
     out["pending after step"] = after_step
@@ -125,7 +125,7 @@ def _run(rank, world_size, tmp, dtype, offload, shared):
     # Right after a step, nothing has waited yet: every reader must.
     state = model.state_dict()
     out["state_dict equal"] = all(torch.equal(state[k], v) for k, v in ref_model.state_dict().items())
-    out["pending after state_dict"] = opt.store.gatherer.num_pending_gathers
+    out["pending after state_dict"] = opt.store.gather.num_pending_gathers
     x, y = synthetic_batch(cfg, 2, 16, 99, rank)
     # Another step, then an eval forward (no grad) right away.
     for defer, (m, o, w) in runs.items():
@@ -139,9 +139,9 @@ def _run(rank, world_size, tmp, dtype, offload, shared):
         nn.functional.cross_entropy(w(x).float().reshape(-1, cfg.vocab), y.reshape(-1)).backward()
         o.step()
         o.zero_grad()
-    pending_before_wait = opt.store.gatherer.num_pending_gathers
+    pending_before_wait = opt.store.gather.num_pending_gathers
     opt.wait_params()
-    out["wait_params"] = (pending_before_wait, opt.store.gatherer.num_pending_gathers,
+    out["wait_params"] = (pending_before_wait, opt.store.gather.num_pending_gathers,
                           all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())))
     # And a checkpoint saved right after a step holds the final values.
     for defer, (m, o, w) in runs.items():

@@ -1,5 +1,5 @@
 """The parameter gather through shared memory on one host (Note [Gathering through shared memory] in
-shardopt/parallel/shared_flat.py): bitwise what the process group gathers, on by default only where every
+shardopt/parallel/shared_memory.py): bitwise what the process group gathers, on by default only where every
 rank shares this host's /dev/shm, refused by name where asked for and impossible, never leaving a file
 behind, and never letting a rank's in-place write after step() reach a slower rank's copy."""
 import mmap
@@ -14,21 +14,25 @@ from dist_harness import run_ranks
 from models import WIDE, AwkwardNet, batch, uses_branch
 
 
-def _ours():
-    """Our files in /dev/shm: they carry the pid of the rank-0 process that made the token."""
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("shardopt-flat-"))
+def _ours(pids=None):
+    """Files in /dev/shm made by these processes (this one by default): each carries its maker's pid (Note [Files
+    in /dev/shm]), so another job's files, a killed one's included, are never counted here."""
+    pids = {os.getpid()} if pids is None else set(pids)
+    return sorted(f for f in os.listdir("/dev/shm")
+                  if f.startswith("shardopt-") and f.split("-")[2:3] and f.split("-")[2].isdigit()
+                  and int(f.split("-")[2]) in pids)
 
 
 def test_why_not_names_each_reason(monkeypatch):
     from shardopt.config import ShardConfig
-    from shardopt.parallel.shared_flat import why_not_shared
+    from shardopt.parallel.shared_memory import why_not_shared
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert why_not_shared(cpu, False, range(4), 4) is None
     assert why_not_shared(cpu, False, range(2), 2) is None
     assert "one rank" in why_not_shared(cpu, False, [3], 4)
-    ShardConfig(stage=3, shared_memory_gather=True)  # stage 3's shards (Note [Stage 3's gathers through shared memory])
+    ShardConfig(stage=3, shared_memory_gather=True)  # stage 3's shards (Note [Gathering through shared memory])
     assert "cuda" in why_not_shared(torch.device("cuda", 0), False, range(4), 4)
     assert "node-aware" in why_not_shared(cpu, True, range(4), 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun on each of 2 nodes (real or emulated)
@@ -60,15 +64,15 @@ def _train(rank, optim, stage, shared, steps=4, wide=False, **kw):
 
 def _copies_of():
     """Buckets copied out of the shards from now on (a list the copies append to)."""
-    from shardopt.zero3 import shared_shard
+    from shardopt.parallel import gathers
 
-    copied, wait = [], shared_shard._Copy.wait
+    copied, wait = [], gathers._Copy.wait
 
     def counted(self):
         if self.out is not None:
             copied.append(self.b)
         wait(self)
-    shared_shard._Copy.wait = counted
+    gathers._Copy.wait = counted
     return copied
 
 
@@ -84,7 +88,7 @@ def _parity(rank, world_size):
                 model, opt = _train(rank, optim, stage, shared, wide=wide, **kw)
                 if wide and shared is None:  # l1, l2, branch and the frozen layer mapped; the embedding copied
                     store = opt.store
-                    out[f"mapped {optim.__name__}"] = (sorted(store.maps), store.trainable_buckets, sorted(set(copied)))
+                    out[f"mapped {optim.__name__}"] = (sorted(store.buckets.maps), store.buckets.trainable, sorted(set(copied)))
                 if stage == 3:
                     with opt.full_params(writeback=False):
                         models[shared] = [p.detach().clone() for p in model.parameters()]
@@ -92,13 +96,13 @@ def _parity(rank, world_size):
                 else:
                     models[shared] = list(model.parameters())
                 if shared is None:
-                    out[f"used {optim.__name__} {stage}"] = opt.store.shared_gather is not None
+                    out[f"used {optim.__name__} {stage}"] = opt.store.gather.shared is not None
                     # On this x86 host the barriers go through shared memory too (Note [Barriers in shared memory]);
                     # stage 3 uses shared memory only then.
                     out[f"used barrier {optim.__name__} {stage}"] = stage == 3 or \
-                        opt.store.shared_gather.shared.barrier is not None
+                        opt.store.gather.shared.barrier is not None
                     out[f"gathers {optim.__name__} {stage}"] = opt.store.num_gathers if stage == 3 \
-                        else opt.store.gatherer.num_all_gathers
+                        else opt.store.gather.num_all_gathers
                     out[f"files left {optim.__name__} {stage}"] = _ours()
             stage = f"{stage}{' wide' if wide else ''}"
             out[f"equal {optim.__name__} {stage}"] = all(torch.equal(p, q) for p, q in zip(models[None], models[False]))
@@ -128,15 +132,15 @@ def test_shared_memory_gather_is_bitwise_the_process_groups(world_size, monkeypa
 def _in_place_after_step(rank, world_size, slow_reader):
     import shardopt
     import torch.distributed as dist
-    from shardopt.parallel import shared_flat
+    from shardopt.parallel import gathers
 
     if rank == 1 and slow_reader:
-        copy = shared_flat.SharedGather.finish_all_gather
+        copy = gathers.SharedAfterStep.finish_all_gather
 
         def slow(self, bucket):
             time.sleep(0.02)
             copy(self, bucket)
-        shared_flat.SharedGather.finish_all_gather = slow
+        gathers.SharedAfterStep.finish_all_gather = slow
     torch.manual_seed(0)
     model = AwkwardNet()
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, reduce_bucket_size=300,
@@ -165,7 +169,7 @@ def test_an_in_place_write_after_step_never_reaches_a_slower_ranks_copy():
 
 def _refusals(rank, world_size, case):
     import shardopt
-    from shardopt.parallel import shared_flat
+    from shardopt.parallel import shared_memory
 
     torch.manual_seed(0)
     model = AwkwardNet()
@@ -176,20 +180,20 @@ def _refusals(rank, world_size, case):
     if case == "other host":  # each rank its own /dev/shm: nobody sees the others' files
         d = f"/dev/shm/shardopt-test-host-{os.getppid()}-{rank}"
         os.makedirs(d, exist_ok=True)
-        shared_flat.SHM_DIR = d
+        shared_memory.SHM_DIR = d
     out = {}
     for want in (None, True):
         try:
             opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1,
                                             stage=3 if case.endswith("stage 3") else 2, shared_memory_gather=want)
-            out[want] = "shared" if opt.store.shared_gather is not None else "process group"
+            out[want] = "shared" if opt.store.gather.shared is not None else "process group"
         except (ValueError, RuntimeError) as e:
             out[want] = f"{type(e).__name__}: {e}"
     import torch.distributed as dist
     dist.barrier()  # every rank past its clean-up
-    out["files"] = sorted(os.listdir(shared_flat.SHM_DIR)) if case == "other host" else _ours()
+    out["files"] = sorted(os.listdir(shared_memory.SHM_DIR)) if case == "other host" else _ours()
     if case == "other host":
-        os.rmdir(shared_flat.SHM_DIR)
+        os.rmdir(shared_memory.SHM_DIR)
     return out
 
 
@@ -218,13 +222,13 @@ def _across_nodes(rank, world_size):
         model, opt = _train(rank, torch.optim.AdamW, 2, shared, shard_group="node", lr=1e-2, weight_decay=0.1)
         models[shared] = model
         if shared is None:
-            out["hybrid used"] = opt.store.shared_gather is not None
+            out["hybrid used"] = opt.store.gather.shared is not None
     out["hybrid equal"] = all(torch.equal(p, q) for p, q in zip(models[None].parameters(),
                                                                  models[False].parameters()))
     for want in (None, True):  # flat sharding over both nodes: the process group, never shared memory
         try:
             _, opt = _train(rank, torch.optim.SGD, 2, want, steps=1, node_aware=False, lr=0.1)
-            out[f"flat {want}"] = "shared" if opt.store.shared_gather is not None else "process group"
+            out[f"flat {want}"] = "shared" if opt.store.gather.shared is not None else "process group"
         except ValueError as e:
             out[f"flat {want}"] = str(e)
     return out
@@ -309,34 +313,66 @@ def _agreements(rank, world_size):
         rounds.append(ex.exchange(*mine) == [tuple(t) for t in theirs])
     model = nn.Linear(4, 4)
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=3)
-    return rounds, opt.store.agree_shm is not None
+    dist.barrier()
+    return rounds, opt.store.rounds.agree_shm is not None, _ours()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stage_3_agreements_through_shared_memory_equal_gloos(world_size):
-    for rounds, used in run_ranks(_agreements, world_size):
+    for rounds, used, left in run_ranks(_agreements, world_size):
         assert all(rounds) and len(rounds) == 7, rounds
         assert used  # one host: the store agrees through shared memory
-    assert not _ours()  # no file left behind
+        assert left == []  # no file left behind
+
+
+def _build_a_store(rank, world_size, stage):
+    import shardopt
+
+    model = AwkwardNet()
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1, stage=stage)
+    return opt.store.gather.shared is not None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_killed_jobs_files_are_gone_once_the_next_job_has_run(stage):
+    # Note [Files in /dev/shm]: a rank killed inside the handshake leaves its file, named with its pid. The
+    # next job removes the files of dead owners, and only those: a live process's file stays.
+    import multiprocessing
+    dead = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()
+    left = [f"shardopt-flat-{dead.pid}-0a1b2c3d4e5f-{r}" for r in range(2)]
+    live = f"shardopt-flat-{os.getpid()}-0a1b2c3d4e5f-0"
+    try:
+        for name in left + [live]:
+            with open(os.path.join("/dev/shm", name), "wb") as f:
+                f.write(b"\0" * mmap.PAGESIZE)
+        assert run_ranks(_build_a_store, 2, stage, timeout=120) == [True, True]
+        files = os.listdir("/dev/shm")
+        assert not set(left) & set(files) and live in files, sorted(f for f in files if f.startswith("shardopt"))
+    finally:
+        for name in left + [live]:
+            if os.path.exists(os.path.join("/dev/shm", name)):
+                os.unlink(os.path.join("/dev/shm", name))
 
 
 def _stage_3_phases(rank, world_size, shared, slow, wide=False):
-    """Stage 3 through every kind of read phase and write (Note [Stage 3's gathers through shared memory]):
+    """Stage 3 through every kind of read phase and write (Note [Gathering through shared memory]):
     training steps, a different number of forwards without gradients per rank, full_params' write-back, a
     load of the weights; rank 1 copies slowly, so a rank that wrote its shard while a peer still copied it
     would hand that peer a mix. `wide`: buckets mapped (Note [Stage-3 buckets mapped, not copied]), read where
     the modules compute, so rank 1 computes slowly (forward and backward) instead."""
     import shardopt
-    from shardopt.zero3 import shared_shard
+    from shardopt.parallel import gathers
 
     if slow and rank == 1:
-        copy = shared_shard._Copy.wait
+        copy = gathers._Copy.wait
 
         def slow_copy(self):
             if self.out is not None:
                 time.sleep(0.01)
             copy(self)
-        shared_shard._Copy.wait = slow_copy
+        gathers._Copy.wait = slow_copy
     torch.manual_seed(0)
     model = AwkwardNet(**WIDE) if wide else AwkwardNet()
     if slow and rank == 1 and wide:
@@ -375,9 +411,9 @@ def _stage_3_phases(rank, world_size, shared, slow, wide=False):
                         p.copy_(saved[n])
     with opt.full_params(writeback=False):
         final = [p.detach().clone() for p in model.parameters()]
-    return dict(used=opt.store.shared_gather is not None, seen=seen, final=final, mapped=sorted(opt.store.maps),
+    return dict(used=opt.store.gather.shared is not None, seen=seen, final=final, mapped=sorted(opt.store.buckets.maps),
                 # arrivals at the shard's barrier: one per read phase, one per barrier of its own
-                phases=opt.store.shared_gather.barrier.epoch if opt.store.shared_gather is not None else None)
+                phases=opt.store.gather.shared.barrier.epoch if opt.store.gather.shared is not None else None)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["copied", "mapped"])

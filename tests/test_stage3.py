@@ -51,8 +51,8 @@ def _train(rank, world_size, cfg):
                                     max_live_parameters=cfg["max_live"],
                                     param_persistence_threshold=cfg["persist"], offload=cfg["offload"], **kw)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
-    if cfg["nodes"] and not (opt.sharding.nodes is not None and opt.store.nodes == opt.sharding.nodes
-                             and opt.sharding.nodes.replicas == cfg["nodes"] and opt.store.group is None):
+    if cfg["nodes"] and not (opt.sharding.nodes is not None and opt.store.gather.route == "two-level"
+                             and opt.sharding.nodes.replicas == cfg["nodes"] and opt.store.gather.group is None):
         return [f"node-aware collectives are not on for stage 3's gathers ({opt.sharding.nodes})"], 0, 0
     sharded = shardopt.ShardedDDP(model, opt)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -87,9 +87,9 @@ def _train(rank, world_size, cfg):
     assert opt.store.live_bytes() == 0 or cfg["persist"], "buckets left gathered after the step"
     # On this one host the wide model's big buckets, trainable and frozen, were mapped out of the shards
     # (Note [Stage-3 buckets mapped, not copied]), not copied.
-    if cfg["net"] == "wide" and not (opt.store.maps and max(opt.store.maps) >= opt.store.trainable_buckets
-                                     > min(opt.store.maps)):
-        failures.append(f"wide: buckets {sorted(opt.store.maps)} mapped of {len(opt.store.full)}")
+    if cfg["net"] == "wide" and not (opt.store.buckets.maps and max(opt.store.buckets.maps) >= opt.store.buckets.trainable
+                                     > min(opt.store.buckets.maps)):
+        failures.append(f"wide: buckets {sorted(opt.store.buckets.maps)} mapped of {len(opt.store.buckets.full)}")
     most_live = opt.store.peak_live
     with opt.full_params(writeback=False):
         for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
@@ -209,16 +209,16 @@ def _one_rank_branches(rank, world_size):
     gathers = shard.num_gathers
     # Note [The seam between forward and backward]: a forward whose backward follows keeps the buckets
     # the backward starts with, and the backward does not gather them again; a no-grad forward keeps none.
-    seam = sorted(shard.schedule.backward[:1 + shard.prefetch])
+    seam = sorted(shard.rounds.schedule.backward[:1 + shard.rounds.prefetch])
     x, y = batch(9, rank)
     with torch.no_grad():
         wrapper(x, None)
-    after_eval = [b for b, st in enumerate(shard.state) if st != "free"]
+    after_eval = [b for b, st in enumerate(shard.buckets.state) if st != "free"]
     loss = torch.nn.functional.cross_entropy(wrapper(x, None).reshape(-1, VOCAB), y.reshape(-1))
-    after_forward = [b for b, st in enumerate(shard.state) if st != "free"]
+    after_forward = [b for b, st in enumerate(shard.buckets.state) if st != "free"]
     loss.backward()
     opt.step()
-    n = len(shard.schedule.forward)
+    n = len(shard.rounds.schedule.forward)
     return gathers, dict(seam=seam, after_eval=after_eval, after_forward=after_forward,
                          eval_and_step=shard.num_gathers - gathers, want=n + 2 * n - len(seam))
 
@@ -252,7 +252,7 @@ def _one_bucket_kept_then_freed(rank, world_size):
     opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, stage=3,
                                     reduce_bucket_size=10**6, max_live_parameters=10**6)
     wrapper = shardopt.ShardedDDP(model, opt)
-    assert len(opt.layout.buckets) == 1 and opt.store.max_live == 1
+    assert len(opt.layout.buckets) == 1 and opt.store.rounds.max_live == 1
     for step in range(3):
         x, y = batch(step, rank)
         for w, o in ((ref, ref_opt), (wrapper, opt)):
@@ -394,7 +394,7 @@ def test_meta_init_state_dicts_and_full_params():
 # ------------------------------------------------------------- one rank
 def _one_rank(rank, world_size):
     """World size 1: the chunk is the whole bucket, so a gather is no copy (Note [One rank holds the whole
-    bucket] in zero3/store.py). Parity with DDP on every knob that changes the walk, the parameters inside a
+    bucket] in zero3/buckets.py). Parity with DDP on every knob that changes the walk, the parameters inside a
     forward living in this rank's chunks themselves, and full_params / state dicts as with several ranks."""
     import shardopt
 
@@ -515,6 +515,58 @@ def test_stage3_staging_pool_stays_small(impl):
     # reduce-scatter copies on every wait] in csrc/comm/gloo_reduce_scatter.h).
     for staging, buckets in run_ranks(_staging_pool, 2, impl):
         assert buckets == 16 and staging <= 4, (impl, staging, buckets)
+
+
+SLOW_STEP = 1
+
+
+def _slow_step(rank, world_size, slow):
+    """Stage 3 with rank 1 asleep at the start of backward in step SLOW_STEP (when `slow`): rank 0's
+    reduce-scatters then lag and its staging pool grows. Returns the pool's bytes at construction, at each
+    step's start, at the end of each step's backward (before flush), and the final weights."""
+    import shardopt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(16)])
+    # Parameters stay gathered from forward to backward: backward waits for no gather, only reduce-scatters
+    # lag, and the 16 buckets' reductions are all that the sleeping rank holds back.
+    opt = shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=3, lr=1e-2,
+                                    reduce_bucket_size=64 * 65, num_staging_buffers=2,
+                                    reshard_after_forward=False)
+    wrapper = shardopt.ShardedDDP(model, opt)
+    built, at_start, in_backward = opt.memory_stats()["staging"], [], []
+    # The first layer's weight gets its gradient last in backward: the pool as backward leaves it.
+    model[0].weight.register_hook(lambda g: in_backward.append(opt.memory_stats()["staging"]))
+    for step in range(3):
+        at_start.append(opt.memory_stats()["staging"])
+        torch.manual_seed(100 + 10 * step + rank)
+        out = wrapper(torch.randn(4, 64))
+        if slow and rank == 1 and step == SLOW_STEP:
+            out.register_hook(lambda g: time.sleep(0.5))  # far past the engine's 20 ms patience
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    at_start.append(opt.memory_stats()["staging"])
+    with opt.full_params(writeback=False):
+        weights = [p.detach().clone() for p in model.parameters()]
+    return built, at_start, in_backward, weights
+
+
+def test_stage3_staging_pool_returns_to_its_bound_after_a_slow_step():
+    """Issue 73: the pool grows while a peer's reduce-scatters lag (Note [Stage 3 never waits in backward]) and
+    gives the growth back once the backward's reductions are done (Note [The staging pool between backward
+    passes] in csrc/comm/bucket_engine.cpp): by the next step's start it is num_staging_buffers again, and the
+    weights are those of the same run without the slow step, bit for bit."""
+    slow = run_ranks(_slow_step, 2, True, timeout=120)
+    even = run_ranks(_slow_step, 2, False, timeout=120)
+    built, at_start, in_backward, _ = slow[0]
+    assert built > 0, slow[0][:3]
+    # Rank 0 did not sleep: its reductions waited for rank 1, so the pool grew during the slow step's backward.
+    assert in_backward[SLOW_STEP] > built, (built, at_start, in_backward)
+    for rank, (built, at_start, _, _) in enumerate(slow + even):
+        assert at_start == [built] * len(at_start), (rank % 2, built, at_start)
+    for (_, _, _, ws), (_, _, _, we) in zip(slow, even):
+        assert all(torch.equal(a, b) for a, b in zip(ws, we))
 
 
 def _inference(rank, world_size):

@@ -5,7 +5,7 @@ A small LlamaForCausalLM built from a config (no download, no dropout), a charac
 datasets made in memory from a seeded generator's code-like text. Each sharded run (a ShardedOptimizer
 through ShardedDDP: one reduce-scatter per bucket per step, the optimizer's own clipping) is compared with
 the same TRL trainer under DDP replaying it (Note [DDP replaying the sharded run] in test_hf_trainer.py):
-its logged losses, grad norms, learning rates and final weights bit for bit those of DDP clipping by the
+its logged losses, learning rates and final weights bit for bit those of DDP clipping by the
 sharded run's norms, and those norms within 1e-5 of torch's of the same gradients at every step.
 """
 import contextlib
@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from test_hf_trainer import _clipping_active, _env, _is_sharded, _norms, _replayed, train_counting_clips
+from test_hf_trainer import _clipping_active, _env, _is_sharded, _norms, _replayed, train_observed
 
 import transformers  # noqa: E402  (the [test] extra installs it)
 import trl  # noqa: E402  (a test dependency: setup.py's `test` extra; missing, this file fails)
@@ -97,7 +97,7 @@ def sharded(trainer_cls):
 def _fit(trainer, model, is_sharded, replay=None):
     """Train; (logs, final weights, trainer). replay: the grad norms a sharded run logged, for DDP replaying
     it (Note [DDP replaying the sharded run]; torch's own norms then in trainer.torch_norms)."""
-    train_counting_clips(trainer, replay)
+    train_observed(trainer, replay)
     logs = [{k: v for k, v in e.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
             for e in trainer.state.log_history if "loss" in e]
     with trainer._sharded()[1].full_params(writeback=False) if is_sharded else contextlib.nullcontext():
@@ -213,7 +213,6 @@ def _sft_save_and_resume(rank, world_size, tmp):
     logs, weights, _ = _fit(first, model, True)
     first.save_model(f"{tmp}/saved")  # every rank calls it; rank 0 writes whole weights
     again, model = trainer(f"{tmp}/run", other_start=True)
-    again.torch_clips = 0
     again.train(resume_from_checkpoint=f"{tmp}/run/checkpoint-2")
     resumed = [{k: v for k, v in e.items() if k in ("loss", "grad_norm", "learning_rate", "step")}
                for e in again.state.log_history if "loss" in e]
@@ -309,7 +308,7 @@ def _generating(rank, world_size, tmp):
 def test_generating_trainers_at_stage_3_match_ddp(launches):
     """GRPOTrainer and RLOOTrainer generate rollouts of different lengths on each rank before every step; at stage
     3 generate() runs synced (Note [Trainers that generate during training]) and the numbers are DDP's: the same
-    sampled completions (their lengths and rewards as logged), losses, grad norms and final weights as DDP's
+    sampled completions (their lengths and rewards as logged), losses and final weights as DDP's
     replaying the run, bit for bit, and grad norms within 1e-5 of torch's (Note [DDP replaying the sharded run])."""
     ranks = launches.results("generating")
     for rank, results in enumerate(ranks):

@@ -131,7 +131,7 @@ def test_generate_at_stage_3_with_and_without_synced_gpus(synced):
 
 
 # ------------------------------------------------- a module called again within a pass
-# Note [A module called again] in shardopt/zero3/store.py: a block called 1 + (step + rank) % 3 times (one call
+# Note [A module called again] in shardopt/zero3/rounds.py: a block called 1 + (step + rank) % 3 times (one call
 # under activation checkpointing) and an MoE layer whose experts run as often as the data routes token groups
 # to them, in data order (an expert again right away, or after another one), differently on every rank.
 DIM, GROUP = 24, 2
@@ -192,7 +192,7 @@ def _reentrant_train(rank, world_size, cases):
                                         lr=LR, stage=case["stage"], reduce_bucket_size=700, max_grad_norm=CLIP,
                                         **case.get("options", {}))
         os.environ.pop("LOCAL_WORLD_SIZE", None)
-        assert not case.get("nodes") or opt.store.nodes is not None, "node-aware gathers are not on"
+        assert not case.get("nodes") or opt.store.gather.route == "two-level", "node-aware gathers are not on"
         wrapper = shardopt.ShardedDDP(model, opt)
         start = time.monotonic()
         # Under torch's Join rank r has 2 + r batches: the ranks that have joined serve the others' gathers asked
@@ -209,7 +209,7 @@ def _reentrant_train(rank, world_size, cases):
                 opt.zero_grad()
         seconds = time.monotonic() - start
         store = getattr(opt, "store", None)
-        gathers = (getattr(store, "num_gathers", None), getattr(store, "num_again", None))
+        gathers = (getattr(store, "num_gathers", None), getattr(getattr(store, "rounds", None), "num_again", None))
         with opt.full_params(writeback=False):
             state = {k: v.clone() for k, v in model.state_dict().items()}
         out[str(case)] = (state, seconds, gathers)
@@ -278,7 +278,7 @@ def _out_of_step(rank, world_size):
     start = time.monotonic()
     try:
         if rank == 0:
-            opt.store._serve(-1)
+            opt.store.rounds.serve(-1)
         else:
             wrapper(_reentrant_batch(0, rank)[0], 1)
     except RuntimeError as e:

@@ -1,4 +1,4 @@
-"""shardopt/weights/hf_files.py: Hugging Face weight files read by range and written in pieces.
+"""shardopt/weights/reader.py and writer.py: Hugging Face weight files read by range and written in pieces.
 
 No process group. What we write is read back by safetensors itself (load_file, safe_open) and by
 transformers (from_pretrained); what transformers and huggingface_hub write is read by us; the split
@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shardopt.weights import hf_files
-from shardopt.weights.hf_files import (SAFE_INDEX, SAFETENSORS_DTYPES, WeightFileError, WeightWriter,
-                                       file_names, open_weights, parse_size, plan_files)
+from shardopt.weights.format import SAFE_INDEX, SAFETENSORS_DTYPES, WeightFileError, safetensors_code
+from shardopt.weights.reader import open_weights
+from shardopt.weights.writer import WeightWriter, file_names, parse_size, plan_files
 
 SEED = 20261129
 
@@ -38,7 +38,7 @@ def _tensors() -> dict:
     shapes = {torch.float64: (), torch.float32: (0, 7), torch.bfloat16: (37, 16), torch.float16: (3, 4, 5),
               torch.int64: (11,), torch.int32: (2, 3), torch.int16: (5,), torch.int8: (7, 3),
               torch.uint8: (13,), torch.bool: (5, 3)}
-    out = {f"t_{hf_files.safetensors_code(dt).lower()}": _random(dt, shapes.get(dt, (9,)), gen)
+    out = {f"t_{safetensors_code(dt).lower()}": _random(dt, shapes.get(dt, (9,)), gen)
            for dt in SAFETENSORS_DTYPES.values()}
     out["transposed"] = torch.randn(6, 8, generator=gen).t()
     assert not out["transposed"].is_contiguous()
@@ -503,3 +503,70 @@ def test_empty_and_zero_d_tensors_alone(tmp_path):
     with WeightWriter(tmp_path / "nothing", []):
         pass
     assert load_file(tmp_path / "nothing" / "model.safetensors") == {}
+
+
+def test_peer_writers_fill_the_owners_files_and_the_owner_counts_their_writes(tmp_path):
+    # save_weights' parallel write in one process: the owner makes the folder, each peer writes its ranges
+    # through descriptors of its own, the owner counts what they wrote; a range nobody wrote refuses the commit.
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(5, 7), "b": torch.randn(30).to(torch.bfloat16), "c": torch.arange(11)}
+    entries = [(k, v.dtype, v.shape) for k, v in tensors.items()]
+    dest = str(tmp_path / "out")
+    owner = WeightWriter(dest, entries, max_shard_size=200)
+    peers = [WeightWriter(dest, entries, max_shard_size=200, into=owner.partial) for _ in range(2)]
+    for k, v in tensors.items():
+        flat = v.reshape(-1)
+        cut = [0, flat.numel() // 3, 2 * flat.numel() // 3, flat.numel()]
+        for writer, lo, hi in zip([owner] + peers, cut, cut[1:]):
+            if k != "c" or writer is owner:
+                writer.write(k, flat[lo:hi], lo)
+    written = [p.finish() for p in peers]
+    owner.add_written(written[0])
+    with pytest.raises(WeightFileError, match="'b' lacks elements"):
+        owner.commit()
+    owner.add_written(written[1])
+    with pytest.raises(WeightFileError, match="'c' lacks elements"):
+        owner.commit()
+    late = WeightWriter(dest, entries, max_shard_size=200, into=owner.partial)
+    late.write("c", tensors["c"][3:], 3)
+    with pytest.raises(ValueError, match="written twice"):
+        owner.add_written({"a": [(0, 1)]})
+    owner.add_written(late.finish())
+    owner.commit()
+    got = {}
+    for f in os.listdir(dest):
+        got.update(load_file(os.path.join(dest, f)) if f.endswith(".safetensors") else {})
+    assert sorted(os.listdir(dest)) == sorted(file_names(len(os.listdir(dest)) - 1)) + [SAFE_INDEX]
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_a_killed_writers_partial_folder_is_removed_by_the_next_write_and_a_live_ones_kept(tmp_path):
+    import subprocess
+
+    from shardopt.files import OWNER, mark_owner
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    made = {
+        "dead, by the pid in its name": f".out.partial-{gone.pid}-0a1b2c3d",
+        "dead, by its owner line": f".other.partial-{os.getpid()}-00ff00ff",
+        "alive": f".out.partial-{os.getppid()}-12345678",
+        "another host's": f".out.partial-{gone.pid}-9abcdef0",
+        "not a partial folder": f".out.replaced-{gone.pid}-0a1b2c3d",
+    }
+    for what, name in made.items():
+        os.mkdir(tmp_path / name)
+
+    def owned_by(name, pid, host=None):  # the line mark_owner writes, for another process
+        mark_owner(str(tmp_path / name))
+        here, namespace, _ = open(tmp_path / name / OWNER).read().split()
+        with open(tmp_path / name / OWNER, "w") as f:
+            f.write(f"{host or here} {namespace} {pid}\n")
+
+    owned_by(made["dead, by its owner line"], gone.pid)
+    owned_by(made["alive"], os.getppid())
+    owned_by(made["another host's"], gone.pid, host="elsewhere")
+    with WeightWriter(str(tmp_path / "out"), [("w", torch.float32, (3,))]) as w:
+        w.write("w", torch.ones(3))
+    left = sorted(os.listdir(tmp_path))
+    assert left == sorted(["out", made["alive"], made["another host's"], made["not a partial folder"]]), left

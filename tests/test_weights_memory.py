@@ -77,7 +77,7 @@ def test_full_fine_tune_fits_below_whole_model_plus_shard(tmp_path):
         phases = {p["phase"]: p for p in result["phases"]}
         # Built on meta: its own parameter and gradient shards (4P/N each) and little else, where a model built
         # whole costs 4P. (On one host the parameter shard is reserved in /dev/shm when the optimizer is built,
-        # Note [Stage 3's gathers through shared memory], so it is charged here, not when its values come.)
+        # Note [Gathering through shared memory], so it is charged here, not when its values come.)
         build = phases["from_pretrained on meta + optimizer"]
         assert build["peak"] < 2 * whole // WORLD + whole // 8, (rank, build["peak"] >> 20, whole >> 20)
         # Loaded shard by shard: the gradient shard, staging and one part at a time, never the whole model.

@@ -38,7 +38,7 @@ def _one_step(wrapper, opt, step=0, rank=0):
 def _count_collectives(rank, world_size):
     out = {}
     for rbs, agbs in ((300, 10**9), (10**7, 10**9), (10**7, 256)):
-        # The engine's gathers: shared memory on one host would gather by copying (shared_flat.py).
+        # The engine's gathers: shared memory on one host would gather by copying (parallel/shared_memory.py).
         _, opt, wrapper = _build(rbs=rbs, agbs=agbs, lr=0.1, momentum=0.9, shared_memory_gather=False)
         for step in range(3):
             _one_step(wrapper, opt, step, rank)

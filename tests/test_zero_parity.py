@@ -83,7 +83,7 @@ def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip,
                                     reduce_dtype=options.get("reduce_dtype"), **kw)
     # One host: the default gathers through shared memory (Note [Gathering through shared memory]; that it
     # is used where it can be is test_shared_gather.py's to check).
-    assert opt.store.shared_gather is None or not pg_gather
+    assert opt.store.gather.shared is None or not pg_gather
     sharded = shardopt.ShardedDDP(model, opt, **options.get("ddp", {}))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=7, gamma=0.5)
@@ -128,7 +128,7 @@ def _train(rank, world_size, optim_name, stage, overlap, rbs, agbs, accum, clip,
         # Running stats follow the (ulp-close) parameters, so they are close, not equal.
         if not torch.allclose(b.double(), c.double(), rtol=1e-5, atol=1e-7):
             failures.append(f"buffer {name} differs: {b.flatten()[:3]} vs {c.flatten()[:3]}")
-    return failures, opt.engine.num_reduce_scatters, opt.store.gatherer.num_all_gathers
+    return failures, opt.engine.num_reduce_scatters, opt.store.gather.num_all_gathers
 
 
 class _null:

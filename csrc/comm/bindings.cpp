@@ -42,7 +42,7 @@ void init_comm_bindings(pybind11::module& m) {
 
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())
-      .def_readwrite("stage", &EngineOptions::stage)
+      .def_readwrite("keep_full_grads", &EngineOptions::keep_full_grads)
       .def_readwrite("num_staging", &EngineOptions::num_staging)
       .def_readwrite("overlap", &EngineOptions::overlap)
       .def_readwrite("impl", &EngineOptions::impl)
@@ -86,14 +86,19 @@ void init_comm_bindings(pybind11::module& m) {
       .def_property_readonly("copy_seconds", &BucketEngine::copy_seconds);
 
   // Note [Gradient hooks in C++] in grad_hooks.h.
+  py::enum_<GradRoute>(m, "GradRoute")
+      .value("KEEP_IN_FLAT_BUFFER", GradRoute::kKeepInFlatBuffer)
+      .value("RELEASE", GradRoute::kRelease)
+      .value("BEFORE_ACCUMULATION", GradRoute::kBeforeAccumulation);
   py::class_<GradHooks>(m, "GradHooks")
-      .def(py::init<std::vector<at::Tensor>, std::shared_ptr<BucketEngine>, std::vector<at::Tensor>, int64_t,
+      .def(py::init<std::vector<at::Tensor>, std::shared_ptr<BucketEngine>, std::vector<at::Tensor>, GradRoute,
                     py::object>(),
-           py::arg("params"), py::arg("engine"), py::arg("views"), py::arg("stage"), py::arg("begin"))
-      .def("stage3", &GradHooks::stage3, py::arg("param_buckets"), py::arg("bucket_done"), "Stage 3's part (Note [Stage 3's gradient hooks in C++] in grad_hooks.h).")
+           py::arg("params"), py::arg("engine"), py::arg("views"), py::arg("route"), py::arg("begin"))
+      .def("count_buckets", &GradHooks::count_buckets, py::arg("param_buckets"), py::arg("bucket_done"),
+           "BEFORE_ACCUMULATION: each parameter's buckets, and the call when a bucket has every gradient.")
       .def("arm", &GradHooks::arm, py::arg("pending"), "A backward round begins: parameters to wait for, per bucket.")
       .def("disarm", &GradHooks::disarm, "The backward round closed.")
-      .def("ensure", &GradHooks::ensure, "Stage 3: puts back tensor hooks a Python register_hook cleared; how many.")
+      .def("ensure", &GradHooks::ensure, "BEFORE_ACCUMULATION: puts back tensor hooks a Python register_hook cleared; how many.")
       .def("remove", &GradHooks::remove, "Takes every hook off the parameters (idempotent).")
       .def_property_readonly("num_hooks", &GradHooks::num_hooks);
   m.def("set_grads", &set_grads, py::arg("params"), py::arg("grads"),

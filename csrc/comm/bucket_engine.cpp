@@ -1,5 +1,6 @@
 #include "bucket_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -16,7 +17,7 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
                            at::Tensor flat_grad, at::Tensor shard_grad)
     : pg_(std::move(pg)),
       plan_(std::move(plan)),
-      stage_(options.stage),
+      keep_full_grads_(options.keep_full_grads),
       flat_grad_(std::move(flat_grad)),
       shard_grad_(std::move(shard_grad)),
       overlap_(options.overlap),
@@ -24,7 +25,6 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
       impl_(comm::parse_impl(options.impl)),
       host_copier_(options.copy_device ? options.copy_device : default_copy_device()) {
   TORCH_CHECK(pg_, "BucketEngine needs a process group");
-  TORCH_CHECK(stage_ == 1 || stage_ == 2, "stage must be 1 or 2, got ", stage_);
   TORCH_CHECK(options.num_staging >= 1, "num_staging must be >= 1");
   rank_ = pg_->getRank();
   world_size_ = pg_->getSize();
@@ -49,18 +49,19 @@ BucketEngine::BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan
   max_chunk_ = max_bucket_ / world_size_;
   TORCH_CHECK(shard_grad_.numel() == at, "shard_grad has ", shard_grad_.numel(),
               " elements, the plan needs ", at);
-  if (stage_ == 1) {
+  if (keep_full_grads_) {
     TORCH_CHECK(flat_grad_.defined() && flat_grad_.is_contiguous() &&
                     flat_grad_.scalar_type() == options.grad_dtype && flat_grad_.device() == options.device,
-                "stage 1 needs the flat gradient buffer, in the gradients' dtype and device");
+                "keep_full_grads needs the flat gradient buffer, in the gradients' dtype and device");
   }
   reduce_options_ = at::TensorOptions().dtype(options.reduce_dtype).device(options.device);
-  // Stage 1 reduces its flat gradient buffer in place unless it must change dtype.
-  staged_ = stage_ == 2 || options.grad_dtype != options.reduce_dtype;
+  // The flat gradient buffer is reduced in place unless it must change dtype.
+  staged_ = !keep_full_grads_ || options.grad_dtype != options.reduce_dtype;
   direct_ok_ = options.reduce_dtype == shard_grad_.scalar_type() && options.device == shard_grad_.device();
   found_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(options.device));
   // Allocated once; reused for every bucket of every backward.
-  for (int64_t i = 0; i < std::min<int64_t>(options.num_staging, nb); ++i) {
+  pool_size_ = std::min<int64_t>(options.num_staging, nb);
+  for (int64_t i = 0; i < pool_size_; ++i) {
     slots_.emplace_back();
     if (staged_) slot_staging(i);
     free_slots_.push_back(i);
@@ -199,17 +200,18 @@ at::Tensor BucketEngine::chunk_view(int64_t b) const {
 }
 
 // Note [Stage 3 never waits in backward]
-// At stage 3 a backward pass also waits for parameter all-gathers (another
+// At stage 3 (wait_for_staging=false) a backward pass also waits for parameter all-gathers (another
 // process group, in a fixed schedule of their own). If rank A waited here for
 // a reduce-scatter that rank B has not launched yet, while B waits for an
 // all-gather that only A's backward would go on to issue, neither would move:
 // the two streams' orders differ between ranks as soon as ranks run different
 // modules. So with wait_for_staging=false this never blocks for long: a
 // staging buffer whose reduce-scatter finishes within kStagingPatience is taken
-// back, and if none does, the pool grows by one (it stays grown; what a
-// backward needs at most is then bounded by how far its computation outruns
-// the link, never by a deadlock). The patience keeps the pool near its size
-// when reductions keep up, which they do unless the link is slow.
+// back, and if none does, the pool grows by one (until the end of this
+// backward: Note [The staging pool between backward passes]; what a backward
+// needs at most is then bounded by how far its computation outruns the link,
+// never by a deadlock). The patience keeps the pool near its size when
+// reductions keep up, which they do unless the link is slow.
 constexpr auto kStagingPatience = std::chrono::milliseconds(20);
 
 bool BucketEngine::oldest_is_done() const {
@@ -268,7 +270,7 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
   used_.data_ptr<uint8_t>()[param] = 1;
   const int64_t off = plan_.param_offset[param];
   auto src = grad.reshape({-1});
-  if (stage_ == 1) {
+  if (keep_full_grads_) {
     auto dst = flat_grad_.narrow(0, off, numel);
     // .grad is normally a view of the flat buffer and autograd accumulated in
     // place; if something replaced it, take its value.
@@ -279,7 +281,7 @@ void BucketEngine::mark_ready(int64_t param, const at::Tensor& grad) {
   // Bucket by bucket, launching as soon as one completes: a parameter that
   // straddles many buckets then needs one staging buffer at a time, not one each.
   for (int64_t b : param_buckets_[param]) {
-    if (stage_ == 2) {
+    if (!keep_full_grads_) {
       if (slot_of_[b] < 0) slot_of_[b] = acquire_slot();
       const int64_t lo = std::max(off, plan_.bucket_start[b]);
       const int64_t hi = std::min(off + numel, plan_.bucket_start[b] + plan_.bucket_numel[b]);
@@ -307,7 +309,7 @@ void BucketEngine::launch(int64_t b) {
   const int64_t slot = slot_of_[b];
   host_copier_.before_reuse(slot);  // its output buffer may still be on its way to the host
   at::Tensor input;
-  if (stage_ == 1) {
+  if (keep_full_grads_) {
     auto grads = flat_grad_.narrow(0, start, numel);
     input = staged_ ? slot_staging(slot).narrow(0, 0, numel) : grads;
     unscale_into(grads, input, divisor_, found_);
@@ -411,7 +413,7 @@ void BucketEngine::free_a_slot() {
   finish_oldest();
 }
 
-// Stage 3 with two-level reductions: a bucket's staging buffer is read only by
+// Without waiting for staging, with two-level reductions: a bucket's staging buffer is read only by
 // its in-node reduce-scatter (the node chunk crosses the link from a buffer of
 // its own), so every one whose in-node phase is done is taken back at once,
 // without waiting: the pool does not grow while the slow link is busy.
@@ -456,7 +458,7 @@ void BucketEngine::finish_oldest() {
     }
     copy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  if (stage_ == 1) {
+  if (keep_full_grads_) {
     // The next backward accumulates into .grad views of this buffer again.
     flat_grad_.narrow(0, plan_.bucket_start[f.bucket], plan_.bucket_numel[f.bucket]).zero_();
   }
@@ -485,7 +487,30 @@ void BucketEngine::flush() {
   }
   while (!inflight_.empty()) finish_oldest();
   host_copier_.finish_all();  // the optimizer reads the shard next
+  shrink_pool();
   reset_backward();
+}
+
+// Note [The staging pool between backward passes]
+// The pool may grow during a backward (a bucket that cannot launch yet holds
+// every buffer, Note [Bucket engine]; a reduce-scatter that lags at stage 3,
+// Note [Stage 3 never waits in backward]). What it grew by is dropped here, at
+// the end of flush(), so each backward starts with the configured pool and a
+// slow step costs memory only while it runs. This is the first point where no
+// buffer is read: flush() has launched every bucket and waited for every
+// reduce-scatter and inter-node hop (the only readers of a staging buffer and
+// the only writers of an output buffer), and host_copier_.finish_all() for
+// every copy out of an output buffer; so every slot is free. Between backward
+// passes the engine touches no slot (parameter gathers write into the caller's
+// flat buffer), and the next backward allocates again if it needs more.
+void BucketEngine::shrink_pool() {
+  if (static_cast<int64_t>(slots_.size()) <= pool_size_) return;
+  TORCH_INTERNAL_ASSERT(inflight_.empty() && free_slots_.size() == slots_.size(),
+                        "the staging pool shrinks only once every buffer is free");
+  slots_.resize(pool_size_);
+  free_slots_.erase(std::remove_if(free_slots_.begin(), free_slots_.end(),
+                                   [this](int64_t s) { return s >= pool_size_; }),
+                    free_slots_.end());
 }
 
 void BucketEngine::zero_grad() {
@@ -495,7 +520,7 @@ void BucketEngine::zero_grad() {
   std::fill(has_data_.begin(), has_data_.end(), 0);
   used_.zero_();
   found_.zero_();
-  if (stage_ == 1) flat_grad_.zero_();
+  if (keep_full_grads_) flat_grad_.zero_();
 }
 
 bool BucketEngine::has_grad() const {
@@ -511,6 +536,7 @@ bool BucketEngine::has_grad_locked() const {
 }
 
 int64_t BucketEngine::staging_bytes() const {
+  std::lock_guard<std::mutex> g(mu_);
   int64_t n = 0;
   for (const auto& s : slots_) {
     for (const auto* t : {&s.staging, &s.out}) {

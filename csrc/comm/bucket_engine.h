@@ -5,10 +5,11 @@
 // --------------------
 // The plan (bucket ranges, which parameters overlap each bucket, launch order)
 // comes from shardopt/layout.py and is identical on every rank. The engine:
-//  * stage 2: copies each ready gradient, pre-divided by world size (as DDP's
-//    default hook does), into a bucket-sized staging buffer taken from a small
-//    pool allocated once; stage 1: gradients already live in the persistent
-//    flat gradient buffer (params' .grad are views of it), nothing is copied;
+//  * copies each ready gradient, pre-divided by world size (as DDP's default
+//    hook does), into a bucket-sized staging buffer taken from a small pool
+//    allocated once; or, with keep_full_grads, finds gradients already in the
+//    persistent flat gradient buffer (params' .grad are views of it) and
+//    reduces them from there;
 //  * launches a bucket's reduce-scatter once all its parameters are ready AND
 //    every bucket before it in the launch order has launched, so all ranks
 //    issue collectives in the same order whatever order hooks fire in;
@@ -28,7 +29,9 @@
 // output buffer, copied (per bucket, as it finishes) into the shard.
 // A staging buffer is recycled when its reduce-scatter has finished; if every
 // buffer is held by a bucket that cannot launch yet (hooks fired out of
-// order), the pool grows by one rather than deadlock.
+// order), the pool grows by one rather than deadlock, and flush() gives back
+// what it grew by (Note [The staging pool between backward passes] in
+// bucket_engine.cpp).
 // Errors of a collective (a dead peer, a timeout) are rethrown with the bucket
 // and what to check, never swallowed.
 #pragma once
@@ -62,14 +65,18 @@ struct BucketPlan {
 };
 
 struct EngineOptions {
-  int64_t stage = 2;
-  int64_t num_staging = 2;           // staging buffers allocated up front (the pool may grow)
+  // true: gradients accumulate in the caller's flat gradient buffer across
+  // backward passes and are reduced from it, which is zeroed once reduced;
+  // false: each ready gradient is copied into a staging buffer (the caller
+  // releases the full-size one).
+  bool keep_full_grads = false;
+  int64_t num_staging = 2;           // staging buffers allocated up front (the pool may grow within a backward)
   bool overlap = true;               // false: each reduce-scatter is waited for at launch
   std::string impl = "auto";         // "native", "ring" or "auto" (see ring.h)
   at::ScalarType grad_dtype = at::kFloat;    // the model's gradients
   at::ScalarType reduce_dtype = at::kFloat;  // what the collectives carry
   at::Device device = at::kCPU;              // the model's device (staging lives there)
-  // false (stage 3): never block a backward pass for a staging buffer; take
+  // false: never block a backward pass for a staging buffer; take
   // back those whose reduce-scatter has finished, else grow the pool (Note
   // [Stage 3 never waits in backward] in bucket_engine.cpp).
   bool wait_for_staging = true;
@@ -80,13 +87,13 @@ struct EngineOptions {
 
 class BucketEngine {
  public:
-  // flat_grad: stage 1's persistent full gradient buffer (undefined for stage 2).
+  // flat_grad: the persistent full gradient buffer (keep_full_grads), else undefined.
   // shard_grad: this rank's gradient chunks, concatenated in bucket order
   // (fp32; on the host with offload).
   BucketEngine(c10::intrusive_ptr<c10d::ProcessGroup> pg, BucketPlan plan, EngineOptions options,
                at::Tensor flat_grad, at::Tensor shard_grad);
 
-  // A parameter's gradient of this backward is complete. Stage 2 copies it.
+  // A parameter's gradient of this backward is complete: copied into staging (unless keep_full_grads).
   void mark_ready(int64_t param, const at::Tensor& grad);
   // Records that a parameter got a gradient without reducing it (no_sync).
   void note_used(int64_t param);
@@ -205,6 +212,7 @@ class BucketEngine {
   void give_back_slot(InFlight& f);
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bucket);
   void reset_backward();
+  void shrink_pool();
   void launch_two_level(int64_t bucket, const at::Tensor& input, InFlight& f);
   void start_two_level_gathers(const at::Tensor& flat);
   at::Tensor hop_residual_of(int64_t bucket, int64_t chunk) const;
@@ -212,7 +220,7 @@ class BucketEngine {
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   BucketPlan plan_;
-  int64_t stage_;
+  bool keep_full_grads_;
   at::Tensor flat_grad_;
   at::Tensor shard_grad_;
   std::vector<int64_t> chunk_offset_;
@@ -253,6 +261,7 @@ class BucketEngine {
 
   std::vector<Slot> slots_;
   std::vector<int64_t> free_slots_;
+  int64_t pool_size_ = 0;             // slots_ between backward passes: min(num_staging, buckets)
   std::deque<InFlight> inflight_;
   std::vector<Gather> gathers_;       // started, not finished (empty slots: finished)
   int64_t pending_gathers_ = 0;

@@ -16,13 +16,13 @@ struct GradHooks::State {
   std::vector<at::Tensor> params;
   std::vector<at::Tensor> views;
   std::shared_ptr<BucketEngine> engine;
-  int64_t stage;
+  GradRoute route;
   py::object begin;
   std::mutex mu;
   std::mutex begin_mu;
   int pass_id = -1;  // autograd graph task of the current pass (-1: none)
   PassMode mode = PassMode::kIgnore;
-  // Stage 3 (Note [Stage 3's gradient hooks in C++]).
+  // kBeforeAccumulation (Note [Stage 3's gradient hooks in C++]).
   std::vector<std::vector<int64_t>> param_buckets;
   std::vector<int64_t> pending;   // per bucket: parameters still without a gradient (-1: not counted)
   bool armed = false;
@@ -69,14 +69,14 @@ struct GradHooks::State {
     const at::Tensor grad = p.grad();
     if (!grad.defined()) return;
     engine->mark_ready(i, grad);
-    if (stage == 1) {
+    if (route == GradRoute::kKeepInFlatBuffer) {
       if (!grad.is_same(views[i])) p.mutable_grad() = views[i];  // the engine copied its value in
     } else {
-      p.mutable_grad() = at::Tensor();  // stage 2: the full-size gradient is released here
+      p.mutable_grad() = at::Tensor();  // the full-size gradient is released here
     }
   }
 
-  // Stage 3, before accumulation (Note [Stage 3's gradient hooks in C++]): the gradient goes where
+  // kBeforeAccumulation (Note [Stage 3's gradient hooks in C++]): the gradient goes where
   // AccumulateGrad's post hook would have sent it, and AccumulateGrad gets none.
   at::Tensor take(int64_t i, const at::Tensor& incoming) {
     const PassMode m = mode_for_pass();
@@ -95,7 +95,7 @@ struct GradHooks::State {
     return at::Tensor();
   }
 
-  // Stage 3: parameter i has its gradient of this backward; a bucket whose parameters all have theirs goes.
+  // kBeforeAccumulation: parameter i has its gradient of this backward; a bucket whose parameters all have theirs goes.
   void count_down(int64_t i) {
     std::vector<int64_t> done;
     {
@@ -144,7 +144,7 @@ bool runs_accumulator(const at::Tensor& p) {
   return it != exec_info->end() && it->second.needed_;
 }
 
-// Stage 3: a hook on the parameter itself (Note [Stage 3's gradient hooks in C++]).
+// kBeforeAccumulation: a hook on the parameter itself (Note [Stage 3's gradient hooks in C++]).
 struct TensorHook : torch::autograd::FunctionPreHook {
   TensorHook(std::shared_ptr<GradHooks::State> s, int64_t i) : state(std::move(s)), index(i) {}
   variable_list operator()(const variable_list& grads) override {
@@ -173,20 +173,20 @@ void append_hook(const at::Tensor& p, std::unique_ptr<torch::autograd::FunctionP
 }  // namespace
 
 GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngine> engine,
-                     std::vector<at::Tensor> views, int64_t stage, py::object begin)
+                     std::vector<at::Tensor> views, GradRoute route, py::object begin)
     : state_(std::make_shared<State>()) {
-  TORCH_CHECK(stage == 1 || stage == 2 || stage == 3, "GradHooks serve stages 1 to 3, got stage ", stage);
-  TORCH_CHECK(stage != 1 || views.size() == params.size(), "stage 1 needs one gradient view per parameter");
+  TORCH_CHECK(route != GradRoute::kKeepInFlatBuffer || views.size() == params.size(),
+              "kKeepInFlatBuffer needs one gradient view per parameter");
   TORCH_CHECK(engine, "GradHooks need a bucket engine");
   state_->params = std::move(params);
   state_->views = std::move(views);
   state_->engine = std::move(engine);
-  state_->stage = stage;
+  state_->route = route;
   state_->begin = std::move(begin);
   const auto& ps = state_->params;
   for (size_t i = 0; i < ps.size(); ++i) {
     TORCH_CHECK(ps[i].requires_grad() && ps[i].is_leaf(), "parameter ", i, " is not a leaf that requires grad");
-    if (stage == 3) {  // on the parameter itself (Note [Stage 3's gradient hooks in C++])
+    if (route == GradRoute::kBeforeAccumulation) {  // on the parameter itself (Note [Stage 3's gradient hooks in C++])
       append_hook(ps[i], std::make_unique<TensorHook>(state_, static_cast<int64_t>(i)));
       on_tensors_ = true;
       continue;
@@ -204,10 +204,11 @@ GradHooks::GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngin
 
 GradHooks::~GradHooks() { remove(); }
 
-void GradHooks::stage3(std::vector<std::vector<int64_t>> param_buckets, py::object bucket_done) {
+void GradHooks::count_buckets(std::vector<std::vector<int64_t>> param_buckets, py::object bucket_done) {
   auto& s = *state_;
-  TORCH_CHECK(s.stage == 3, "GradHooks.stage3() is for hooks built with stage=3");
-  TORCH_CHECK(param_buckets.size() == s.params.size(), "GradHooks.stage3(): one bucket list per parameter");
+  TORCH_CHECK(s.route == GradRoute::kBeforeAccumulation, "GradHooks.count_buckets() is for hooks built with "
+              "GradRoute.BEFORE_ACCUMULATION");
+  TORCH_CHECK(param_buckets.size() == s.params.size(), "GradHooks.count_buckets(): one bucket list per parameter");
   std::lock_guard<std::mutex> g(s.mu);
   s.param_buckets = std::move(param_buckets);
   s.bucket_done = std::move(bucket_done);

@@ -1,4 +1,4 @@
-// The gradient hooks of ShardedDDP at stages 1 and 2, in C++.
+// The gradient hooks of ShardedDDP, in C++: where each parameter's gradient goes (GradRoute).
 //
 // Note [Gradient hooks in C++]
 // ----------------------------
@@ -14,9 +14,10 @@
 //    gradients: kReduce, kNoteUsed (no_sync; OneBitAdam's compressing phase)
 //    or kIgnore.
 //  * post hook (p.grad is complete): kReduce hands p.grad to the bucket
-//    engine (mark_ready; no GIL), then stage 1 puts back the flat-buffer view
-//    if user code replaced p.grad (the engine copied its value in), stage 2
-//    releases p.grad (the shard holds the reduced gradient); kNoteUsed only
+//    engine (mark_ready; no GIL), then kKeepInFlatBuffer puts back the
+//    flat-buffer view if user code replaced p.grad (the engine copied its
+//    value in), kRelease releases p.grad (the shard holds the reduced
+//    gradient); kNoteUsed only
 //    notes the parameter used (its gradient accumulates in p.grad).
 // The hooks hold the engine and the parameters but nothing of Python except
 // `begin`, which holds the wrapper weakly (Note [Hooks die with the wrapper]
@@ -25,13 +26,10 @@
 //
 // Note [Stage 3's gradient hooks in C++]
 // --------------------------------------
-// Stage 3 ran two Python hooks per parameter per backward (before and after
-// accumulation): on a GPU, where autograd runs them on its device thread and
-// each one takes the GIL, about 29 us per parameter (292 parameters: 8.5 ms
-// of a 48 ms step; benchmarks/results/2026-11-28-gpu-check-h200.md). What
-// they did per parameter needs no Python, so Python now runs once per pass
-// (`begin`) and once per bucket (`bucket_done`), and each parameter has one
-// C++ hook that does the rest *before* accumulation:
+// With kBeforeAccumulation (stage 3) Python runs once per pass (`begin`) and
+// once per bucket (`bucket_done`): a Python hook per parameter costs about
+// 29 us on a GPU, where autograd's device thread takes the GIL for each. Each
+// parameter has one C++ hook that does the rest *before* accumulation:
 //  * it hands the incoming gradient to the bucket engine itself (kReduce),
 //    or adds it to p.grad itself (kNoteUsed: no_sync, OneBitAdam's local
 //    phase), and returns no gradient, so AccumulateGrad has nothing to do;
@@ -40,13 +38,12 @@
 //    bucket, which the store arms when its backward round begins (arm) and
 //    disarms when the round closes: a bucket whose count reaches zero is
 //    handed to `bucket_done` (the store frees it).
-// Nothing is accumulated into a stage-3 parameter, so the one-element
-// stand-in that AccumulateGrad's shape check needed while the bucket is not
-// gathered (Note [Gradients of parameters not gathered] in
-// shardopt/zero3/store.py) is gone too.
+// Nothing is accumulated into a stage-3 parameter, so AccumulateGrad's shape
+// check never meets a parameter whose bucket is not gathered (Note [Gradients
+// of parameters not gathered] in shardopt/zero3/buckets.py).
 //
-// Why a hook on the *tensor*, not on its AccumulateGrad node as at stages
-// 1-2: a parameter holds its accumulator weakly and autograd makes a new one
+// Why a hook on the *tensor*, not on its AccumulateGrad node as the other
+// routes: a parameter holds its accumulator weakly and autograd makes a new one
 // when the old is gone; torch.compile's graphs (after a recompile) feed
 // accumulators of their own. A node hook is lost with its node, while
 // autograd reads a tensor's pre hooks from the tensor (autograd meta) each
@@ -80,30 +77,37 @@ void set_grads(const std::vector<at::Tensor>& params, const std::vector<std::opt
 
 enum class PassMode : int64_t { kReduce = 0, kNoteUsed = 1, kIgnore = 2 };
 
+// Where a reduced parameter's full-size gradient goes.
+enum class GradRoute : int64_t {
+  kKeepInFlatBuffer = 0,    // p.grad is a view of the engine's flat gradient buffer and stays one
+  kRelease = 1,             // the engine copies p.grad into staging; p.grad is released
+  kBeforeAccumulation = 2,  // a hook on the tensor hands the gradient over before AccumulateGrad runs
+};
+
 class GradHooks {
  public:
-  // params: the optimizer's parameters (engine indices); views: stage 1's
-  // flat-buffer views, one per parameter (empty at stage 2); begin: called
-  // once per backward pass with the GIL, returns a PassMode as int.
+  // params: the optimizer's parameters (engine indices); views: the
+  // flat-buffer views, one per parameter (kKeepInFlatBuffer; else empty);
+  // begin: called once per backward pass with the GIL, returns a PassMode as int.
   GradHooks(std::vector<at::Tensor> params, std::shared_ptr<BucketEngine> engine, std::vector<at::Tensor> views,
-            int64_t stage, pybind11::object begin);
+            GradRoute route, pybind11::object begin);
   ~GradHooks();
   GradHooks(const GradHooks&) = delete;
   GradHooks& operator=(const GradHooks&) = delete;
 
-  // Stage 3 (Note [Stage 3's gradient hooks in C++]): each parameter's buckets, and bucket_done(b)
-  // (called with the GIL when bucket b's count reaches zero).
-  void stage3(std::vector<std::vector<int64_t>> param_buckets, pybind11::object bucket_done);
+  // kBeforeAccumulation (Note [Stage 3's gradient hooks in C++]): each parameter's buckets, and
+  // bucket_done(b) (called with the GIL when bucket b's count reaches zero).
+  void count_buckets(std::vector<std::vector<int64_t>> param_buckets, pybind11::object bucket_done);
   // A backward round begins: per bucket, how many of its parameters it waits for (-1: not counted).
   void arm(std::vector<int64_t> pending);
   // The round closed: nothing is counted until the next arm().
   void disarm();
-  // Stage 3: puts back each parameter's tensor hook where Python's first register_hook on it cleared the
+  // kBeforeAccumulation: puts back each parameter's tensor hook where Python's first register_hook on it cleared the
   // list (Note [Stage 3's gradient hooks in C++]). Returns how many it put back.
   int64_t ensure();
   // Takes every hook off (idempotent).
   void remove();
-  // Hooks installed (stages 1-2: 2 per parameter, stage 3: 1, until remove()).
+  // Hooks installed (2 per parameter on the accumulator, 1 on the tensor, until remove()).
   int64_t num_hooks() const;
 
   struct State;
@@ -116,7 +120,7 @@ class GradHooks {
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<torch::autograd::FunctionPreHook*> pre_hooks_;
   std::vector<uintptr_t> post_keys_;
-  bool on_tensors_ = false;  // stage 3: each parameter has a hook on the tensor itself (TensorHook)
+  bool on_tensors_ = false;  // kBeforeAccumulation: each parameter has a hook on the tensor itself (TensorHook)
 };
 
 }  // namespace shardopt

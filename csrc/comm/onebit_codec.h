@@ -29,11 +29,11 @@
 // (gain 1 the most; Note [The gains of the 1-bit scales] in shardopt/onebit.py
 // says why OneBitAdam takes more).
 //
-// Why fused: in ATen ops an encode was a dozen passes with allocations (abs,
+// Why fused: in ATen ops an encode is a dozen passes with allocations (abs,
 // the block sums in fp64, the bit packing as a multiply-and-sum over
-// bytes, the decode again for the residual) and was most of OneBitAdam's step
-// on the emulated cluster (benchmarks/results/2026-11-24-onebit-cluster.md);
-// here x and r are read once and the block stays in L1 for its second loop.
+// bytes, the decode again for the residual), most of OneBitAdam's step on
+// the emulated cluster (measured in benchmarks/results/); here x and r are
+// read once and the block stays in L1 for its second loop.
 //
 // Note [The local momentum in one pass]
 // -------------------------------------
@@ -44,9 +44,9 @@
 // in fp32, each product, sum and quotient one IEEE rounding in that order (the
 // PyTorch ops g.mul(a), m.mul_(b1).add_(...), m / d give the same bits:
 // shardopt.reference.onebit_local_momentum_reference). Four ATen passes with
-// a temporary took a fifth of the hybrid step on the emulated cluster
-// (benchmarks/results/2026-11-29-onebit-speed.md); here one pass reads g, m, d
-// and writes m and x. Every unit is compiled with -ffp-contract=off (setup.py
+// a temporary take a fifth of the hybrid step on the emulated cluster
+// (measured in benchmarks/results/); here one pass reads g, m, d and writes
+// m and x. Every unit is compiled with -ffp-contract=off (setup.py
 // COMMON_FLAGS): no product and sum may be contracted into one rounding.
 #pragma once
 

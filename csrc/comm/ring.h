@@ -81,8 +81,8 @@ WorkPtr start_all_gather_native(const GroupPtr& pg, at::Tensor input, at::Tensor
 
 // Which implementation to run. kAuto: the ring when the group's CPU backend is
 // gloo (from 4 MB buckets up, reduce-scatter measured 1.5-5x and all-gather
-// 1.1-3.7x faster than gloo's own; benchmarks/results/2026-11-22-collectives.md),
-// native everywhere else (NCCL keeps its own collectives).
+// 1.1-3.7x faster than gloo's own, in benchmarks/results/), native everywhere
+// else (NCCL keeps its own collectives).
 enum class Impl { kAuto, kRing, kNative };
 Impl parse_impl(const std::string& name);  // "auto" | "ring" | "native"
 bool ring_is_default(const GroupPtr& pg);

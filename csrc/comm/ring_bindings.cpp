@@ -38,13 +38,16 @@ void init_ring_bindings(py::module& m) {
         "a Work. `input` may be output's chunk `rank` (in place). See csrc/comm/ring.h.");
   m.def("two_level_all_gather",
         [](const GroupPtr& node, const GroupPtr& across, at::Tensor input, at::Tensor output,
-           const std::string& impl) {
-          return comm::start_two_level_all_gather(node, across, input, output, comm::parse_impl(impl));
+           const std::string& impl, std::optional<at::ScalarType> across_dtype) {
+          return comm::start_two_level_all_gather(node, across, input, output, comm::parse_impl(impl), across_dtype);
         },
-        py::arg("node"), py::arg("across"), py::arg("input"), py::arg("output"), py::arg("impl") = "auto", nogil,
+        py::arg("node"), py::arg("across"), py::arg("input"), py::arg("output"), py::arg("impl") = "auto",
+        py::arg("across_dtype") = py::none(), nogil,
         "Starts the node-aware all-gather (Note [Two-level collectives]): across the nodes among the ranks\n"
         "of this local rank into the node chunk, then inside the node; `output` gets rank (node i, local j)'s\n"
-        "input at chunk j * nodes + i. Returns a Work. See csrc/comm/two_level.h.");
+        "input at chunk j * nodes + i. across_dtype (float32 tensors): None, torch.bfloat16 or torch.int8\n"
+        "(block-scaled): the phase across nodes in that format, every output chunk (this rank's own too)\n"
+        "the rounded values. Returns a Work. See csrc/comm/two_level.h.");
   m.def("all_to_all",
         [](const GroupPtr& group, at::Tensor input, at::Tensor output) {
           return comm::start_all_to_all(group, input, output);

@@ -1,5 +1,7 @@
 #include "two_level.h"
 
+#include "int8_codec.h"
+
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
@@ -25,6 +27,28 @@ WorkPtr start_two_level_all_gather(const GroupPtr& node, const GroupPtr& across,
   }
   if (r == 1) return start_all_gather_auto(node, input, output, impl);  // one node: a flat gather
   auto node_chunk = output.narrow(0, local * r * n, r * n);
+  if (across_dtype && *across_dtype == input.scalar_type()) across_dtype.reset();  // nothing to narrow
+  if (across_dtype) {
+    TORCH_CHECK_VALUE(input.scalar_type() == at::kFloat && output.scalar_type() == at::kFloat, op,
+                      ": a narrower phase across nodes takes float32 tensors, got ", input.scalar_type());
+    TORCH_CHECK_VALUE(*across_dtype == at::kBFloat16 || *across_dtype == at::kChar, op,
+                      ": the phase across nodes can be bfloat16 or int8 (block-scaled), got ", *across_dtype);
+  }
+  if (across_dtype && *across_dtype == at::kChar) {
+    // One message per rank, each slot padded to 4 bytes so that every message's scales are aligned.
+    const int64_t bytes = int8_message_bytes(n), slot = (bytes + 3) / 4 * 4;
+    auto messages = at::empty({r * slot}, input.options().dtype(at::kByte));
+    messages.narrow(0, at_node * slot + bytes, slot - bytes).zero_();
+    int8_encode(input.contiguous(), at::Tensor(), messages.narrow(0, at_node * slot, bytes), at::Tensor());
+    auto first = start_all_gather_auto(across, messages.narrow(0, at_node * slot, slot), messages, impl);
+    return start_all_gather_after(node, std::move(first), node_chunk, output,
+                                  [messages, node_chunk, r, n, bytes, slot]() mutable {
+                                    for (int64_t i = 0; i < r; ++i) {
+                                      int8_decode(messages.narrow(0, i * slot, bytes), node_chunk.narrow(0, i * n, n),
+                                                  at::Tensor());
+                                    }
+                                  });
+  }
   if (across_dtype && *across_dtype != input.scalar_type()) {
     auto narrow_in = input.to(*across_dtype);
     auto narrow_chunk = at::empty({r * n}, input.options().dtype(*across_dtype));

@@ -31,11 +31,17 @@ namespace shardopt::comm {
 // includes the first phase's. The contract of ring.h otherwise (1-D
 // contiguous, same sizes on every rank, start in the same order everywhere,
 // never touch output or write input before wait()).
-// across_dtype (e.g. bfloat16 for float32 tensors): the phase across the link
-// carries the inputs in that dtype, and the node chunk is widened back on the
-// node group's worker before the phase inside the node: every rank's output,
-// its own chunk included, holds every input rounded to across_dtype (Note
-// [Parameters across nodes in bf16] in shardopt/parallel/mesh_plan.py).
+// across_dtype (float32 tensors only): the phase across the link carries the
+// inputs in a narrower format, and the node chunk is widened back on the node
+// group's worker before the phase inside the node: every rank's output, its own
+// chunk included, holds every input rounded the same way (Note [Parameters
+// across nodes in bf16], Note [Parameters across nodes in int8] in
+// shardopt/parallel/mesh_plan.py). The formats:
+//   kBFloat16  each value rounded to bf16 (2 bytes a value);
+//   kChar      the int8 codec's message of each input (int8_codec.h: one fp32
+//              scale per block of 256 of that input, then one int8 a value;
+//              no error feedback), its slot padded to 4 bytes: every
+//              receiver decodes the same values.
 WorkPtr start_two_level_all_gather(const GroupPtr& node, const GroupPtr& across, at::Tensor input,
                                    at::Tensor output, Impl impl = Impl::kAuto,
                                    std::optional<at::ScalarType> across_dtype = std::nullopt);

@@ -10,7 +10,5 @@ deepspeed_reader.py DeepSpeed ZeRO-1/2 checkpoint folders in
 deepspeed_zero3.py  DeepSpeed ZeRO-3 checkpoint folders in (and which reader a folder needs)
 dcp.py              torch.distributed.checkpoint state dicts (FSDP2 interop)
 
-They see a ShardedOptimizer only through its view, `opt.view` (Note [The optimizer's view] in
-shardopt/view.py), and import neither ShardedOptimizer nor ShardedDDP: the entry points check types
-through the view and its marker.
+They see a ShardedOptimizer only through `opt.view` (Note [The optimizer's view] in view.py).
 """

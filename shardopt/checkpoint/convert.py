@@ -1,21 +1,12 @@
 """`python -m shardopt convert CKPT OUT`: a sharded checkpoint as whole weights, offline.
 
-OUT decides what is written (or `--format`):
-  * a folder (OUT is an existing folder, ends in "/", or has no .pt/.pth/.bin suffix): the model's whole
-    weights as a Hugging Face safetensors folder, the folder `shardopt.save_weights` writes for the same
-    model (and `from_pretrained` reads), streamed one saved piece at a time so that the model is never
-    whole in memory (checkpoint/hf_convert.py: Note [Whole weights from a checkpoint, one piece at a time]);
-    with the model's config.json copied beside when the checkpoint's folders hold one (or `--config`);
-  * a torch file (OUT ends in .pt, .pth or .bin): {"model": the model's state_dict (every key, tied names
-    included, in the model's order and dtype), "optimizer": a torch.optim state dict as
-    ShardedOptimizer.state_dict() gives after consolidate_state_dict(), "extra": the user's extra};
-    `model.load_state_dict(out["model"])` and `torch.optim.AdamW(model.parameters(), ...).load_state_dict(
-    out["optimizer"])` continue training on one process. Built whole in memory (model and optimizer
-    state), and every file of the checkpoint is read and verified.
-
-CKPT may also be a DeepSpeed ZeRO-1/2 or ZeRO-3 checkpoint folder (shardopt/checkpoint/deepspeed_reader.py,
-deepspeed_zero3.py): its fp32 masters (and, for the torch file, Adam state) come out the same way; the folder
-output is the job of DeepSpeed's zero_to_fp32, at one piece of memory. Needs no process group.
+OUT (or `--format`) decides what is written:
+  * a folder (an existing one, a trailing "/", or no .pt/.pth/.bin suffix): the folder save_weights writes,
+    streamed one saved piece at a time (hf_convert.py), with the model's config.json beside when found;
+  * a .pt/.pth/.bin file: {"model": the model's state_dict, "optimizer": the torch.optim state dict
+    consolidate_state_dict gives, "extra"}, for one process to continue with plain torch; built whole in
+    memory after every file is verified.
+CKPT may be a DeepSpeed ZeRO-1/2/3 folder too. Needs no process group.
 """
 from __future__ import annotations
 
@@ -26,7 +17,7 @@ import torch
 
 from shardopt.checkpoint.save_load import MODEL_FILE, read_chunk, read_extra, resolve_checkpoint_dir
 from shardopt.checkpoint.source import PARAM
-from shardopt.checkpoint.files import MANIFEST, RecordReader, atomic_write_bytes, from_json, parse_dtype, read_manifest
+from shardopt.files import MANIFEST, RecordReader, atomic_write_bytes, from_json, parse_dtype, read_manifest
 from shardopt.checkpoint.pieces import assemble
 
 
@@ -54,8 +45,7 @@ def checkpoint_to_torch(path, tag: str | None = None, weights_only: bool = True)
     model_dtype = parse_dtype(body["dtypes"]["model"])
     by_name = {}
     for name, v in body["params"].items():
-        # An empty parameter has no pieces, so no chunk: nothing to read.
-        state = full.setdefault(name, {PARAM: torch.empty(v["shape"])})
+        state = full.setdefault(name, {PARAM: torch.empty(v["shape"])})  # an empty one has no pieces
         by_name[name] = state.pop(PARAM).to(model_dtype)
         for alias in body["params"][name]["aliases"]:
             by_name[alias] = by_name[name]  # the same tensor: torch.save keeps the tie
@@ -88,8 +78,7 @@ def convert(path, out, tag: str | None = None, weights_only: bool = True) -> Non
     atomic_write_bytes(os.fspath(out), buf.getvalue())
 
 
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-"""Output names that mean one torch file (as before folders were written); anything else is a folder."""
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")  # an output name ending so is one torch file, anything else a folder
 
 
 def output_format(out: str, chosen: str | None) -> str:
@@ -137,8 +126,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from shardopt.checkpoint.files import CheckpointError
-    from shardopt.weights.hf_files import WeightFileError
+    from shardopt.files import CheckpointError
+    from shardopt.weights.format import WeightFileError
 
     fmt = output_format(args.out, args.format)
     try:

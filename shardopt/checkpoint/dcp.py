@@ -8,53 +8,22 @@
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")
     shardopt.dcp.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
-The dicts have the keys and nesting torch.distributed.checkpoint.state_dict.
-get_state_dict gives for FSDP2 (FQN-keyed model state; optimizer
-{"state": {fqn: {"step", "exp_avg", ...}}, "param_groups": [{..., "params": [fqn, ...]}]}),
-so a checkpoint saved by an FSDP2 run loads here and the reverse, each side at
-its own world size.
+The dicts have the keys and nesting of torch's get_state_dict for FSDP2 (FQN-keyed), so checkpoints move
+between an FSDP2 run and this one, each at its own world size.
 
 Note [How ZeRO-1/2 state is described to DCP]
 ---------------------------------------------
-FSDP2 describes every parameter and its optimizer state as a DTensor sharded on
-dim 0 (one row range per rank). Our optimizer state is per piece: a flat
-element range of the parameter (Note [Flat layout] in layout.py) that may
-start and end in the middle of a row, and a rank may hold several pieces of
-one parameter (one per bucket it straddles). A DTensor cannot say that (one
-even split per mesh dimension), and a plain tensor would mean "replicated".
-
-We hand DCP a ShardedTensor per parameter instead, whose local shards are
-*boxes*: a flat range [a, b) of a row-major tensor is the union of at most
-2 x (ndim - 1) + 1 boxes (the rest of the first row, whole rows, the start of
-the last row, recursively for the dims inside a row; for a matrix at most 3),
-each contiguous in memory, so each box is a view of the piece with no copy.
-`range_to_boxes` computes them; every rank computes every rank's boxes from
-the layout (pure code), so each ShardedTensor carries the global metadata with
-no communication. DCP's planner treats boxes like any chunk: on save each
-element is written once by its owner; on load every box reads the overlap of
-whatever chunks were saved (FSDP2's row ranges, or another world size's
-boxes). The same goes for the trainable parameters in the model state dict:
-they are the fp32 *master* pieces (so a bf16 model loses no precision, and
-nothing is written twice), as boxes. Frozen parameters that stage 3 shards
-(Note [Frozen parameters at stage 3] in zero3/store.py) are boxes of the store's
-own chunks, the same way (so no rank holds one whole, and DCP loads into them in
-place); other frozen parameters and buffers are the model's own (replicated)
-tensors; the step count, one per parameter and the
-same on every rank, is a plain 0-d tensor as in FSDP2's dicts.
-
-Each rank's dicts hold only the parameters it has pieces of (DCP merges every
-rank's keys when saving, and a rank reads only the keys it has). A ShardedTensor
-without local shards would not do: DCP's load planner drops it, and a key
-missing from a rank's plan makes that planner assume a pre-2.4 checkpoint and
-read `param_groups` as one object, which fails.
-
-get_state_dict returns views of the live state (no copy), so DCP loads in place;
-set_state_dict then installs whatever dicts it is given (these, or plain
-whole tensors) through the same path as load_checkpoint and all-gathers.
-As torch's get_state_dict does for FSDP2, an optimizer that has not stepped
-yet gets its state created first (one inner step with zero gradients and
-lr = 0, no communication), so that there are tensors to load into.
-0-d trainable parameters are refused (a box of a 0-d tensor has no row).
+FSDP2 describes a parameter as a DTensor sharded on dim 0. Our state is per piece: a flat range that may
+start and end mid-row, several per rank (Note [Flat layout] in layout.py), which no DTensor can say. So a
+parameter is a ShardedTensor whose local shards are *boxes*: a flat range of a row-major tensor is the union
+of at most 2 (ndim - 1) + 1 contiguous boxes (rest of the first row, whole rows, start of the last;
+recursively inside a row), each a view of the piece. Every rank computes every rank's boxes from the layout,
+so no communication; DCP saves each element once and loads each box from whatever overlaps it (FSDP2's rows,
+another world size's boxes). Trainable parameters are the fp32 masters as boxes, frozen ones stage 3 shards
+boxes of the store's chunks; other tensors are the model's own, a step count a 0-d tensor, as FSDP2's.
+A rank's dicts hold only what it has pieces of: DCP's load planner drops a ShardedTensor with no local shard,
+then takes the checkpoint for a pre-2.4 one. The dicts are views of the live state (dcp.load writes in
+place); as torch does for FSDP2, an unstepped optimizer's state is created first (zero gradients, lr 0).
 """
 from __future__ import annotations
 
@@ -65,18 +34,13 @@ import torch.distributed as dist
 
 from shardopt.checkpoint.save_load import _agree_or_undo, _check_pair, _unwrap, describe_model, put_other
 from shardopt.checkpoint.source import PARAM
-from shardopt.checkpoint.files import CheckpointError
+from shardopt.files import CheckpointError
 from shardopt.checkpoint.pieces import SCALAR_KEYS, Chunk, InnerStateSwap, cut, group_hyper, resolve_hyper
 from shardopt.checkpoint.optim_state import forget_consolidated
 
 
-# --------------------------------------------------------------- pure boxes
 def range_to_boxes(shape, start: int, end: int) -> list[tuple[tuple, tuple]]:
-    """[(offsets, sizes)] of the boxes covering flat elements [start, end) of a row-major `shape`, in order.
-
-    Each box is contiguous in memory, so consecutive boxes tile the range
-    (Note [How ZeRO-1/2 state is described to DCP]).
-    """
+    """[(offsets, sizes)] of the boxes tiling flat elements [start, end) of a row-major `shape` (the Note)."""
     shape = tuple(shape)
     if start >= end:
         return []
@@ -109,7 +73,6 @@ def _flat_offset(shape, offsets) -> int:
     return at
 
 
-# -------------------------------------------------------- sharded tensors
 def _sharded_tensor(shape, dtype, device, boxes, local, group):
     """A ShardedTensor of `shape` from every rank's boxes [(rank, offsets, sizes)] and this rank's tensors."""
     from torch.distributed._shard.metadata import ShardMetadata
@@ -131,6 +94,12 @@ def _sharded_tensor(shape, dtype, device, boxes, local, group):
 
 
 def _refuse_hybrid(opt) -> None:
+    """Refuses the optimizers whose state DCP cannot take as live tensors: hybrid-sharded, or on disk."""
+    if opt.state_tier is not None:
+        raise NotImplementedError(
+            "DCP state dicts of an optimizer with offload='nvme' are not supported: its state lives on disk and is "
+            "in memory a bucket at a time, never whole as DCP's tensors must be. Save with "
+            "shardopt.save_checkpoint (it reads the state bucket by bucket and loads into any run, tiered or not).")
     if opt.sharding.shape.hybrid:
         raise NotImplementedError(
             f"DCP state dicts of a hybrid-sharded optimizer (mesh {opt.sharding.shape}) are not supported yet: "
@@ -165,8 +134,7 @@ class _Plan:
 
 
 def held_boxes(layout, i: int, world_size: int) -> list:
-    """Every rank's boxes [(rank, offsets, sizes)] of store member `i` (a frozen parameter stage 3 shards):
-    its elements in each rank's chunks of the buckets that hold it (pure, from the store's layout)."""
+    """Every rank's boxes [(rank, offsets, sizes)] of store member `i` (a frozen parameter stage 3 shards)."""
     slot, out = layout.params[i], []
     for bucket in layout.buckets:
         if i not in bucket.params:
@@ -191,7 +159,6 @@ def _local_views(shape, piece_tensors: list[tuple[int, int, torch.Tensor]]) -> l
     return out
 
 
-# ------------------------------------------------------------------- get
 def _init_inner_state(opt) -> None:
     """Creates the inner optimizer's state (as torch's get_state_dict does): zero grads, lr 0, one step."""
     inner = opt.inner
@@ -213,11 +180,7 @@ def _init_inner_state(opt) -> None:
 
 
 def get_state_dict(model, optimizer) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict) in FSDP2's format for DCP (call on every rank).
-
-    Trainable parameters and elementwise optimizer state are ShardedTensors of this
-    rank's pieces (fp32 masters for a low-precision model); see the module docstring.
-    """
+    """(model state dict, optimizer state dict) in FSDP2's format for DCP; a collective (the module docstring)."""
     opt = _check_pair(model, optimizer)
     _refuse_hybrid(opt)
     opt.wait_params()
@@ -237,12 +200,10 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
     def sharded(j, tensors):
         shape = tuple(opt.layout.params[j].shape)  # at stage 3 the parameter is empty between uses
         local = _local_views(shape, [(a, b, t) for (a, b, _), t in zip(mine.get(j, ()), tensors)])
-        # A rank may hold no piece of a parameter (or none at all: a chunk of padding only).
         dtype = tensors[0].dtype if tensors else opt.master_dtype
         device = tensors[0].device if tensors else opt.master_device
         return _sharded_tensor(shape, dtype, device, plan.boxes(j, shape), local, group)
 
-    # Only what this rank holds (Note [How ZeRO-1/2 state is described to DCP]).
     masters = {j: sharded(j, [opt.piece_params[i] for _, _, i in mine[j]]) for j in mine}
     model_sd = {}
     for k, v in module.state_dict(keep_vars=True).items():
@@ -263,9 +224,7 @@ def get_state_dict(model, optimizer) -> tuple[dict, dict]:
         sts = [inner_state.get(t, {}) for t in pieces]
         keys = set(sts[0]) if sts else set()
         if not keys:
-            # Not stepped yet, or no piece of it on this rank: nothing of it to save or load here
-            # (DCP merges every rank's keys; a rank reads only the keys it has).
-            continue
+            continue  # not stepped, or no piece here (DCP merges every rank's keys)
         entry = {}
         for k in sorted(keys):
             if k in SCALAR_KEYS or not torch.is_tensor(sts[0][k]) or sts[0][k].dim() == 0:
@@ -293,8 +252,7 @@ def _held_tensor(opt, i: int, group):
 
 
 def _held_parts(opt, info, name: str, value) -> list:
-    """This rank's parts of a sharded frozen parameter from a state-dict value (ours or a whole tensor), for
-    put_other."""
+    """This rank's parts of a sharded frozen parameter from a state-dict value, for put_other."""
     i = info.held[name]
     shape = opt.store.layout.params[i].shape
     chunks = _chunks_of(value, name, PARAM, shape)
@@ -307,7 +265,6 @@ def _scalar(opt, j, k, sts):
     return v.detach() if torch.is_tensor(v) else torch.tensor(float(v))
 
 
-# ------------------------------------------------------------------- set
 def _chunks_of(value, name: str, key: str, shape) -> list[Chunk]:
     """A state-dict value (our ShardedTensor, or a whole tensor) as chunks of the flattened parameter."""
     if _is_sharded(value):
@@ -341,11 +298,8 @@ def _piece_values(opt, info, value, name, key, i):
 
 def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
                    optim_state_dict: dict | None = None) -> None:
-    """Installs state dicts in get_state_dict's format (after dcp.load into them); call on every rank.
-
-    Either may be None (left as is). Refuses, on every rank and changing nothing
-    but what DCP already wrote, dicts of another model or optimizer.
-    """
+    """Installs get_state_dict's dicts after dcp.load (or whole tensors; None: left as is); a collective that
+    refuses another model's or optimizer's on every rank, changing nothing."""
     opt = _check_pair(model, optimizer)
     _refuse_hybrid(opt)
     opt.wait_params()
@@ -359,7 +313,6 @@ def set_state_dict(model, optimizer, *, model_state_dict: dict | None = None,
         info = describe_model(module, opt)
         if model_state_dict is not None:
             held = {info.names[pc.param] for pc in opt.pieces}
-            # A sharded frozen parameter is in the dict of the ranks that hold some of it.
             holding = {k for k, i in info.held.items() if opt.store.local_parts(i)}
             missing = [k for k in held if k not in model_state_dict] + \
                       [k for k in info.others if k not in model_state_dict and (k not in info.held or k in holding)]

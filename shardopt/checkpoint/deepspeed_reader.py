@@ -1,87 +1,38 @@
 """DeepSpeed ZeRO-1/2 checkpoint folders, read as shardopt checkpoint chunks (no DeepSpeed needed).
 
-ZeRO-3 folders: deepspeed_zero3.py, which builds on this module.
-
     shardopt.load_checkpoint("ds_ckpt", model, opt)       # the folder given to engine.save_checkpoint
     python -m shardopt convert ds_ckpt out.pt             # one plain torch file
 
-Pure file code: no process group. `DeepSpeedSource` answers the loader's
-questions (checkpoint.Source) from DeepSpeed's files, so loading at any world
-size, stage and bucket size is the native loader's work.
+`DeepSpeedSource` answers the loader's questions (checkpoint.Source) from DeepSpeed's files: loading at any
+world size, stage and bucket size is the native loader's work. Pure file code. ZeRO-3: deepspeed_zero3.py.
 
 Note [DeepSpeed ZeRO-1/2 checkpoint files]
 ------------------------------------------
-What `engine.save_checkpoint(dir)` writes in DeepSpeed 0.19 (stage_1_and_2.py,
-bf16_optimizer.py, engine.py `_save_checkpoint` / `_save_zero_checkpoint`):
+What `engine.save_checkpoint(dir)` writes in DeepSpeed 0.19 (stage_1_and_2.py, engine.py):
 
-    dir/latest                                       text: the tag (e.g. global_step4)
-    dir/<tag>/mp_rank_00_model_states.pt             rank 0: {"module": model.state_dict() in the
-                                                     model's dtype, "param_shapes": per param group
-                                                     {name: shape}, "shared_params", "buffer_names",
-                                                     "lr_scheduler", "global_steps", ..., "ds_config",
-                                                     "checkpoint_parallel_dimensions", and the user's
-                                                     client_state keys at top level}
-    dir/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
-                                                     per data-parallel rank r: {"optimizer_state_dict":
-                                                     {"single_partition_of_fp32_groups": per group the
-                                                     rank's fp32 master partition, "base_optimizer_state":
-                                                     the inner optimizer's state_dict over those flat
-                                                     partitions (one "param" per group), "param_slice_
-                                                     mappings": per group {name: fragment_address(numel,
-                                                     start)}, "group_paddings", "partition_count",
-                                                     "zero_stage", "loss_scaler", ...}, "ds_config", ...}
+    dir/latest                                text: the tag (e.g. global_step4)
+    dir/<tag>/mp_rank_00_model_states.pt      {"module": the state_dict, "param_shapes": per group {name: shape},
+                                              "shared_params", "buffer_names", "ds_config", client_state keys}
+    dir/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   {"optimizer_state_dict": {"single_partition_
+        of_fp32_groups": per group rank r's fp32 masters, "base_optimizer_state": the inner optimizer's over
+        them, "param_slice_mappings": per group {name: fragment_address(numel, start)}, "zero_stage", ...}}
 
-Per param group DeepSpeed lays the trainable parameters out in one flat buffer
-(optionally reordered round-robin, optionally with per-parameter alignment
-padding, zero padding at the end to a multiple of 2 x world size), cut into
-world-size equal partitions; rank r's master weights and Adam moments are its
-partition. A parameter is one contiguous run of that buffer, so its fragments
-on ranks 0, 1, ... are consecutive element ranges of the flattened parameter.
-`param_slice_mappings[g][name]` on rank r says where (start) and how long
-(numel) the parameter's fragment is in rank r's partition; the fragment's
-element offset inside the parameter is the sum of the fragments' numels on
-the ranks before r. So every fragment becomes a chunk (name, [lo, hi)) with
-slices of the master partition and of each moment at [start, start + numel):
-exactly what the native loader cuts a rank's pieces from. No assumption about
-ordering or padding is needed (the mapping already accounts for both), and
-the element counts are checked against `param_shapes` (every parameter tiled
-exactly once).
-
-Per param group DeepSpeed has one step count (the flat partition is one
-parameter of its inner optimizer, stepped every step, used or not); it becomes
-every chunk's `step`. DeepSpeed's CPU Adam (optimizer offload) keeps it as an
-int, torch's Adam as a tensor, DeepSpeed's FusedAdam in the param group.
-
-What is refused, and why (each a CheckpointError naming the fix):
-* stage 3 folders (parameters partitioned too; the file naming and layout
-  differ) are not this class's: deepspeed_zero3.DeepSpeedZero3Source reads
-  them (open_deepspeed there picks the reader; load_checkpoint and convert
-  use it);
-* pipeline parallelism (layer_* files) or tensor/model parallelism
-  (mp_world_size > 1): the weights are split along a dimension that ZeRO-1/2
-  here does not describe;
-* mixture-of-experts (expert files): experts are partitioned over other groups;
-* an optimizer other than Adam / AdamW (torch's, DeepSpeed's FusedAdam or CPU
-  Adam): only that state maps onto ours (exp_avg, exp_avg_sq, step). Adam with
-  L2 decay vs AdamW's decoupled decay must match the ShardedOptimizer's, as
-  must bias correction (DeepSpeed's `bias_correction: false` has no equivalent);
-* a checkpoint without `param_slice_mappings` (DeepSpeed older than 0.8): load
-  it in a newer DeepSpeed and save again.
-
-What does not move: DeepSpeed's own LR scheduler (its state is returned for
-the user to map), data sampler and random-LTD states; gradient-accumulation
-boundaries. Loss scaling (fp16) maps: scale, and DeepSpeed's hysteresis count.
+Per param group the parameters lie in one padded flat buffer cut into world-size partitions; rank r's masters
+and Adam moments are partition r. A parameter is one contiguous run, so its fragments on ranks 0, 1, ... are
+consecutive ranges of it: `param_slice_mappings[g][name]` on rank r gives the fragment's start and numel in
+the partition, and its offset in the parameter is the sum of the numels on earlier ranks. So each fragment
+is a chunk (name, [lo, hi)) with no assumption on ordering or padding, and every parameter must be tiled
+exactly once (checked against `param_shapes`). A group's one step count becomes every chunk's `step`.
+Refused, naming the fix: other parallelisms (pipeline, tensor, experts), an optimizer other than Adam / AdamW
+or a decay or bias correction unlike ours, DeepSpeed < 0.8. DeepSpeed's LR scheduler state is returned in
+`extra`; fp16 loss scaling maps (scale and hysteresis).
 
 Note [Reading DeepSpeed files without unpickling code]
 ------------------------------------------------------
-DeepSpeed writes with torch.save and loads with weights_only=False. Its files
-hold a few DeepSpeed objects besides tensors: `fragment_address` (a
-dataclass), `ZeroStageEnum`, loss scalers. We load with weights_only=True and
-allow exactly those names, mapped to inert stand-ins defined here (so
-DeepSpeed need not be installed). A user's client_state may hold anything;
-if it holds other objects, weights_only=False (trusted files only) unpickles
-them, still with the stand-ins for DeepSpeed's names. Files are memory-mapped,
-so a rank touches only the pages of the fragments it needs.
+DeepSpeed's torch.save files hold a few DeepSpeed objects besides tensors (`fragment_address`,
+`ZeroStageEnum`, loss scalers). We load with weights_only=True and allow exactly those names, mapped to
+inert stand-ins defined here; weights_only=False (trusted files only) unpickles anything else a
+client_state holds, still with the stand-ins. Files are memory-mapped: a rank touches only the pages it needs.
 """
 from __future__ import annotations
 
@@ -95,7 +46,7 @@ import types
 import torch
 
 from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
-from shardopt.checkpoint.files import CheckpointError
+from shardopt.files import CheckpointError
 from shardopt.checkpoint.pieces import Chunk, resolve_hyper
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -120,7 +71,6 @@ def looks_like_deepspeed(directory: str) -> bool:
     return any(n.endswith("_model_states.pt") or n.endswith("_optim_states.pt") for n in names)
 
 
-# ------------------------------------------------ DeepSpeed objects, inertly
 class _Record:
     """Stand-in for a pickled DeepSpeed object: its attributes, nothing else."""
 
@@ -209,7 +159,7 @@ def optimizer_files(directory: str, names) -> list:
 
 
 def _steps_of(state: dict, group: dict, where: str):
-    step = state.get("step", group.get("step"))
+    step = state.get("step", group.get("step"))  # an int (CPU Adam), a tensor, or in the group (FusedAdam)
     if step is None:
         raise CheckpointError(f"{where}: no step count in the optimizer state or its param group")
     return float(step)
@@ -219,10 +169,8 @@ def _tuples(v):
     return tuple(v) if isinstance(v, list) else v
 
 
-# ---------------------------------------------------------------- the source
 def check_partition_count(directory: str, sd: dict, world_size: int, why: str) -> None:
-    """A rank's optimizer file must be partitioned over exactly the folder's ranks (the ZeRO-1/2 and ZeRO-3
-    readers both map partitions onto rank files)."""
+    """Refuses a rank's optimizer file partitioned over other ranks than the folder's."""
     counts = sd.get("partition_count")
     counts = counts if isinstance(counts, (list, tuple)) else [counts]
     if any(c is not None and int(c) != world_size for c in counts):
@@ -254,7 +202,6 @@ class DeepSpeedSource(Source):
         self._build_fragments(sds)
         self.scaler = self._scaler(sds[0])
 
-    # ----------------------------------------------------------- refusals
     def _refuse_layouts(self, names):
         d = self.directory
         refuse_parallel_layouts(d, names)
@@ -294,11 +241,7 @@ class DeepSpeedSource(Source):
                               "expert or sequence-parallel groups are not mapped onto shardopt")
 
     def _check_adam(self, bases: list, elastic_steps: list):
-        """Sets self.decoupled, self._groups (saved param groups or None), self._state(rank, slot).
-
-        `bases`: per rank the inner optimizer's state over its flat partitions (slots; a
-        state_dict, or elastic checkpoints' list per slot); self._slot_group says whose param group
-        each slot is."""
+        """Sets self.decoupled and self._groups from `bases`, per rank a state_dict (or an elastic list)."""
         cfg = self.meta.get("ds_config") or {}
         if isinstance(cfg, str):  # deepspeed.initialize(config="ds.json") saves the path
             try:
@@ -313,7 +256,6 @@ class DeepSpeedSource(Source):
             raise CheckpointError(f"{self.directory} was trained with DeepSpeed's {opt_cfg.get('type')!r} optimizer; "
                                   "only Adam / AdamW state (exp_avg, exp_avg_sq, step) maps onto shardopt's")
         base = bases[0]
-        # optimizer.state_dict() over the flat partitions, or (elastic_checkpoint) per group the state
         self._groups = base["param_groups"] if isinstance(base, dict) else None
         self._base = bases
         self._elastic_steps = elastic_steps
@@ -390,7 +332,6 @@ class DeepSpeedSource(Source):
         return {"scale": float(ls.cur_scale), "clean_steps": clean % max(1, int(getattr(ls, "scale_window", 1))),
                 "overflows_left": int(hysteresis)}
 
-    # -------------------------------------------------- checkpoint.Source
     def resolve_hyper(self, opt) -> list:
         cls = class_name(opt.optim_class)
         if cls not in SAME_STATE[0]:
@@ -467,15 +408,8 @@ class DeepSpeedSource(Source):
 
 
 def to_torch(src: Source) -> dict:
-    """A DeepSpeed source (ZeRO-1/2 here, or deepspeed_zero3's) as convert.checkpoint_to_torch's
-    {"model", "optimizer", "extra"}; closes `src`.
-
-    Model: DeepSpeed's saved state_dict keys, trainable parameters the fp32
-    masters cast to the model's dtype. Optimizer: torch.optim numbering in
-    param_shapes order (DeepSpeed's order of its flat partitions: the client's
-    order unless round_robin_gradients reordered it), grouped by param group,
-    whole-parameter exp_avg / exp_avg_sq / step.
-    """
+    """A DeepSpeed source as convert.checkpoint_to_torch's {"model", "optimizer", "extra"} (torch.optim numbering
+    in param_shapes order); closes `src`."""
     from shardopt.checkpoint.pieces import assemble
 
     try:

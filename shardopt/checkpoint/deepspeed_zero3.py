@@ -3,62 +3,26 @@
     shardopt.load_checkpoint("ds_ckpt", model, opt)       # any stage, any world size
     python -m shardopt convert ds_ckpt out.pt             # one plain torch file
 
-`open_deepspeed` picks the reader for a DeepSpeed tag folder: this module's
-`DeepSpeedZero3Source` for stage 3, deepspeed_reader.DeepSpeedSource for
-ZeRO-1/2. Both are checkpoint.Source, so loading is the native loader's work;
-this one differs from ZeRO-1/2's only in where a parameter's elements lie.
-Pure file code: no process group.
+`open_deepspeed` picks the reader of a tag folder; stage 3's differs from ZeRO-1/2's (deepspeed_reader.py) only
+in where a parameter's elements lie. Pure file code.
 
 Note [DeepSpeed ZeRO-3 checkpoint files]
 ----------------------------------------
-What `engine.save_checkpoint(dir)` writes at stage 3 in DeepSpeed 0.19
-(engine.py `_save_checkpoint` / `_save_zero_checkpoint`, stage3.py
-`_rigid_state_dict`, partition_parameters.py):
+What `engine.save_checkpoint(dir)` writes at stage 3 in DeepSpeed 0.19 (engine.py, stage3.py):
 
-    dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt
-        per data-parallel rank r (no shared mp_rank_00_model_states.pt): {"module":
-        the model's state_dict in which every parameter is an empty tensor (of the
-        model's dtype) and buffers are whole, "param_shapes": per *sub-group* an
-        ordered {name: ds_shape}, "frozen_param_shapes": {name: shape},
-        "frozen_param_fragments": {name: rank r's partition of that frozen
-        parameter}, "buffer_names", "shared_params", counters, "ds_config", and
-        the user's client_state keys at top level}
-    dir/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt
-        {"optimizer_state_dict": {"zero_stage": 3, "partition_count": world size,
-        "fp32_flat_groups": per sub-group rank r's fp32 master partition,
-        "optimizer_state_dict": the inner optimizer's state_dict over those flat
-        partitions (one "param" per sub-group, numbered 0.. in sub-group order,
-        listed under its param group), "loss_scaler", "dynamic_loss_scale", ...}}
+    dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   per rank: {"module" (parameters empty, buffers
+        whole), "param_shapes": per *sub-group* {name: shape}, "frozen_param_shapes", "frozen_param_fragments":
+        {name: rank r's part}, "buffer_names", "shared_params", "ds_config", client_state keys}
+    dir/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   {"optimizer_state_dict": {"zero_stage": 3,
+        "fp32_flat_groups": per sub-group r's fp32 masters, "optimizer_state_dict": the inner optimizer's over
+        them (in sub-group order, listed under their param groups), "loss_scaler", ...}}
 
-Stage 3 partitions each parameter on its own, not one flat buffer per group:
-a parameter of n elements is padded with zeros to a multiple of the world size
-W and cut into W equal parts of p = ceil(n / W) elements; rank r holds elements
-[r p, (r + 1) p) of the flattened parameter (the last rank's part ends in
-padding, the last ones may be padding only). A sub-group's flat partition on
-rank r is its parameters' parts concatenated in param_shapes order, so the
-parameter k of a sub-group starts at sum of p over the parameters before it,
-the same offset on every rank. Sub-groups split a param group when it exceeds
-`sub_group_size` (default 1e9 elements); each is one flat "param" of the inner
-optimizer, with its own Adam state and step.
-
-So each (parameter, rank) with real elements becomes a chunk (name,
-[r p, min((r + 1) p, n))) with slices of the master partition and of each
-moment at the parameter's offset: the chunks ZeRO-1/2's reader produces, and
-the same loader cuts a rank's pieces from them. Checked: every rank's
-partition is exactly the sum of its parts (else the folder is of another
-layout), the state's moments have the partition's size, and every parameter
-is tiled once.
-
-Frozen parameters are partitioned the same way; their parts are in each
-rank's model-states file (`frozen_param_fragments`), put together here. A
-folder saved with exclude_frozen_parameters=True lacks them and is refused if
-the model has frozen parameters. Buffers are whole in every rank's file.
-
-What is refused besides ZeRO-1/2's refusals (optimizer, tensor / pipeline
-parallelism): AutoEP expert-partitioned state (`ds_zero_partition_groups`),
-whose experts are partitioned over other groups; rank files that disagree in
-number. The optimizer checks, hyper-parameters, loss scaling, step counts and
-`extra` are DeepSpeedSource's (Note [DeepSpeed ZeRO-1/2 checkpoint files]).
+Each parameter is partitioned on its own: n elements zero-padded to W parts of p = ceil(n / W), rank r
+holding [r p, (r + 1) p). A sub-group's (a param group's slice past `sub_group_size`: one inner "param")
+partition is its parameters' parts in param_shapes order, so parameter k starts at the sum of p before it
+on every rank; each (parameter, rank) with real elements is a chunk (name, [r p, min((r + 1) p, n))).
+Checked: partitions are their parts' sum, moments the partition's size, every parameter tiled once. Frozen
+parameters come from `frozen_param_fragments` (refused when saved with exclude_frozen_parameters=True).
 """
 from __future__ import annotations
 
@@ -70,7 +34,7 @@ import torch
 from shardopt.checkpoint import deepspeed_reader
 from shardopt.checkpoint.deepspeed_reader import (DeepSpeedSource, _ZERO3_MODEL_FILE, is_zero3, load_file,
                                                   optimizer_files, refuse_parallel_layouts)
-from shardopt.checkpoint.files import CheckpointError
+from shardopt.files import CheckpointError
 
 
 def open_deepspeed(directory: str, weights_only: bool = True) -> DeepSpeedSource:
@@ -119,7 +83,6 @@ class DeepSpeedZero3Source(DeepSpeedSource):
         self._build_model_state()
         self.scaler = self._scaler(sds[0])
 
-    # ----------------------------------------------------------- checks
     def _check_zero3(self, sds: list) -> None:
         d = self.directory
         for r, sd in enumerate(sds):
@@ -154,7 +117,6 @@ class DeepSpeedZero3Source(DeepSpeedSource):
                                   "in no optimizer param group: the optimizer state is incomplete")
         return out
 
-    # ----------------------------------------------------------- layout
     def _build_zero3_fragments(self) -> None:
         world, d = self.world_size, self.directory
         self.params, self._frags = {}, {}
@@ -202,7 +164,6 @@ class DeepSpeedZero3Source(DeepSpeedSource):
             else:
                 self.model_state[k] = ("frozen", tuple(v.shape))
 
-    # -------------------------------------------------- checkpoint.Source
     def model_tensor(self, name: str) -> torch.Tensor:
         if name not in self._frozen:
             return self.meta["module"][name]

@@ -5,35 +5,14 @@
 
 Note [Whole weights from a checkpoint, one piece at a time]
 -----------------------------------------------------------
-A sharded checkpoint keeps a trainable parameter's master values as pieces keyed by (name, element range)
-(Note [Checkpoint layout]; DeepSpeed's folders are read as the same pieces: deepspeed_reader.py,
-deepspeed_zero3.py), and frozen parameters and buffers whole. The Hugging Face folder is safetensors
-files whose headers are known before any value (names, dtypes and shapes: the manifest has them), so a
-piece can be written where it belongs the moment it is read (Note [Safetensors written in pieces] in
-weights/hf_files.py). So the conversion
-
-  1. lists the saved model's tensors once each, in its state-dict order, under the first state-dict key
-     of each (a tied weight is several keys of one tensor, and transformers writes it once, under the
-     first): the entries `shardopt.save_weights` writes for the same model, split into the same files;
-  2. opens a WeightWriter on those entries and, tensor by tensor, reads each saved piece of master
-     values (`Source.masters`: only the values, not the optimizer state beside them, and nothing kept),
-     casts it and writes it at its element offset; a frozen parameter or buffer is read whole and
-     written (`Source.model_tensor`);
-  3. commits: the writer refuses a hole or an element written twice, so a checkpoint whose pieces do
-     not tile a parameter never becomes a folder; the folder appears at its destination whole or not at
-     all (Note [Replacing a folder]).
-
-At no point is more than one piece (at most one parameter), or one frozen parameter or buffer, in memory,
-whatever the model's size: no whole parameter is ever assembled. Pieces are verified as read (each record's
-crc32); files are not read whole to verify them, as the torch output does. DeepSpeed's files are
-memory-mapped (deepspeed_reader.load_file), so its pieces are views of their pages.
-
-dtype: "model" (the default) writes each tensor in the dtype the model held it in, which the checkpoint
-records (shardopt: the parameters' dtype at save; DeepSpeed: its saved state dict's), the masters rounded
-to it as training rounds them: the folder save_weights writes from the same model. "master" writes the
-trainable parameters' master values as saved (fp32 for a bf16 or fp16 model: what DeepSpeed's
-zero_to_fp32 writes) and the rest as the model held them; a torch dtype casts every floating-point
-tensor to it, as model.to(dtype) would.
+Checkpoints keep masters as pieces by (name, element range) (Note [Checkpoint layout]), frozen tensors whole,
+and safetensors headers are known before any value (Note [Safetensors written in pieces] in
+weights/format.py), so each piece is written where it belongs as it is read: (1) the saved model's tensors
+once each, in state-dict order under their first key (save_weights' entries and files); (2) each saved piece
+of masters (`Source.masters`) at its offset, cast, each frozen tensor whole; (3) commit: the writer refuses
+a hole or a double write, and the folder appears whole or not at all (Note [Replacing a folder]). At most
+one piece or frozen tensor is in memory. dtype "model" rounds the masters to the model's dtype, as training
+does; "master" keeps their precision (zero_to_fp32's output); a torch dtype casts every float tensor.
 """
 from __future__ import annotations
 
@@ -43,31 +22,28 @@ import os
 
 import torch
 
-from shardopt.checkpoint.files import CheckpointError
+from shardopt.files import CheckpointError
 from shardopt.checkpoint.save_load import open_source
-from shardopt.weights.hf_files import SAFE_INDEX, SAFE_WEIGHTS, WeightWriter, parse_size
+from shardopt.weights.format import SAFE_INDEX, SAFE_WEIGHTS
+from shardopt.weights.writer import WeightWriter, parse_size
 
-CONFIG_FILES = ("config.json", "generation_config.json")
-"""What save_pretrained writes beside the weights of a transformers model, copied along when found."""
+CONFIG_FILES = ("config.json", "generation_config.json")  # save_pretrained's, copied along when found
 DTYPES = ("model", "master", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One tensor of the output: its file name, where the checkpoint keeps it, and how it is written."""
+    """One tensor of the output: its name, where the checkpoint keeps it, and how it is written."""
 
-    name: str
-    """The first state-dict key of the tensor: what save_weights writes it as."""
-    saved: str
-    """Its name in the checkpoint (`Source.params` or `Source.model_state`)."""
+    name: str  # its first state-dict key, as save_weights writes it
+    saved: str  # its name in `Source.params` or `Source.model_state`
     trainable: bool
     dtype: torch.dtype
     shape: tuple
 
 
 def plan(src, dtype: str = "model") -> list:
-    """The output's entries, in the saved model's state-dict order (Note [Whole weights from a checkpoint, one
-    piece at a time], step 1)."""
+    """The output's entries, in the saved model's state-dict order (the Note's step 1)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     seen, out = set(), []
@@ -101,9 +77,7 @@ def write_values(src, writer: WeightWriter, entries: list) -> None:
 
 
 def find_config(directory: str) -> str | None:
-    """The folder holding the model's config.json: the checkpoint's tag folder, the folder given to
-    save_checkpoint (its parent), or the one above that (a Trainer's checkpoint-N holds config.json beside its
-    shardopt/ or DeepSpeed global_step folder); None if none has one."""
+    """The folder holding config.json: the tag folder, its parent, or the one above (a Trainer's checkpoint-N)."""
     here = os.path.abspath(directory)
     for folder in (here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))):
         if os.path.isfile(os.path.join(folder, "config.json")):
@@ -143,12 +117,8 @@ def _refuse_replacing(dest: str) -> None:
 
 def checkpoint_to_hf(path, dest, tag: str | None = None, *, dtype: str = "model", max_shard_size="5GB",
                      config="auto", weights_only: bool = True) -> dict:
-    """Writes the whole weights of the checkpoint at `path` (shardopt's, or a DeepSpeed ZeRO-1/2/3 folder) as a
-    Hugging Face safetensors folder at `dest`, streamed (Note [Whole weights from a checkpoint, one piece at a
-    time]); no process group. `dtype`: "model", "master" or a torch dtype name (the Note). `config`: a
-    config.json file or a folder with one to copy beside the weights, None for none, "auto" for the one
-    find_config finds. Returns {"dest", "tensors", "config" (the folder or file copied, or None)}.
-    """
+    """The whole weights of the checkpoint at `path` as a safetensors folder at `dest` (the Note). `config`: a
+    config.json or its folder, None, or "auto" (find_config). Returns {"dest", "tensors", "config"}."""
     dest = os.path.abspath(os.fspath(dest))
     _refuse_replacing(dest)
     src = open_source(path, tag, weights_only)

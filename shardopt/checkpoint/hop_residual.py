@@ -2,31 +2,15 @@
 
 Note [Hop residual in checkpoints]
 ----------------------------------
-With inter_node_dtype="int8" every rank keeps what its hop's rounding lost
-(Note [Compressed inter-node hop] in csrc/comm/replica_hop.h): chunk + chunk / R
-fp32 values per bucket, in the bucket engine, added back at the next hop. It
-is training state: a resume without it differs from an uninterrupted run by
-the rounding errors in flight (tests/test_hybrid.py measures by how much).
-Unlike the rest of a checkpoint it belongs to a *rank*, not to parameters:
-every replica's differs, and it is laid out by the engine's buckets, so it
-means something only at the same mesh with the same buckets.
+With inter_node_dtype="int8" every rank keeps what its hop's rounding lost (Note [Compressed inter-node hop]
+in csrc/comm/replica_hop.h), chunk + chunk / R fp32 values per bucket, added back at the next hop: training
+state, which a resume without it loses (tests/test_hybrid.py measures how much). It belongs to a *rank*, not
+to parameters, and is laid out by the engine's buckets: it means something only at the same mesh and buckets.
 
-Save: the first replica writes the checkpoint (save_checkpoint), and every rank
-of every replica writes its residual into the same `.partial-<tag>/`, as
-`hop-residual-r<replica>-s<shard>.bin`. Rank s of replica 0, once its shard
-group has made the directory, hands it to its replicate peers (or tells them
-the save failed before there was one); each writes its file and sends back
-the file's entry, and rank s adds those entries to its own files. So the
-manifest, written last, lists every residual file with its checksum, and the
-crash-safety argument of Note [Checkpoint layout] is unchanged. Each entry
-carries the residual's signature: hop format, mesh and bucket layout.
-
-Load: a rank whose signature equals the saved one reads its own file (same
-replica, same shard; the crc is verified like every record's) and installs it
-once every rank has staged the load (load_checkpoint's two phases). Otherwise
-its residual restarts from zero, and world rank 0 says so once, with the
-reason: another mesh, other buckets, or a checkpoint that holds no residual
-(another hop, flat sharding, DeepSpeed).
+Save: every rank writes `hop-residual-r<replica>-s<shard>.bin` into the first replica's `.partial-<tag>/`
+(rank s of replica 0 hands its peers the directory and collects their entries), so the manifest lists each
+file with its checksum and signature (hop format, mesh, buckets). Load: a rank whose signature matches
+installs its file once every rank staged the load; otherwise it restarts from zero, and rank 0 says why.
 """
 from __future__ import annotations
 
@@ -37,14 +21,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from shardopt.checkpoint.files import RecordWriter
+from shardopt.files import RecordWriter
 
 FILE = "hop-residual-r{replica:03d}-s{shard:05d}.bin"
 
 
 def live(opt) -> torch.Tensor | None:
-    """This rank's residual (the engine's own tensor, or OneBitAdam's: Note [1-bit Adam under ZeRO]
-    in onebit.py, saved and loaded the same way, at flat meshes too), or None when it keeps none."""
+    """This rank's residual (the engine's, or OneBitAdam's: Note [1-bit Adam under ZeRO]), or None."""
     onebit = opt.onebit
     if onebit is not None:
         return onebit.residual if onebit.residual.numel() else None
@@ -84,17 +67,14 @@ def _write(partial: str, opt, residual: torch.Tensor) -> dict:
 
 
 class Share:
-    """Replica 0's side of the save (rank s of replica 0 for its replicate group); see the Note.
-
-    Called with the save's directory once it exists; returns every replica's residual file entries,
-    or raises, after the exchange, if any replica failed. `abandon()` tells the peers there is no
-    directory if the save failed before calling it."""
+    """Replica 0's side of the save: called with the directory, returns every replica's file entries (or
+    raises after the exchange); `abandon()` tells the peers when the save failed before there was one."""
 
     def __init__(self, opt, residual: torch.Tensor):
         self.opt, self.residual, self.started = opt, residual, False
 
     def __call__(self, partial: str | None) -> dict:
-        from shardopt.checkpoint.files import CheckpointError
+        from shardopt.files import CheckpointError
 
         self.started = True
         group = self.opt.sharding.replicate
@@ -123,16 +103,14 @@ def contribute(opt, residual: torch.Tensor) -> None:
 
 @dataclasses.dataclass
 class Staged:
-    values: torch.Tensor | None
-    """The saved residual, read and verified; None: it restarts from zero."""
-    reason: str | None
-    """Why it restarts from zero."""
+    values: torch.Tensor | None  # the saved residual, verified; None: it restarts from zero
+    reason: str | None  # why it restarts from zero
 
 
 def write_own(opt, residual: torch.Tensor):
     """Flat sharding (every rank writes the checkpoint): this rank's residual file, for _save's `share`."""
     def share(partial: str) -> dict:
-        from shardopt.checkpoint.files import CheckpointError
+        from shardopt.files import CheckpointError
 
         out = _write(partial, opt, residual)
         if "error" in out:

@@ -4,14 +4,9 @@
     full = opt.state_dict()               # rank 0: {"state": {index: {"step", "exp_avg", ...}}, "param_groups"}
     opt.load_state_dict(full)             # every rank, the same dict: each takes its own ranges
 
-The format is torch.optim.Optimizer.state_dict()'s (parameters numbered in
-param-group order, whole-parameter state tensors), so the dict moves to and
-from a plain torch optimizer over the same parameters. State is in the master
-dtype. As with torch's ZeroRedundancyOptimizer, state_dict() without a fresh
-consolidation raises rather than return a part or a stale copy.
-
-The consolidated dict is kept on the optimizer's view (Note [The optimizer's view] in view.py); these
-functions are called with the ShardedOptimizer (its own methods) or its view.
+torch.optim's format (whole-parameter state in the master dtype), so the dict moves to and from a plain torch
+optimizer. As with ZeroRedundancyOptimizer, state_dict() without a fresh consolidation raises. The dict is
+kept on the optimizer's view (Note [The optimizer's view] in view.py).
 """
 from __future__ import annotations
 
@@ -47,7 +42,6 @@ def consolidate_state_dict(opt, to: int = 0) -> None:
     if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < opt.world_size:
         raise ValueError(f"to must be a rank of the optimizer's group (0..{opt.world_size - 1}), got {to!r}")
     if not opt.consolidation_hooked:
-        # A step makes a consolidated copy stale: drop it rather than hand it out later.
         opt.after_every_step(forget_consolidated)
         opt.consolidation_hooked = True
     chunks = [c for _, c in local_chunks(opt, range(len(opt.params)), copy=True)]
@@ -82,11 +76,7 @@ def optimizer_state_dict(opt) -> dict:
 
 
 def load_optimizer_state_dict(opt, state_dict: dict) -> None:
-    """ShardedOptimizer.load_state_dict(): each rank takes its ranges of a whole torch.optim state dict.
-
-    Call on every rank with the same dict (no collective). Parameters are not
-    in an optimizer state dict: load the model's weights separately.
-    """
+    """ShardedOptimizer.load_state_dict(): every rank, the same dict (no collective), takes its ranges."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("expected a torch.optim state dict ({'state': ..., 'param_groups': ...}), as "
                          "state_dict() returns after consolidate_state_dict()")
@@ -114,20 +104,18 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
         states[i] = {**{k: v[a:b].clone() for k, v in slices.items()},
                      **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
     InnerStateSwap(opt).apply(states, hyper)
+    opt.adopt_state()  # into the state tier, bucket by bucket, if there is one
     for g, h in zip(opt.param_groups, hyper):
         g.update(h)
     forget_consolidated(opt)
-    if opt.onebit is not None:
-        # every rank reads the same dict: its steps need no collective
+    if opt.onebit is not None:  # the same dict on every rank: its steps need no collective
         steps = max((int(float(st["step"])) for st in state_dict["state"].values() if "step" in st), default=0)
         onebit_after_load(opt, state_dict.get("onebit"), "load_state_dict", "torch.optim state dict", steps)
 
 
 def onebit_after_load(opt, record, call: str, what: str, steps: int | None = None) -> None:
-    """OneBitAdam after a state-dict load (load_state_dict, DCP's set_state_dict): its steps (given, or from the
-    loaded state: a collective), the step its variance froze at from the dict's record, and its residuals from
-    zero: they held the rounding errors of the weights before the load, and such a dict has none to restore
-    (save_checkpoint does)."""
+    """OneBitAdam after a state-dict load: its steps (given, or from the loaded state: a collective), its freeze
+    step from the record, and residuals from zero (such a dict holds none; save_checkpoint's does)."""
     opt.onebit.after_load(record, steps)
     if opt.onebit.compressing:
         was = torch.tensor([int(opt.onebit.residual.any())])

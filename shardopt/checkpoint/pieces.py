@@ -1,11 +1,8 @@
 """Optimizer state between its sharded form (per piece) and its full form (per parameter).
 
-Pure tensor code: no process group, no files. A *chunk* here is what one piece
-contributes: (parameter key, element range [start, end) of the flattened
-parameter, elementwise state slices, per-parameter scalars). Save, load,
-consolidation and `convert` all move chunks; this module cuts them out of an
-optimizer, glues them into whole parameters, cuts whole ones into any other
-ranges, and installs a piece's state into the inner optimizer.
+Pure tensor code. Save, load, consolidation and `convert` move *chunks* (a piece's state, addressed by
+parameter and element range); this module cuts them out of an optimizer, glues them into whole parameters,
+cuts those into other ranges, and installs a piece's state into the inner optimizer.
 """
 from __future__ import annotations
 
@@ -15,12 +12,10 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
-from shardopt.checkpoint.files import CheckpointError
+from shardopt.files import CheckpointError
 from shardopt.view import view_of
 
-# Per-parameter state that is not elementwise even when it looks like it (torch's
-# optimizers all call the step counter this; a 0-d step of a 0-d parameter would
-# otherwise be sliced as if it were exp_avg).
+# Per-parameter even when shaped like the parameter (a 0-d parameter's 0-d step is no exp_avg).
 SCALAR_KEYS = frozenset({"step"})
 
 
@@ -28,23 +23,15 @@ SCALAR_KEYS = frozenset({"step"})
 class Chunk:
     """One piece's optimizer state, addressed by parameter and element range."""
 
-    key: Hashable
-    """The parameter: its name (checkpoints) or its index (consolidation)."""
-    start: int
-    """First element of the flattened parameter."""
+    key: Hashable  # the parameter's name (checkpoints) or index (consolidation)
+    start: int  # [start, end) of the flattened parameter
     end: int
-    """One past the last element."""
-    slices: dict
-    """Elementwise state (exp_avg, momentum_buffer, ...): 1-D tensors of end - start elements."""
-    scalars: dict
-    """Per-parameter state (step, ...): the same on every chunk of a parameter."""
+    slices: dict  # elementwise state (exp_avg, ...): 1-D tensors of end - start elements
+    scalars: dict  # per-parameter state (step, ...), the same on every chunk of a parameter
 
 
 def split_state(state: dict, shape: tuple, where: str) -> tuple[dict, dict]:
-    """Optimizer state of a tensor of `shape` as (elementwise entries, flattened; per-parameter scalars).
-
-    A piece's state has shape (numel,); a whole parameter's (torch.optim format) the parameter's shape.
-    """
+    """Optimizer state of a piece or parameter of `shape` as (elementwise entries, flattened; scalars)."""
     slices, scalars = {}, {}
     for k, v in state.items():
         if torch.is_tensor(v) and k not in SCALAR_KEYS and tuple(v.shape) == tuple(shape):
@@ -58,31 +45,26 @@ def split_state(state: dict, shape: tuple, where: str) -> tuple[dict, dict]:
     return slices, scalars
 
 
-def local_chunks(opt, keys: Sequence[Hashable], copy: bool) -> list[tuple[int, Chunk]]:
-    """(piece index, Chunk) for every piece of this rank of `opt` (a ShardedOptimizer or its view); keys[j]
-    names layout parameter j.
-
-    copy=True clones to CPU (for sending); otherwise the tensors are the live ones.
-    """
+def local_chunks(opt, keys: Sequence[Hashable], copy: bool):
+    """(piece index, Chunk) for this rank's pieces, keys[j] naming parameter j; copy=True: CPU clones, not live.
+    With the optimizer's state on disk the pieces are read a bucket at a time: a live chunk (copy=False) is
+    valid until the next one is asked for (Note [The optimizer's state on disk] in tiers/optimizer_state.py)."""
     opt = view_of(opt)
-    out = []
-    for i, (pc, t) in enumerate(zip(opt.pieces, opt.piece_params)):
-        slot = opt.layout.params[pc.param]
-        state = opt.inner.state.get(t, {}) if opt.inner is not None else {}
-        slices, scalars = split_state(state, (pc.numel,), f"parameter {keys[pc.param]!r}")
-        if copy:
-            slices = {k: v.detach().to("cpu", copy=True) for k, v in slices.items()}
-            scalars = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in scalars.items()}
-        out.append((i, Chunk(keys[pc.param], pc.start - slot.offset, pc.end - slot.offset, slices, scalars)))
-    return out
+    for members in opt.resident_pieces():
+        for i in members:
+            pc, t = opt.pieces[i], opt.piece_params[i]
+            slot = opt.layout.params[pc.param]
+            state = opt.inner.state.get(t, {}) if opt.inner is not None else {}
+            slices, scalars = split_state(state, (pc.numel,), f"parameter {keys[pc.param]!r}")
+            if copy:
+                slices = {k: v.detach().to("cpu", copy=True) for k, v in slices.items()}
+                scalars = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                           for k, v in scalars.items()}
+            yield i, Chunk(keys[pc.param], pc.start - slot.offset, pc.end - slot.offset, slices, scalars)
 
 
 def assemble(shapes: dict, chunks: Iterable[Chunk]) -> dict:
-    """Whole-parameter state {key: {state key: tensor of the parameter's shape or scalar}}.
-
-    Parameters whose chunks carry no state (never stepped) are left out, as
-    torch.optim leaves them out of its state.
-    """
+    """Whole-parameter state {key: {state key: tensor or scalar}}; never-stepped parameters left out, as torch does."""
     by_key: dict = {}
     for c in chunks:
         by_key.setdefault(c.key, []).append(c)
@@ -125,7 +107,6 @@ def cut(chunks: Sequence[Chunk], start: int, end: int, where: str) -> tuple[dict
     names = set(parts[0][0].slices)
     if any(set(c.slices) != names or set(c.scalars) != set(parts[0][0].scalars) for c, _, _ in parts):
         raise CheckpointError(f"{where}: parts of the parameter have different optimizer state keys")
-    # torch.cat copies even a single part: the result never aliases a source tensor.
     slices = {k: torch.cat([c.slices[k][lo:hi] for c, lo, hi in parts]) for k in names}
     scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in parts[0][0].scalars.items()}
     return slices, scalars
@@ -143,19 +124,45 @@ def resolve_hyper(opt, saved: list, same_class: bool, where: str, exc=Checkpoint
     out = []
     for g, s in zip(opt.param_groups, saved):
         cur = group_hyper(g)
-        # Another optimizer class (source.SAME_STATE) keeps its own options; only shared ones load.
+        # Another class (source.SAME_STATE) keeps its own options; only shared ones load.
         out.append({**cur, **s} if same_class else {k: s.get(k, v) for k, v in cur.items()})
     return out
 
 
-class InnerStateSwap:
-    """Replaces the inner optimizer's state and hyper-parameters, reversibly.
+class StagedPieces:
+    """A load's master values, kept until `install` writes them into the optimizer's pieces (the optimizer's
+    state on disk stages them in a file instead: tiers/optimizer_state.StagedRecords, the same calls)."""
 
-    `apply` runs the inner optimizer's own load_state_dict (its dtype / device
-    rules and checks); it either raises before changing anything or succeeds,
-    and `undo` then restores the previous state (load_state_dict installs new
-    tensors, so the old ones, still referenced here, are untouched).
-    """
+    def __init__(self, opt):
+        self.opt = opt  # the optimizer's view
+        self.masters: dict = {}
+
+    def put(self, i: int, master: torch.Tensor, slices: dict, scalars: dict) -> dict:
+        """Piece i's values; returns the state the inner optimizer installs."""
+        self.masters[i] = master
+        return {**slices, **scalars}
+
+    def finish(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def install(self) -> None:
+        for i, values in self.masters.items():
+            self.opt.piece_params[i].copy_(values)
+
+    def discard(self) -> None:
+        self.masters.clear()
+
+
+def staged_pieces(opt):
+    """Where a load stages this rank's pieces: in memory, or in the state tier's second file."""
+    tier = opt.state_tier
+    return tier.staged() if tier is not None else StagedPieces(opt)
+
+
+class InnerStateSwap:
+    """Replaces the inner optimizer's state and hyper-parameters through its own load_state_dict (which raises
+    before changing anything, or installs new tensors); `undo` puts the old ones back."""
 
     def __init__(self, opt):
         self.opt = opt  # the optimizer's view (Note [The optimizer's view] in view.py)

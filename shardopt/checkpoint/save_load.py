@@ -19,38 +19,18 @@ Note [Checkpoint layout]
         extra.pt                the user's `extra` (torch.save), if any
       .partial-ckpt-000002/     a save in progress, or one that crashed (ignored; removed on retry)
 
-Everything is keyed by parameter *name* and element range of the flattened
-parameter, never by "rank k's slice": a rank file lists pieces as (name,
-start, end) with refs into the file (checkpoint/files.py). A loading rank, at any world
-size, bucket size or stage, works out its own pieces from its own layout and
-reads only the saved records that overlap them, so no rank reads the whole
-state and no offline conversion is needed. Master values are saved (fp32 for a
-low-precision model), so precision and offload settings may change as well.
-
-Crash safety: ranks write into `.partial-<tag>/` (each file fsynced), rank 0
-gathers their indexes, writes the manifest, fsyncs, renames the directory to
-`<tag>/` and only then replaces `latest` (temp file, fsync, rename). A crash
-at any moment leaves `latest` pointing at the previous complete checkpoint.
-The directory must be on a file system every rank sees (shared, or one node).
-
-Loading reads through a `Source` (names, shapes, and chunks of any element
-range of a parameter): `NativeSource` for this format, deepspeed_reader.DeepSpeedSource
-for DeepSpeed's ZeRO-1/2 folders, deepspeed_zero3.DeepSpeedZero3Source for
-its ZeRO-3 folders; everything after that is one code path.
-
-Loading happens in two phases so that a bad checkpoint changes nothing: every
-rank first reads and verifies what it needs (manifest checksum, file sizes, a
-crc32 per record it reads) and stages the optimizer state (reversibly); ranks
-then agree, and only if all succeeded do they write parameters, buffers and
-hyper-parameters and all-gather. Otherwise every rank raises, naming the
-problem, and their state is as before.
+Pieces are keyed by parameter *name* and element range, never by "rank k's slice": a rank at any world size,
+bucket size or stage reads only the records overlapping its pieces. Masters are saved (fp32 for a bf16 model),
+so precision and offload may change too. Every reader is a `Source` (this format, DeepSpeed's folders).
+Crash safety: ranks write into `.partial-<tag>/` (fsynced, on a file system every rank sees); rank 0 writes
+the manifest, renames it to `<tag>/`, then replaces `latest`. A bad checkpoint changes nothing: every rank
+verifies what it reads and stages the optimizer state reversibly; only if all succeeded do they install it.
 """
 from __future__ import annotations
 
 import dataclasses
 import io
 import os
-import re
 import shutil
 import time
 
@@ -58,41 +38,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardopt.checkpoint import hop_residual
-from shardopt.checkpoint.files import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter,
-                              atomic_write_bytes, dtype_name, from_json, fsync_dir, manifest_bytes,
-                              parse_dtype, read_manifest, to_json)
-from shardopt.checkpoint.pieces import Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper
+from shardopt.checkpoint import background, hop_residual
+from shardopt.checkpoint.commit import commit, on_rank0, prepare_dir
+from shardopt.files import (LATEST, MANIFEST, CheckpointError, RecordReader, RecordWriter, dtype_name, from_json,
+                            parse_dtype, read_manifest, to_json)
+from shardopt.checkpoint.pieces import (Chunk, InnerStateSwap, cut, group_hyper, local_chunks, resolve_hyper,
+                                        staged_pieces)
 from shardopt.checkpoint.optim_state import forget_consolidated
 from shardopt.checkpoint.source import PARAM, SAME_STATE, Source, class_name
-from shardopt.parallel.consistency import first_failure
+from shardopt.parallel.consistency import exchange, first_failure
 from shardopt.view import ModelWrapper, OptimizerView, view_of
 
 MODEL_FILE, EXTRA_FILE = "model.bin", "extra.pt"
-_DEFAULT_TAG = re.compile(r"ckpt-(\d+)$")
 
 
-# ------------------------------------------------------------------ the model
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """What a checkpoint needs to know about a model: names and kinds of its tensors."""
 
-    names: tuple[str, ...]
-    """Name of each managed parameter (optimizer layout order)."""
-    aliases: dict
-    """Name -> other names of the same tensor (tied weights)."""
-    others: dict
-    """Name -> (tensor, "frozen" | "buffer") for the model state the optimizer does not manage."""
-    group_names: tuple
-    """Per optimizer param group: the names of its parameters (None if not in the model)."""
-    keys: tuple[str, ...]
-    """The model's state_dict keys, in order."""
+    names: tuple[str, ...]  # each managed parameter's, in layout order
+    aliases: dict  # name -> other names of the same tensor (tied weights)
+    others: dict  # name -> (tensor, "frozen" | "buffer"): model state the optimizer does not manage
+    group_names: tuple  # per param group, its parameters' names (None: not in the model)
+    keys: tuple[str, ...]  # the model's state_dict keys, in order
     held: dict = dataclasses.field(default_factory=dict)
-    """Name -> store member index, for the `others` the parameter store holds sharded (stage 3's frozen
-    parameters: Note [Frozen parameters at stage 3] in zero3/store.py): an empty tensor here between uses,
-    read with other_values() and written with put_other()."""
-    shapes: dict = dataclasses.field(default_factory=dict)
-    """Name -> shape of every `others` entry (a held one's from the store's layout)."""
+    """Name -> store member, for `others` the store holds sharded (stage 3's frozen parameters: Note [Frozen
+    parameters at stage 3] in zero3/build.py); read with other_values(), written with put_other()."""
+    shapes: dict = dataclasses.field(default_factory=dict)  # name -> shape of every `others` entry
 
 
 def _unwrap(model) -> nn.Module:
@@ -101,9 +73,7 @@ def _unwrap(model) -> nn.Module:
 
 
 def _check_pair(model, optimizer) -> OptimizerView:
-    """The optimizer's view, once `optimizer` is a ShardedOptimizer and `model` its model (a ShardedDDP that
-    feeds it, or a module). Checked through the view, without importing the engine (Note [The optimizer's
-    view] in view.py)."""
+    """The optimizer's view, once `optimizer` is a ShardedOptimizer and `model` its model (or ShardedDDP)."""
     view = getattr(optimizer, "view", None)
     if not isinstance(view, OptimizerView):
         raise TypeError(f"expected a shardopt.ShardedOptimizer, got {type(optimizer).__name__}; for a plain "
@@ -117,8 +87,7 @@ def _check_pair(model, optimizer) -> OptimizerView:
 
 
 def describe_model(module: nn.Module, opt) -> ModelInfo:
-    """Names every tensor of `module` for `opt` (a ShardedOptimizer or its view); raises if an optimizer
-    parameter is not in the model."""
+    """Names every tensor of `module` for `opt` (a ShardedOptimizer or its view)."""
     opt = view_of(opt)
     by_id: dict = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -155,8 +124,8 @@ def describe_model(module: nn.Module, opt) -> ModelInfo:
 
 
 def other_values(opt, info: ModelInfo):
-    """(name, value) of every `others` entry, the held ones gathered bucket by bucket (a collective: every
-    rank walks it to its end); a value is valid until the next."""
+    """(name, value) of every `others` entry, held ones gathered bucket by bucket (a collective); each valid until
+    the next."""
     held = {i: k for k, i in info.held.items()}
     for i, value in opt.store.stream(sorted(held)):
         yield held[i], value
@@ -166,9 +135,8 @@ def other_values(opt, info: ModelInfo):
 
 
 def keep_other(opt, info: ModelInfo, name: str, values: torch.Tensor):
-    """What a load keeps of a frozen parameter or buffer it read, until put_other: the value, or for one the
-    store holds sharded (stage 3's frozen parameters) this rank's parts only, copied, so that the whole
-    value read goes at once and a load holds at most one whole frozen tensor beyond its shard."""
+    """What a load keeps of a frozen parameter or buffer until put_other: the value, or of a held one this
+    rank's parts, copied, so that a load holds at most one whole frozen tensor beyond its shard."""
     i = info.held.get(name)
     if i is None:
         return values
@@ -178,8 +146,7 @@ def keep_other(opt, info: ModelInfo, name: str, values: torch.Tensor):
 
 @torch.no_grad()
 def put_other(opt, info: ModelInfo, name: str, values) -> None:
-    """A loaded frozen parameter or buffer into the model: a held one's parts of this rank, from its whole
-    value or from what keep_other kept (then opt.store.after_load(), once the optimizer published)."""
+    """A loaded frozen parameter or buffer into the model (a held one: this rank's parts)."""
     i = info.held.get(name)
     if i is None:
         info.others[name][0].copy_(values)
@@ -194,7 +161,6 @@ def put_other(opt, info: ModelInfo, name: str, values) -> None:
         view.copy_(flat[lo:hi])
 
 
-# ----------------------------------------------------------- rank agreement
 def _agree(opt, error: BaseException | None) -> None:
     """Raises on every rank if `error` is set on any rank (so no rank goes on into a collective alone)."""
     failed = first_failure(error, opt.world_group)  # every replica too (Note [Hybrid sharding])
@@ -212,45 +178,9 @@ def _agree_or_undo(opt, error: BaseException | None, swap) -> None:
         raise
 
 
-def _on_rank0(opt, fn):
-    """Runs fn on rank 0 and hands its result (or its error) to every rank."""
-    out = [None]
-    if opt.rank == 0:
-        try:
-            out = [("ok", fn())]
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            out = [("error", f"{type(e).__name__}: {e}")]
-    if opt.world_size > 1:
-        dist.broadcast_object_list(out, group=opt.process_group, group_src=0)
-    status, value = out[0]
-    if status == "error":
-        raise CheckpointError(f"rank 0: {value}")
-    return value
-
-
-# ---------------------------------------------------------------------- save
-def _prepare_dir(path: str, tag: str | None) -> tuple[str, str, str]:
-    os.makedirs(path, exist_ok=True)
-    if tag is None:
-        used = [int(m.group(1)) for n in os.listdir(path) if (m := _DEFAULT_TAG.match(n))]
-        tag = f"ckpt-{max(used, default=0) + 1:06d}"
-    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"tag must be a plain directory name (not '{LATEST}', no '/', no leading '.'), "
-                         f"got {tag!r}")
-    final = os.path.join(path, tag)
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists: pass another tag, or delete it first (nothing was "
-                              "written)")
-    partial = os.path.join(path, f".partial-{tag}")
-    if os.path.exists(partial):  # left by a save that crashed
-        shutil.rmtree(partial)
-    os.makedirs(partial)
-    return partial, final, tag
-
-
-def _write_rank_file(partial: str, opt, info: ModelInfo) -> tuple[str, dict, list]:
+def _write_rank_file(partial: str, opt, info: ModelInfo, sink) -> tuple[str, dict, list]:
     name = f"rank-{opt.rank:05d}.bin"
-    w = RecordWriter(os.path.join(partial, name))
+    w = sink(os.path.join(partial, name))
     pieces, steps = [], set()
     try:
         for i, c in local_chunks(opt, info.names, copy=False):
@@ -269,13 +199,12 @@ def _write_rank_file(partial: str, opt, info: ModelInfo) -> tuple[str, dict, lis
     return name, entry, sorted(steps)
 
 
-def _write_model_state(partial: str, opt, info: ModelInfo) -> dict | None:
-    """Frozen parameters and buffers, written by rank 0; every rank walks other_values() with it (the frozen
-    parameters stage 3 shards are gathered bucket by bucket), whatever happens to rank 0's writes."""
+def _write_model_state(partial: str, opt, info: ModelInfo, sink) -> dict | None:
+    """Frozen parameters and buffers, written by rank 0; every rank walks other_values() (a collective) anyway."""
     w = error = None
     if opt.rank == 0:
         try:
-            w = RecordWriter(os.path.join(partial, MODEL_FILE))
+            w = sink(os.path.join(partial, MODEL_FILE))
         except Exception as e:  # noqa: BLE001 - raised after the walk
             error = e
     model_state = {}
@@ -294,77 +223,81 @@ def _write_model_state(partial: str, opt, info: ModelInfo) -> dict | None:
     return {"model_state": {k: model_state[k] for k in info.others}, "files": {MODEL_FILE: w.close()}}
 
 
-def _write_rank0_files(partial: str, written: dict, extra) -> dict:
+def _write_rank0_files(partial: str, written: dict, extra, sink) -> dict:
     """The model state written (_write_model_state) and `extra`: what only rank 0 writes."""
     out = {"model_state": written["model_state"], "files": dict(written["files"]), "extra": None}
     if extra is not None:
         buf = io.BytesIO()
         torch.save(extra, buf)
-        w = RecordWriter(os.path.join(partial, EXTRA_FILE))
+        w = sink(os.path.join(partial, EXTRA_FILE))
         out["extra"] = w.add(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
         out["files"][EXTRA_FILE] = w.close()
     return out
 
 
-def _manifest(opt, info: ModelInfo, rank0: dict, files: dict, steps: list) -> dict:
+def _manifest_head(opt, info: ModelInfo) -> dict:
+    """What the manifest says of the model and the optimizer as they are now, at the start of a save."""
     scaler = opt.loss_scaler
     layout = opt.layout
-    master = next((p["param"]["dtype"] for f in files.values() for p in f.get("pieces", ())), None)
     return {
         "created": time.time(), "torch": torch.__version__,
         "world_size": opt.world_size, "stage": opt.config.stage,
         "mesh": [opt.sharding.shape.replicas, opt.sharding.shape.shards],
         "config": {f.name: repr(getattr(opt.config, f.name)) for f in dataclasses.fields(opt.config)},
         "optimizer": class_name(opt.optim_class),
-        "dtypes": {"model": dtype_name(opt.params[0].dtype), "master": master},
+        "dtypes": {"model": dtype_name(opt.params[0].dtype), "master": None},
         "layout": {"bucket_numel": layout.bucket_numel, "total_numel": layout.total_numel,
                    "buckets": [[b.group, b.start, b.numel] for b in layout.buckets],
                    "params": [[info.names[s.index], list(s.shape), s.group, s.offset] for s in layout.params]},
         "params": {info.names[s.index]: {"shape": list(s.shape), "group": s.group,
                                          "aliases": info.aliases.get(info.names[s.index], [])}
                    for s in layout.params},
-        "model_state": {k: dict(v, aliases=info.aliases.get(k, [])) for k, v in rank0["model_state"].items()},
         "state_dict_keys": list(info.keys),
         "param_groups": [{"hyper": to_json(group_hyper(g), f"param_groups[{i}]"), "params": list(info.group_names[i])}
                          for i, g in enumerate(opt.param_groups)],
-        "steps": steps,
         "loss_scaler": to_json(scaler.state_dict(), "loss scaler state") if scaler is not None else None,
         "onebit": opt.onebit.record() if opt.onebit is not None else None,
-        "extra": rank0["extra"],
-        "files": files,
     }
 
 
-def _commit(path: str, partial: str, final: str, tag: str, body: dict) -> str:
-    atomic_write_bytes(os.path.join(partial, MANIFEST), manifest_bytes(body))
-    os.rename(partial, final)
-    fsync_dir(path)
-    atomic_write_bytes(os.path.join(path, LATEST), (tag + "\n").encode())
-    return final
+def _manifest(head: dict, info: ModelInfo, everyone: list) -> dict:
+    """The manifest body: `head`, and what every rank wrote (everyone[r]: rank r's part)."""
+    rank0 = everyone[0]["rank0"]
+    files = dict(rank0["files"])
+    for m in everyone:
+        files.update(m["files"])
+    master = next((p["param"]["dtype"] for f in files.values() for p in f.get("pieces", ())), None)
+    return dict(head, dtypes=dict(head["dtypes"], master=master),
+                model_state={k: dict(v, aliases=info.aliases.get(k, [])) for k, v in rank0["model_state"].items()},
+                steps=sorted({s for m in everyone for s in m["steps"]}), extra=rank0["extra"], files=files)
 
 
-def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = None) -> str:
-    """Saves model + optimizer into `path/<tag>/` and points `path/latest` at it; returns that directory.
+def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = None, blocking: bool = True):
+    """Saves model + optimizer into `path/<tag>/` (default: the next ckpt-NNNNNN), then points `path/latest` at
+    it; returns it. A collective; atomic (Note [Checkpoint layout]). `extra`: rank 0's, anything torch.save stores.
 
-    Call on every rank (a collective). Each rank writes only its own pieces;
-    rank 0 adds frozen parameters, buffers, `extra` (rank 0's; anything
-    torch.save can store: step counters, LR scheduler and RNG states) and the
-    manifest. `tag` defaults to ckpt-NNNNNN, one more than the highest such
-    directory. Atomic: see Note [Checkpoint layout].
+    blocking=False returns once this rank's part is copied to host memory, as an AsyncSave whose result() is the
+    folder; a background thread writes it (Note [Checkpoints written behind training] in background.py).
     """
     opt = _check_pair(model, optimizer)
+    background.settle(opt)  # a save in flight first: one at a time, its failure raised here on every rank
     opt.wait_params()  # parameters may still be gathered (Note [Gathering in the next forward])
     opt.take_model_edits(saving=True)  # the masters saved hold edited weights (Note [Weights edited in place])
     path = os.fspath(path)
     sharding = opt.sharding
+    residual = hop_residual.live(opt)  # OneBitAdam's or the int8 hop's (Note [Hop residual in checkpoints])
+    if not blocking:
+        if sharding.shape.hybrid:
+            raise NotImplementedError("save_checkpoint(blocking=False) on a hybrid mesh (replicas) is not built: "
+                                      "pass blocking=True")
+        saver = background.saver_of(opt)
+        written = _write(path, model, opt, extra, tag, hop_residual.write_own(opt, residual)
+                         if residual is not None else None, saver.sink())
+        return saver.start(written, lambda everyone: _commit(written, everyone))
     if not sharding.shape.hybrid:
-        residual = hop_residual.live(opt)  # OneBitAdam's (Note [Hop residual in checkpoints])
         return _save(path, model, opt, extra, tag, hop_residual.write_own(opt, residual) if residual is not None
                      else None)
-    # Hybrid sharding: the replicas hold equal shards, so the first replica's
-    # ranks write the checkpoint and the others learn how it went; with the
-    # int8 hop every rank adds its residual (Note [Hop residual in checkpoints]).
-    residual = hop_residual.live(opt)
+    # Hybrid: the first replica writes it, the others add their residuals (Note [Hop residual in checkpoints]).
     out = [None]
     if sharding.replica == 0:
         share = hop_residual.Share(opt, residual) if residual is not None else None
@@ -386,55 +319,71 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
     return value
 
 
-def _save(path: str, model, opt, extra, tag: str | None, share=None) -> str:
-    """save_checkpoint over one shard group (all of the ranks without hybrid sharding).
+@dataclasses.dataclass
+class Written:
+    """One rank's part of a save, written (or staged: `files` are then staging.StagedFile) into `partial`."""
 
-    `share` (hybrid sharding with the int8 hop): called with the new directory, it returns the
-    files the other replicas wrote into it (hop_residual.Share)."""
+    path: str
+    partial: str
+    final: str
+    tag: str
+    info: ModelInfo
+    mine: dict  # what rank 0 gathers: {"files", "steps"} (rank 0: and "rank0"), or {"error"}
+    head: dict | None  # rank 0: the manifest's head (_manifest_head), taken with the values
+    files: list  # the record sinks written to, in order
+    me: str  # this rank, as errors name it
+
+
+def _write(path: str, model, opt, extra, tag: str | None, share, sink) -> Written:
+    """This rank's part of a save over one shard group, through `sink(file) -> a record writer`; `share(directory)`:
+    the residual files written into it."""
     info = describe_model(_unwrap(model), opt)
-    # Errors are gathered to the shard group's rank 0 and raised there: name this rank as the launcher does too.
+    # Errors are raised on the shard group's rank 0: name this rank as the launcher does too.
     me = f"rank {opt.rank}" + (f" (global rank {dist.get_rank()})" if dist.get_rank() != opt.rank else "")
-    partial, final, tag = _on_rank0(opt, lambda: _prepare_dir(path, tag))
+    partial, final, tag = on_rank0(opt.process_group, lambda: prepare_dir(path, tag))
+    files = []
+
+    def opened(file):
+        files.append(sink(file))
+        return files[-1]
+
+    head = None
     try:
         others = share(partial) if share is not None else {}
-        name, entry, steps = _write_rank_file(partial, opt, info)
+        name, entry, steps = _write_rank_file(partial, opt, info, opened)
         mine = {"files": {name: entry, **others}, "steps": steps}
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
         mine = {"error": f"{me}: {type(e).__name__}: {e}"}
     try:
-        written = _write_model_state(partial, opt, info)  # every rank walks it (stage 3 gathers frozen buckets)
+        written = _write_model_state(partial, opt, info, opened)  # every rank walks it (stage 3 gathers)
         if opt.rank == 0 and "error" not in mine:
-            mine["rank0"] = _write_rank0_files(partial, written, extra)
+            mine["rank0"] = _write_rank0_files(partial, written, extra, opened)
+            head = _manifest_head(opt, info)
     except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
         mine = {"error": f"{me}: {type(e).__name__}: {e}"}
-    everyone = [mine]
-    if opt.world_size > 1:
-        everyone = [None] * opt.world_size if opt.rank == 0 else None
-        dist.gather_object(mine, everyone, group=opt.process_group, group_dst=0)
-
-    def commit():
-        try:
-            if errors := [m["error"] for m in everyone if "error" in m]:
-                raise CheckpointError("; ".join(errors) + f" (nothing was saved; {path}/{LATEST} is unchanged)")
-            rank0 = everyone[0]["rank0"]
-            files = dict(rank0["files"])
-            for m in everyone:
-                files.update(m["files"])
-            steps = sorted({s for m in everyone for s in m["steps"]})
-            return _commit(path, partial, final, tag, _manifest(opt, info, rank0, files, steps))
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)  # gone already if the rename happened
-            raise
-
-    return _on_rank0(opt, commit)
+    return Written(path, partial, final, tag, info, mine, head, files, me)
 
 
-# ---------------------------------------------------------------------- load
+def _commit(w: Written, everyone: list) -> str:
+    """Rank 0, every rank's part in hand: the manifest and the rename, or the partial folder removed."""
+    try:
+        if errors := [m["error"] for m in everyone if "error" in m]:
+            raise CheckpointError("; ".join(errors) + f" (nothing was saved; {w.path}/{LATEST} is unchanged)")
+        return commit(w.path, w.partial, w.final, w.tag, _manifest(w.head, w.info, everyone))
+    except BaseException:
+        shutil.rmtree(w.partial, ignore_errors=True)  # gone already if the rename happened
+        raise
+
+
+def _save(path: str, model, opt, extra, tag: str | None, share=None) -> str:
+    """save_checkpoint over one shard group, written now."""
+    w = _write(path, model, opt, extra, tag, share, lambda file: RecordWriter(file))
+    return exchange(opt.process_group, w.mine, lambda everyone: _commit(w, everyone), f"checkpoint {w.final}",
+                    CheckpointError)
+
+
 def resolve_checkpoint_dir(path, tag: str | None = None) -> str:
-    """The checkpoint directory meant by `path` (a tag directory, or a directory with `latest`) and `tag`.
-
-    DeepSpeed's folders have the same shape (`latest` names a tag folder).
-    """
+    """The checkpoint directory meant by `path` (a tag directory, or one with `latest`, as DeepSpeed's) and `tag`."""
     path = os.fspath(path)
     if tag is not None:
         return os.path.join(path, tag)
@@ -482,9 +431,7 @@ class NativeSource(Source):
         self.params = body["params"]
         self.model_state = {n: (v["kind"], tuple(v["tensor"]["shape"])) for n, v in body["model_state"].items()}
         self.scaler = from_json(body["loss_scaler"]) if body["loss_scaler"] is not None else None
-        # OneBitAdam's record (Note [The step the variance froze at] in onebit.py). Its checkpoints from before
-        # the record froze at freeze_step; they are known by their residual files (at world size 1 they have
-        # none, and load as another optimizer's state would).
+        # Note [The step the variance froze at] in onebit.py; without the record, known by its residual files.
         legacy = "onebit" not in body and any(
             str(e.get("hop_residual", {}).get("signature", {}).get("format", "")).startswith("onebit")
             for e in body["files"].values())
@@ -497,6 +444,7 @@ class NativeSource(Source):
             entries.sort(key=lambda fp: fp[1]["start"])
         self._reader = RecordReader(directory, body["files"])
         self._cache: dict = {}  # a saved piece overlapping two of ours is read once
+        self._cached: dict = {}  # its key -> (parameter name, end)
 
     def resolve_hyper(self, opt) -> list:
         saved_cls, cls = self.body["optimizer"], class_name(opt.optim_class)
@@ -508,12 +456,16 @@ class NativeSource(Source):
                              f"checkpoint {self.directory}")
 
     def chunks(self, name: str, start: int, end: int) -> list:
+        # A parameter's ranges are asked for in increasing order: what ends before `start` is not asked again.
+        for key in [k for k, (n, e) in self._cached.items() if n == name and e <= start]:
+            del self._cached[key], self._cache[key]
         out = []
         for file, p in self._saved.get(name, ()):
             if p["start"] < end and p["end"] > start:
                 key = (file, p["param"]["offset"])
                 if key not in self._cache:
                     self._cache[key] = read_chunk(self._reader, file, p)
+                    self._cached[key] = (name, p["end"])
                 out.append(self._cache[key])
         return out
 
@@ -556,6 +508,7 @@ class NativeSource(Source):
 
     def close(self) -> None:
         self._cache.clear()
+        self._cached.clear()
         self._reader.close()
 
 
@@ -603,7 +556,7 @@ def _mismatch(src: Source, info: ModelInfo, opt) -> str | None:
 
 @dataclasses.dataclass
 class _Staged:
-    masters: dict      # piece index -> values
+    pieces: object     # pieces.StagedPieces, or the state tier's StagedRecords: master values until install()
     others: dict       # model state name -> tensor
     hyper: list
     scaler: object
@@ -620,41 +573,32 @@ def _stage(src: Source, opt, info: ModelInfo, swap: InnerStateSwap) -> _Staged:
                               "it was saved from (`python -m shardopt convert` gives plain weights to load "
                               "selectively)")
     hyper = src.resolve_hyper(opt)
-    masters, states = {}, {}
-    for i, pc in enumerate(opt.pieces):
-        name = info.names[pc.param]
-        slot = opt.layout.params[pc.param]
-        a, b = pc.start - slot.offset, pc.end - slot.offset
-        slices, scalars = cut(src.chunks(name, a, b), a, b, f"parameter {name!r}")
-        masters[i] = slices.pop(PARAM)
-        states[i] = {**slices, **scalars}
-    others = {n: keep_other(opt, info, n, src.model_tensor(n)) for n in src.model_state}
-    extra = src.extra()
-    residual = hop_residual.stage(src, opt)
-    swap.apply(states, hyper)  # last: the only change, and undoable
-    return _Staged(masters, others, hyper, src.scaler, extra, residual, src.onebit)
+    states = {}
+    pieces = staged_pieces(opt)  # with the state on disk: written bucket by bucket into a file of their own
+    try:
+        for i, pc in enumerate(opt.pieces):
+            name = info.names[pc.param]
+            slot = opt.layout.params[pc.param]
+            a, b = pc.start - slot.offset, pc.end - slot.offset
+            slices, scalars = cut(src.chunks(name, a, b), a, b, f"parameter {name!r}")
+            states[i] = pieces.put(i, slices.pop(PARAM), slices, scalars)
+        pieces.finish()
+        others = {n: keep_other(opt, info, n, src.model_tensor(n)) for n in src.model_state}
+        extra = src.extra()
+        residual = hop_residual.stage(src, opt)
+        swap.apply(states, hyper)  # last: the only change, and undoable
+    except BaseException:
+        pieces.discard()
+        raise
+    return _Staged(pieces, others, hyper, src.scaler, extra, residual, src.onebit)
 
 
 def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_only: bool = True):
-    """Loads a checkpoint written by save_checkpoint at any world size; returns its `extra`.
-
-    Call on every rank (a collective). `path` is the directory given to
-    save_checkpoint (its `latest` is loaded, or `tag`) or a tag directory;
-    or a DeepSpeed ZeRO-1/2/3 checkpoint folder (engine.save_checkpoint's
-    directory or one of its tags): its fp32 masters, Adam moments and step
-    counts load the same way, and the returned `extra` is then
-    {"client_state", "global_steps", "global_samples", "skipped_steps",
-    "lr_scheduler", "ds_version"} (Note [DeepSpeed ZeRO-1/2 checkpoint files]
-    in checkpoint/deepspeed_reader.py).
-    Refuses, on every rank and changing nothing, a damaged checkpoint or one
-    of a different model (naming missing / unexpected / mis-shaped
-    parameters). Restores master weights (and so the model's), optimizer state
-    and hyper-parameters, frozen parameters, buffers and the loss scaler; with
-    the int8 inter-node hop, each rank's error-feedback residual at the same
-    mesh and buckets (elsewhere it restarts from zero, with one warning).
-    `weights_only` is passed to torch.load for `extra`.
-    """
+    """Loads a checkpoint at any world size, stage and bucket size; returns its `extra`. A collective that
+    refuses a damaged checkpoint or another model's on every rank, changing nothing. `path`: as save_checkpoint's
+    (its `latest`, or `tag`), a tag directory, or a DeepSpeed folder (`extra`: its client_state and counters)."""
     opt = _check_pair(model, optimizer)
+    background.settle(opt)  # a save in flight first (it may be the one to load), its failure raised here
     opt.wait_params()  # the load writes parameters that may still be being gathered
     swap = InnerStateSwap(opt)
     staged = info = error = None
@@ -670,12 +614,16 @@ def load_checkpoint(path, model, optimizer, *, tag: str | None = None, weights_o
             src.close()
     except Exception as e:  # noqa: BLE001 - handed to _agree, which raises it on this rank
         error = e
-    _agree_or_undo(opt, error, swap)
+    try:
+        _agree_or_undo(opt, error, swap)
+    except BaseException:
+        if staged is not None:
+            staged.pieces.discard()
+        raise
     with torch.no_grad():
         for g, h in zip(opt.param_groups, staged.hyper):
             g.update(h)
-        for i, values in staged.masters.items():
-            opt.piece_params[i].copy_(values)
+        staged.pieces.install()
         for name, values in staged.others.items():
             put_other(opt, info, name, values)
     scaler = opt.loss_scaler

@@ -1,12 +1,8 @@
 """Runs examples/elastic_train.py on an emulated cluster, losing a node on the way (tests, benchmarks).
 
-One function, `run_training`: a torchrun per node, a watch on the progress
-file rank 0 writes after every step, and at `lose_at_step` node `lose_node`
-is lost: every process of it SIGKILLed (`how="kill"`, a crashed machine) or
-its link taken down (`how="link"`, a pulled cable; its processes live on,
-cut off). It returns what happened (exit codes, logs, steps per attempt, the
-moment of the loss and the moments the surviving ranks reported it) for the
-caller to judge; it judges nothing itself.
+`run_training` starts a torchrun per node, watches the progress file rank 0 writes after every step, and at
+`lose_at_step` loses node `lose_node`: its processes SIGKILLed (`how="kill"`) or its link taken down
+(`how="link"`, a pulled cable). It returns what happened for the caller to judge.
 """
 from __future__ import annotations
 
@@ -22,19 +18,17 @@ _STOPPED = re.compile(r"\[rank (\d+) of (\d+), attempt (\d+)\] stopped at step (
 
 @dataclasses.dataclass
 class TrainingRun:
+    """Per node: torchrun's exit code and output, and when it exited (None: the lost node, or past the
+    deadline); rank 0's (attempt, world_size, step, time) per step; when the node was lost; every reported
+    failure as (node, rank, world_size, attempt, step, time, message)."""
+
     codes: list
-    """Exit code of each node's torchrun (None for the lost node: killed, or cut off and then killed)."""
     logs: list
-    """Each node's torchrun output (its ranks' output included)."""
     progress: list
-    """(attempt, world_size, step, time.time()) after every step, as rank 0 wrote them."""
     lost_at: float | None
-    """time.time() when the node was lost."""
     lost_after_step: int | None
     stops: list
-    """(node, rank, world_size, attempt, step, time.time(), message) of every rank that reported a failure."""
     ended: list
-    """time.time() when each node's torchrun exited (None: the lost node, or still running at the deadline)."""
     seconds: float
 
     def log_text(self) -> str:
@@ -54,11 +48,8 @@ def run_training(cluster, workdir: str, *, nodes: int = 2, nproc: int = 2, steps
                  lose_node: int | None = None, lose_at_step: int = 0, how: str = "kill",
                  share_store: bool = False, rdzv_conf: dict | None = None, timeout: float = 240,
                  extra_args=()) -> TrainingRun:
-    """Trains examples/elastic_train.py on nodes 0..nodes-1 of `cluster`; see the module docstring.
-
-    Checkpoints go to workdir/ckpt, rank 0's final weights to workdir/final.pt.
-    Kills everything still running after `timeout` seconds.
-    """
+    """Trains examples/elastic_train.py on nodes 0..nodes-1 of `cluster` (checkpoints in workdir/ckpt, rank
+    0's final weights in workdir/final.pt); kills everything still running after `timeout` seconds."""
     if how not in ("kill", "link"):
         raise ValueError(f"how must be 'kill' or 'link', got {how!r}")
     os.makedirs(workdir, exist_ok=True)

@@ -8,28 +8,22 @@
         c.kill_node(1)                                   # every process of node 1, SIGKILL
         c.set_link(1, up=False)                          # or pull node 1's cable
 
-The topology, names and command lines are planned in cluster/plan.py (pure;
-Note [Emulated cluster topology]). This module only runs them and cleans up.
+This module runs cluster/plan.py's plan (Note [Emulated cluster topology]; each node with its own hostname
+and /dev/shm: Note [A node shares nothing but its link]) and cleans up.
 
 Note [Cleaning up whatever happens]
 -----------------------------------
-A cluster deletes its namespaces (which deletes their links) on `close()`,
-which runs from `__exit__`, from an atexit hook, and on SIGTERM / SIGHUP (we
-turn them into SystemExit when nobody else handles them, so the `finally`
-blocks and atexit run; Ctrl-C is already KeyboardInterrupt). Before deleting
-a namespace it SIGKILLs the processes inside it (`ip netns pids`): they are
-ours, started into a namespace that did not exist before this cluster.
-`close()` touches only the namespaces of its own plan, by exact name, and
-is idempotent. A SIGKILL of the process that owns the cluster is the one case
-nothing can clean up; `ip netns list` then shows `<prefix>-<pid>-...` names
-whose pid is gone, which `python -m shardopt.cluster --sweep` removes (sweep();
-Note [Sweeping namespaces of dead runs] in cluster/plan.py).
+`close()` (idempotent) kills the processes in the plan's namespaces and deletes them, by exact name, from
+`__exit__`, an atexit hook, and SIGTERM / SIGHUP (made SystemExit when unhandled, so `finally` blocks run).
+After a SIGKILL of the owner, `python -m shardopt.cluster --sweep` removes what is left (Note [Sweeping
+namespaces of dead runs] in cluster/plan.py).
 """
 from __future__ import annotations
 
 import atexit
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -48,9 +42,10 @@ def unavailable_reason() -> str | None:
     """Why an emulated cluster cannot run here, or None if it can (checked without creating anything)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "needs root (ip netns, tc): run as root, as CI does"
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux"),
+                          ("nsenter", "util-linux")):
         if shutil.which(tool) is None:
-            return f"`{tool}` not found (install iproute2)"
+            return f"`{tool}` not found (install {package})"
     return None
 
 
@@ -95,12 +90,12 @@ class EmulatedCluster:
     def __init__(self, nodes: int, rate=None, *, prefix: str = "shardopt"):
         self.plan = cp.plan_cluster(nodes, rate, run_id=cp.new_run_id(prefix, os.getpid(), secrets.token_hex(3)))
         self._created: list[str] = []
+        self._holders: list[subprocess.Popen] = []  # per node (Note [A node shares nothing but its link])
         self._procs: list[subprocess.Popen] = []
         self._closed = False
         self._jobs = 0
         self._owner = os.getpid()  # a forked child inherits the object (and atexit) but must not clean up
 
-    # ------------------------------------------------------------ lifecycle
     def start(self) -> "EmulatedCluster":
         global _handlers_installed
         reason = unavailable_reason()
@@ -123,6 +118,8 @@ class EmulatedCluster:
                     self._created.append(argv[3])
                 else:
                     _run(argv)
+            for i in range(len(self.plan.nodes)):
+                self._start_holder(i)
         except BaseException:
             self.close()
             raise
@@ -137,6 +134,10 @@ class EmulatedCluster:
             _kill_group(p)
         for ns in reversed(self._created):
             self._kill_pids(ns)
+        for p in self._holders:
+            _kill_group(p)  # killed with their namespace's processes above; reaped here
+            for pipe in (p.stdout, p.stderr):
+                pipe.close()
         for ns in reversed(self._created):
             _run(["ip", "netns", "delete", ns], check=False)
         self._created.clear()
@@ -150,13 +151,31 @@ class EmulatedCluster:
         self.close()
         return False
 
-    # ------------------------------------------------------------ processes
+    def _start_holder(self, node: int) -> None:
+        """Node `node`'s holder (Note [A node shares nothing but its link]), once it says its namespaces are set."""
+        p = subprocess.Popen(cp.node_holder_command(self.plan, node), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)
+        self._holders.append(p)
+        ready, _, _ = select.select([p.stdout], [], [], 30)
+        line = p.stdout.readline().decode(errors="replace").strip() if ready else ""
+        if line != cp.READY:
+            _kill_group(p)
+            err = p.stderr.read().decode(errors="replace").strip()
+            raise ClusterUnavailable(f"node {node} cannot have a hostname and /dev/shm of its own (UTS and mount "
+                                     f"namespaces): {err or line or 'no answer in 30 s'}")
+
+    def holder_pid(self, node: int) -> int:
+        """The process whose namespaces node `node`'s processes join."""
+        return self._holders[node].pid
+
     def popen(self, node: int, argv, *, env=None, log=None, cwd=None) -> subprocess.Popen:
-        """Starts argv inside node `node` in its own process group; output to the file `log` (or inherited)."""
+        """Starts argv inside node `node` (its network, hostname and /dev/shm) in its own process group; output
+        to the file `log` (or inherited)."""
         out = open(log, "ab") if log else None
+        argv = cp.enter_command(self.holder_pid(node), argv, os.path.abspath(cwd or os.getcwd()))
         try:
-            p = subprocess.Popen(["ip", "netns", "exec", self.plan.nodes[node].netns, *argv], env=env, cwd=cwd,
-                                 stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+            p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                 start_new_session=True)
         finally:
             if out:
                 out.close()
@@ -167,11 +186,9 @@ class EmulatedCluster:
                  max_restarts: int = 0, rdzv_conf: dict | None = None, threads: int = 1,
                  share_store: bool = False, cwd=None, rdzv_id: str | None = None,
                  port: int | None = None) -> subprocess.Popen:
-        """One node's torchrun (Note [torchrun inside a namespace]).
-
-        Every node of one job must get the same `rdzv_id` and `port` (a new job: new ones, see
-        `new_job()`). share_store=False sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which restarts need
-        (Note [Restarts and the launcher's shared store] in examples/elastic_train.py)."""
+        """One node's torchrun (Note [torchrun inside a namespace]); every node of a job gets the same
+        `rdzv_id` and `port` (new_job()). share_store=False: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which
+        restarts need (Note [Restarts and the launcher's shared store] in examples/elastic_train.py)."""
         env = cp.node_env(os.environ if env is None else env, threads=threads)
         if not share_store:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -200,8 +217,9 @@ class EmulatedCluster:
         return codes
 
     def kill_node(self, node: int) -> list[int]:
-        """SIGKILLs every process of node `node` (a lost machine); returns their pids."""
-        return self._kill_pids(self.plan.nodes[node].netns)
+        """SIGKILLs every process of node `node` but its holder (a lost machine's processes: its /dev/shm
+        stays); returns their pids."""
+        return self._kill_pids(self.plan.nodes[node].netns, spare=self.holder_pid(node))
 
     def set_link(self, node: int, up: bool) -> None:
         _run(cp.link_command(self.plan, node, up))
@@ -215,9 +233,9 @@ class EmulatedCluster:
     def namespaces(self) -> list[str]:
         return list(self._created)
 
-    def _kill_pids(self, ns: str) -> list[int]:
+    def _kill_pids(self, ns: str, spare: int | None = None) -> list[int]:
         r = _run(["ip", "netns", "pids", ns], check=False)
-        pids = [int(x) for x in r.stdout.split()] if r.returncode == 0 else []
+        pids = [int(x) for x in r.stdout.split() if int(x) != spare] if r.returncode == 0 else []
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -245,12 +263,8 @@ def existing_namespaces() -> set[str]:
 
 
 def sweep(prefix: str = "shardopt") -> list[str]:
-    """Deletes the namespaces left by clusters whose owning process is dead; returns their names.
-
-    Note [Sweeping namespaces of dead runs] in cluster/plan.py: only names this module makes
-    (`<prefix>-<pid>-<token>-<role>`) with a dead <pid>; processes still inside one (a dead run's
-    orphaned ranks) are killed first, as close() does. Deleting a namespace deletes its links.
-    """
+    """Deletes the namespaces left by clusters whose owner is dead (Note [Sweeping namespaces of dead runs]
+    in cluster/plan.py), killing their orphaned processes first; returns their names."""
     reason = unavailable_reason()
     if reason:
         raise ClusterUnavailable(reason)
@@ -269,8 +283,7 @@ def sweep(prefix: str = "shardopt") -> list[str]:
 
 def hold(nodes: int, rate) -> None:
     """`python -m shardopt.cluster --hold`: builds a cluster, prints its namespaces, waits for a signal."""
-    # A shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt:
-    # Ctrl-C / kill -INT must stop a held cluster however it was started.
+    # A shell starts background jobs with SIGINT ignored: kill -INT must still stop a held cluster.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with EmulatedCluster(nodes, rate) as c:

@@ -3,13 +3,8 @@
     with EmulatedCluster(2, "1gbit") as c:
         results = run_ranks_on_cluster(c, 2, 2, my_module.fn, arg)    # [fn's result on rank r]
 
-The same contract as shardopt.cluster.ranks.run_ranks (a module-level fn, results
-in rank order, RankFailure with every failing rank's traceback), so a
-benchmark written for run_ranks runs across emulated nodes unchanged. The
-function and its arguments travel in a file (torch.save) to
-shardopt/cluster/node_rank_worker.py, which torchrun starts on every node; a
-function of a script run as `__main__` is found by loading that script again
-in the worker (its `if __name__ == "__main__"` block does not run).
+run_ranks' contract, so a benchmark runs across emulated nodes unchanged; fn and its arguments travel in a
+file to node_rank_worker.py (a `__main__` script is loaded again there, its main block not run).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-r"""Pure planning for the emulated cluster (shardopt/cluster/emulated.py): names, addresses, ip/tc and torchrun command lines.
-
-Nothing here runs a command or touches the system; every function returns
-data (argv lists), so the plan can be read and tested as tables.
+r"""Pure planning for the emulated cluster (shardopt/cluster/emulated.py): names, addresses, ip/tc and torchrun
+command lines, as data (argv lists) that can be read and tested as tables; nothing here runs a command.
 
 Note [Emulated cluster topology]
 --------------------------------
@@ -9,38 +7,32 @@ Note [Emulated cluster topology]
         br0 --- n0 --- veth --- so0   in namespace <run>-n0   198.18.0.1/24   (node 0)
             \-- n1 --- veth --- so0   in namespace <run>-n1   198.18.0.2/24   (node 1)
              \- ...
-Every node is a network namespace whose only links are `lo` and `so0`, one end
-of a veth pair whose other end is a port of the switch's bridge. Both ends
-are created directly inside their namespaces (`ip link add ... netns`), so
-nothing is ever added to the machine's own namespace, and since the switch
-has no link to the outside, no packet can leave the machine whatever a
-process does (there is also no default route and no NAT). Addresses come from
-198.18.0.0/15, the range reserved for benchmarking (RFC 2544); two clusters
-may use the same addresses because their namespaces are separate.
+A node's only links are `lo` and `so0`, a veth to a port of the switch's bridge, both ends created inside
+their namespaces (`ip link add ... netns`): nothing is added to the machine's own namespace, and no packet
+can leave the machine. Addresses are in 198.18.0.0/15 (RFC 2544's benchmarking range). A token bucket
+(`tc ... tbf`) on `so0` and on the switch port shapes each node's link both ways; ranks of one node talk
+through its `lo`, unshaped. No `netem`, so no added delay: the link is slow, not far. Teardown deletes
+exactly the plan's namespaces, never ones found by a pattern.
 
-The node's link is shaped in both directions by a token bucket (`tc qdisc
-... tbf`): on `so0` for what the node sends and on the switch port for what
-it receives, so each node has a full-duplex link of the given rate, as a NIC
-to a switch would. Traffic between ranks of one node goes to a local address
-and so through the node's `lo`: unshaped, as inside a real machine. This
-kernel has no `netem`, so there is no added delay: the link is slow, not far.
-
-Names: every namespace is `<prefix>-<pid>-<random>-<role>`, unique per run;
-teardown deletes exactly the namespaces the plan names (deleting a namespace
-deletes its veth ends and bridge with it), never one found by a pattern.
+Note [A node shares nothing but its link]
+-----------------------------------------
+Network namespaces alone would leave the nodes one host: one hostname, one /dev/shm, so whatever finds its
+peers through shared memory (stage 3's agreements, the shared-memory gathers: parallel/shared_memory.py)
+would reach the other "nodes" without a byte on the shaped link. So each node also has a holder process
+(`node_holder_command`) that, inside the node's network namespace, unshares a UTS namespace (hostname: the
+node's namespace name) and a mount namespace with a tmpfs of its own on /dev/shm, then sleeps. Every
+process of the node joins all three of the holder's namespaces (`enter_command`, nsenter), so the ranks of
+one node share a host and the nodes share nothing but the link (and the machine's files: a job's
+checkpoints, as on a shared file system). The tmpfs lives as long as the holder: a lost node's processes
+die (`kill_node`), its /dev/shm stays, as on a machine whose processes crashed; the cluster's teardown and a
+sweep kill the holders with the rest of the namespace's processes.
 
 Note [Sweeping namespaces of dead runs]
 ---------------------------------------
-A SIGKILL of the process that owns a cluster leaves its namespaces behind
-(nothing can run in a killed process). `python -m shardopt.cluster --sweep`
-removes them, and only them: a name is a candidate when it is exactly
-`<prefix>-<pid>-<6 hex>-<sw | n<i>>` (what new_run_id and plan_cluster make;
-prefix "shardopt" unless told), and it is removed when process <pid> no longer
-exists (or is a zombie). Any other name, and every name whose owner is alive,
-is left alone, so a sweep never breaks a running cluster nor touches anyone
-else's namespaces. Pids are this machine's: sweep where the clusters were
-made. A pid reused by an unrelated process keeps a stale cluster until that
-process exits, which errs on the safe side.
+A SIGKILL of a cluster's owner leaves its namespaces behind. `python -m shardopt.cluster --sweep` removes a
+namespace only when its name is exactly `<prefix>-<pid>-<6 hex>-<sw | n<i>>` (what new_run_id and
+plan_cluster make) and process <pid> is gone (or a zombie), so it never breaks a running cluster nor
+touches anyone else's. Pids are this machine's; a reused pid keeps a stale cluster, erring on the safe side.
 """
 from __future__ import annotations
 
@@ -54,6 +46,8 @@ NODE_IF = "so0"              # the node's end of its link, in every node namespa
 BRIDGE = "br0"               # in the switch namespace
 RDZV_PORT = 29400            # free by construction: each node namespace has its own ports
 MAX_NODES = 200
+SHM = "/dev/shm"             # each node's own tmpfs (Note [A node shares nothing but its link])
+READY = "ready"              # what a node's holder prints once its namespaces are set up
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
 
@@ -65,6 +59,8 @@ class NodePlan:
     addr: str
     port: str
     """The switch-side end of this node's veth (in the switch namespace)."""
+    hostname: str
+    """The node's own hostname (Note [A node shares nothing but its link])."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +83,8 @@ class ClusterPlan:
 
 
 def parse_rate(rate) -> int | None:
-    """'1gbit', '100mbit', '500k', 10**9 -> bits per second; None or 0 -> None (unshaped).
-
-    As tc reads them: k/m/g are powers of 1000 and a bare number is bits
-    (tc's own 'bps' means bytes per second; we accept only 'bit' or nothing).
-    """
+    """'1gbit', '100mbit', '500k', 10**9 -> bits per second (k/m/g powers of 1000, as tc; tc's 'bps' is
+    bytes, so only 'bit' or nothing is accepted); None or 0 -> None (unshaped)."""
     if rate is None or rate == 0:
         return None
     if isinstance(rate, (int, float)):
@@ -108,13 +101,8 @@ def parse_rate(rate) -> int | None:
 
 
 def tbf_burst(rate_bit: int) -> int:
-    """Token bucket size in bytes: 4 ms at the rate, at least 64 KiB.
-
-    A veth hands tbf segments of up to 64 KiB (GSO), and a bucket smaller than
-    one packet would drop it; above that, 4 ms of line rate keeps the timer
-    granularity (1-4 ms ticks) from capping the rate, while bursts stay short
-    next to a collective of megabytes.
-    """
+    """Token bucket size in bytes: 4 ms at the rate (timer ticks of 1-4 ms must not cap it), at least 64 KiB
+    (a veth hands tbf GSO segments of up to 64 KiB, and a smaller bucket would drop them)."""
     return max(64 * 1024, rate_bit // 8 * 4 // 1000)
 
 
@@ -123,7 +111,8 @@ def plan_cluster(nodes: int, rate=None, *, run_id: str) -> ClusterPlan:
         raise ValueError(f"nodes must be 1..{MAX_NODES}, got {nodes}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", run_id):
         raise ValueError(f"run_id {run_id!r}: letters, digits, '_', '.', '-' only (it names namespaces)")
-    node_plans = tuple(NodePlan(i, f"{run_id}-n{i}", f"{SUBNET}.{i + 1}", f"n{i}") for i in range(nodes))
+    node_plans = tuple(NodePlan(i, f"{run_id}-n{i}", f"{SUBNET}.{i + 1}", f"n{i}", f"{run_id}-n{i}")
+                       for i in range(nodes))
     return ClusterPlan(run_id=run_id, switch=f"{run_id}-sw", nodes=node_plans, rate_bit=parse_rate(rate))
 
 
@@ -177,6 +166,22 @@ def teardown_commands(plan: ClusterPlan) -> list[list[str]]:
     return [["ip", "netns", "delete", ns] for ns in reversed(plan.namespaces)]
 
 
+def node_holder_command(plan: ClusterPlan, node: int) -> list[str]:
+    """The holder of node `node`'s hostname and /dev/shm (Note [A node shares nothing but its link]): it prints
+    "ready" once both are its own, then sleeps until killed."""
+    n = plan.nodes[node]
+    script = (f"mount -t tmpfs -o mode=1777 {plan.run_id}-shm {SHM} && echo \"$1\" > /proc/sys/kernel/hostname "
+              f"&& echo {READY} && exec sleep infinity")
+    return ["ip", "netns", "exec", n.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+            "sh", "-c", script, "sh", n.hostname]
+
+
+def enter_command(holder_pid: int, argv, cwd: str) -> list[str]:
+    """argv run inside a node: in its holder's network, UTS and mount namespaces, from directory `cwd` (entering a
+    mount namespace starts at its root)."""
+    return ["nsenter", "--target", str(holder_pid), "--net", "--uts", "--mount", f"--wd={cwd}", "--", *argv]
+
+
 def link_command(plan: ClusterPlan, node: int, up: bool) -> list[str]:
     """Takes node `node`'s link down (or up again) at the switch, as a pulled cable would."""
     return ["ip", "-n", plan.switch, "link", "set", plan.nodes[node].port, "up" if up else "down"]
@@ -185,19 +190,13 @@ def link_command(plan: ClusterPlan, node: int, up: bool) -> list[str]:
 def torchrun_command(plan: ClusterPlan, node: int, nproc: int, script: str, args=(), *, nnodes,
                      max_restarts: int = 0, rdzv_id: str | None = None, rdzv_conf: dict | None = None,
                      port: int = RDZV_PORT, python: str = sys.executable) -> list[str]:
-    """The torchrun command line of one node, as a user would type it on that machine.
-
-    `nnodes`: torchrun's --nnodes (2, or "1:2" for elastic): how many of the plan's nodes join.
+    """The torchrun command line of one node; `nnodes` is torchrun's (2, or "1:2" for elastic).
 
     Note [torchrun inside a namespace]
     ----------------------------------
-    c10d's rendezvous decides whether it hosts the store by comparing the
-    endpoint with the machine's hostname and addresses; in a namespace the
-    hostname resolves to an address it cannot reach, so the host node is told
-    (`is_host=1`, the others `is_host=0`), and every node advertises its own
-    address with --local-addr (otherwise it advertises the hostname, which
-    the other nodes cannot resolve to it). Gloo is bound to the node's link by
-    GLOO_SOCKET_IFNAME (cluster.node_env).
+    A node's own hostname resolves to no address c10d's rendezvous can reach, so the host node is told
+    (`is_host=1`, the others 0) and every node advertises its address with --local-addr. Gloo is bound
+    to the node's link by GLOO_SOCKET_IFNAME (node_env).
     """
     if not 0 <= node < len(plan.nodes):
         raise ValueError(f"node {node} not in a {len(plan.nodes)}-node cluster")

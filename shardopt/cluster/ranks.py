@@ -1,11 +1,8 @@
 """Runs a function on N real ranks: fresh processes joined by a gloo group over 127.0.0.1 (tests, benchmarks),
 or by NCCL (gpu_check, one process per GPU).
 
-Each call gets its own FileStore in a temp dir, so parallel tests never share a
-port or a rendezvous; gloo itself binds ephemeral ports on loopback. Every
-collective has the group's timeout, and the parent kills every rank if the
-whole run exceeds `timeout`, so a broken test fails with the rank's traceback
-instead of hanging.
+Each call has its own FileStore, so parallel tests share no rendezvous; collectives time out, and the
+parent kills every rank past `timeout`: a broken test fails with a traceback instead of hanging.
 """
 import datetime
 import io
@@ -17,8 +14,7 @@ import traceback
 
 import torch
 
-# Spawned ranks re-import the test module; keep them single-threaded so 4 ranks
-# on 2 cores do not fight over torch's intra-op pool.
+# Single-threaded ranks: 4 of them on 2 cores must not fight over torch's intra-op pool.
 _RANK_THREADS = 1
 
 
@@ -36,19 +32,13 @@ def _rank_main(fn, rank, world_size, store_path, collective_timeout, results, ar
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         if backend == "gloo":
-            # Note [Every rank connected before any leaves]: gloo connects the group's ranks pairwise inside
-            # init_process_group, and a rank can return from it while a peer is still connecting; a rank whose fn
-            # then returns at once (or kills itself, as the peer-loss tests do) closes its sockets under that peer,
-            # which fails in init_process_group ("Connection closed by peer": CI, 2026-11-29), not in what the test
-            # checks. So no rank starts fn before every rank is connected (a barrier with a generous timeout:
-            # forked ranks of a loaded machine start seconds apart). NCCL connects lazily, and its ranks pick
-            # their GPU in fn, before their first collective.
+            # Note [Every rank connected before any leaves]: a rank can leave init_process_group while a peer
+            # is still connecting; if its fn returns (or kills itself) at once, the peer fails there
+            # ("Connection closed by peer"). So fn starts after a barrier. NCCL connects lazily.
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=max(collective_timeout, 60)),
                                    wait_all_ranks=True)
         out = fn(rank, world_size, *args, **kwargs)
-        # torch.save copies tensor data into the bytes; a tensor put on the
-        # queue as is would be shared through a file descriptor that dies with
-        # this process.
+        # As bytes: a tensor on the queue would be shared through a file descriptor that dies with this process.
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
@@ -67,16 +57,9 @@ class RankFailure(AssertionError):
 
 
 # Note [Ranks from a forkserver]
-# A spawned rank is a new interpreter that imports torch and shardopt before it
-# runs anything: about 4 s for 4 ranks on this 2-core VM, paid by each of the
-# test suite's hundreds of launches. start_method="forkserver" (the tests' choice,
-# tests/dist_harness.py) forks each rank from a server process that imported
-# them once (multiprocessing's forkserver with a preload): 0.1 s for the same 4
-# ranks. The server is a fresh process too, started from nothing of the caller's
-# but its sys.path, so no torch state of the caller leaks in either way; it is
-# started once, so each rank is given the caller's environment of the moment
-# (a forkserver child would otherwise have the server's). NCCL ranks are always
-# spawned: nothing CUDA may be inherited through a fork.
+# A spawned rank imports torch and shardopt first: 4 s for 4 ranks on 2 cores, at each of the tests'
+# hundreds of launches. "forkserver" forks them from a fresh server that imported both once (0.1 s) and
+# hands each the caller's environment of the moment. NCCL ranks are always spawned: CUDA must not cross a fork.
 _PRELOAD = ["torch", "torch.distributed", "shardopt", "shardopt.cluster.ranks"]
 
 
@@ -94,13 +77,9 @@ def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, backend
               **kwargs):
     """Runs fn(rank, world_size, *args, **kwargs) on `world_size` ranks; returns [result of rank r].
 
-    backend: the process group's ("nccl": fn selects its GPU before its first collective).
-    start_method: "spawn" (a new interpreter per rank) or "forkserver" (forked from a process that
-    imported torch and shardopt once: Note [Ranks from a forkserver]).
-
-    fn must be a module-level function (ranks start in fresh processes, so torch
-    state from the calling process never leaks in). Raises RankFailure with every
-    failing rank's traceback, or after `timeout` seconds naming the ranks that
+    fn: a module-level function. backend: "gloo" or "nccl" (fn selects its GPU before its first
+    collective). start_method: "spawn" or "forkserver" (Note [Ranks from a forkserver]). Raises
+    RankFailure with every failing rank's traceback, or after `timeout` seconds naming the ranks that
     never finished.
     """
     ctx = _context(start_method, backend)
@@ -136,8 +115,7 @@ def run_ranks(fn, world_size, *args, timeout=240, collective_timeout=60, backend
                 else:
                     errors[rank] = value
                 if errors and len(out) + len(errors) < world_size:
-                    # One rank failed: the rest would wait for it in a collective
-                    # until their timeout. Give them a moment to report, then stop.
+                    # The others would wait for it until their timeout: a moment to report, then stop.
                     deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
         finally:
             for p in procs:

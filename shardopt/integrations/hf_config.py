@@ -2,11 +2,8 @@
 
 Note [Trainer "auto" values]
 ----------------------------
-The Trainer's DeepSpeed integration fills every "auto" in a DeepSpeed config
-from its TrainingArguments before DeepSpeed reads it, and refuses a config
-whose explicit values contradict those arguments (a run must not train with
-one learning rate while logging another). `resolve_auto` does the same for
-ShardedTrainer, with the same sources:
+As the Trainer does for DeepSpeed, `resolve_auto` fills every "auto" from TrainingArguments and refuses
+explicit values that contradict them (a run must not train with one learning rate and log another):
   train_micro_batch_size_per_gpu <- per_device_train_batch_size
   gradient_accumulation_steps    <- gradient_accumulation_steps
   train_batch_size               <- world size x both of the above
@@ -16,15 +13,10 @@ ShardedTrainer, with the same sources:
   scheduler.params warmup_min_lr / warmup_max_lr / warmup_num_steps / total_num_steps
                                  <- 0 / learning_rate / warmup steps / max_steps
   fp16.enabled, bf16.enabled     <- fp16, bf16
-  zero_optimization bucket sizes, stage3_prefetch_bucket_size, stage3_param_persistence_threshold
-                                 <- shardopt's own defaults (the Trainer uses hidden_size**2, 0.9 x that,
-                                    10 x hidden_size; only speed and memory depend on them)
-What then belongs to the Trainer, not the optimizer, is taken out of the
-config (`split_config`): clipping (done by the Trainer through
-clip_grad_norm_, which logs grad_norm), the batch keys, fp16/bf16 (the
-Trainer's autocast over fp32 weights, which are the master weights, as with
-DDP), and the scheduler block, which becomes a torch LambdaLR with
-DeepSpeed's formula (`deepspeed_lr_lambda`).
+  zero_optimization bucket sizes and stage3 thresholds <- shardopt's defaults (only speed depends on them)
+`split_config` takes out what belongs to the Trainer: clipping (its clip_grad_norm_ logs grad_norm), the
+batch keys, fp16/bf16 (its autocast over fp32 weights, the masters, as with DDP), and the scheduler, which
+becomes a LambdaLR with DeepSpeed's formula (`deepspeed_lr_lambda`).
 """
 from __future__ import annotations
 
@@ -118,13 +110,9 @@ def check_scheduler(scheduler: dict | None) -> None:
 
 
 def deepspeed_lr_lambda(scheduler: dict, base_lr: float) -> Callable[[int], float]:
-    """A LambdaLR factor reproducing DeepSpeed's WarmupLR / WarmupDecayLR (deepspeed/runtime/lr_schedules.py).
-
-    DeepSpeed sets the learning rate of optimizer step k from its iteration k-1
-    (step 0 runs at warmup_min_lr), with gamma = log(i+1)/log(warmup) ("log",
-    the default) or i/warmup ("linear") during warmup, then 1 (WarmupLR) or a
-    linear decay to 0 at total_num_steps (WarmupDecayLR).
-    """
+    """A LambdaLR factor reproducing DeepSpeed's WarmupLR / WarmupDecayLR (deepspeed/runtime/lr_schedules.py):
+    step k runs at iteration k-1's rate (step 0 at warmup_min_lr), gamma = log(i+1)/log(warmup) ("log") or
+    i/warmup ("linear") during warmup, then 1 (WarmupLR) or a linear decay to 0 at total_num_steps."""
     check_scheduler(scheduler)
     kind = scheduler["type"]
     p: dict[str, Any] = dict(scheduler.get("params", {}))

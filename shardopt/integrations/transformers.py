@@ -7,104 +7,40 @@
 
 Note [ShardedTrainer: what changes in the Trainer]
 --------------------------------------------------
-Everything the Trainer does stays the Trainer's (data, accumulation, logging,
-evaluation, callbacks, autocast, checkpoint folders), except four things:
-  * the optimizer: the one the Trainer would build (its class and keyword
-    arguments for `optim`, no weight decay on biases and norm weights), or the
-    one the config's "optimizer" block names, as a ShardedOptimizer over the
-    same groups; optimizers that are not elementwise are refused at
-    construction;
-  * the model is wrapped in ShardedDDP instead of DDP (accelerate only wraps
-    the optimizer, without its device placement, which would ask the
-    optimizer for a whole state dict);
-  * optimizer state is saved with shardopt.save_checkpoint inside the
-    Trainer's `checkpoint-N` folder (sub-folder `shardopt/`, every rank writes
-    its part) and loaded with load_checkpoint, at any number of processes; the
-    scheduler, RNG and trainer state are the Trainer's own files;
-  * a DeepSpeed-format `shardopt_config` is read as the Trainer reads one for
-    DeepSpeed ("auto" values: Note [Trainer "auto" values] in hf_config.py).
-The Trainer's loop needs nothing else: it clears gradients with
-model.zero_grad() and unscales through GradScaler, which act on the shards
-(Note [Sharded p.grad] in shardopt/sharded_grad.py), and its clipping is the
-optimizer's own (Note [The Trainer's clipping is the optimizer's]).
+Everything stays the Trainer's except the optimizer (the Trainer's choice, or the config's "optimizer", as
+a ShardedOptimizer over the same groups), the wrapper (ShardedDDP; accelerate wraps only the optimizer,
+without device placement, which would ask for a whole state dict), the optimizer state (save_checkpoint in
+`checkpoint-N/shardopt/`, loadable at any number of processes), and a DeepSpeed `shardopt_config` (Note
+[Trainer "auto" values] in hf_config.py). The Trainer's zero_grad() and GradScaler act on the shards.
 
 Note [The Trainer's clipping is the optimizer's]
 ------------------------------------------------
-The Trainer clips with accelerator.clip_grad_norm_(model.parameters(), c),
-which for DDP is torch's clip_grad_norm_ over every parameter: correct over
-the sharded p.grad, but with torch's own Python per parameter tensor (its
-norms listed, moved and stacked one by one; accelerate's scan for DTensors):
-27 ms against 0.5 ms for the optimizer's call at 8000 tensors, 2-10% of the
-Trainer's step there (benchmarks/results/2026-11-26-trainer-clip.md). Every
-trainable parameter of a ShardedDDP model is in its optimizer (others are
-refused at wrap time), so when the list is the model's own parameters and no
-frozen one has a gradient (ShardedDDP.is_every_gradient, the test accelerate
-makes for an FSDP model), the two clips compute the same global norm of the
-same gradients: the accelerator's clip_grad_norm_ then is
-opt.clip_grad_norm, after unscaling as accelerate does. Any other list goes
-to accelerate. In OneBitAdam's compression stage it is the optimizer's in
-any case: no rank holds the averaged gradient (a flat mesh's p.grad is the
-rank's own), so a clip over model.parameters() would clip each rank by its
-own norm; the optimizer's estimates the mean gradient's norm (Note [Clipping
-by a sketch] in shardopt/onebit.py), the same on every rank.
+The Trainer's accelerator.clip_grad_norm_(model.parameters(), c) is torch's clip_grad_norm_ under DDP:
+right over the sharded p.grad, but Python per tensor (27 ms against the optimizer's 0.5 ms at 8000
+tensors). Over the model's own parameters with no frozen one holding a gradient (ShardedDDP.is_every_gradient)
+both give the same norm, so it becomes opt.clip_grad_norm after accelerate's unscaling; other lists stay
+accelerate's. In OneBitAdam's compression stage a flat mesh's p.grad is the rank's own, so it is always the
+optimizer's (Note [Clipping by a sketch] in shardopt/onebit_sketch.py).
 
 Note [ShardedTrainer at stage 3]
 --------------------------------
-Once the optimizer exists, a stage-3 model's parameters are empty between
-uses (Note [Parameters between gathers] in shardopt/zero3/store.py); its
-forward gathers what it uses on every rank. What the Trainer does with the
-model outside training steps, and what changes for it:
-  * evaluation and prediction call the bare model's forward on every rank, the
-    same number of times (accelerate gives every rank as many batches): the
-    stage-3 hooks gather as in training. Nothing changes.
-  * generate() runs a forward per new token; ranks whose sequences end first
-    must keep calling forward while others generate, which is generate()'s
-    `synced_gpus=True` (as with DeepSpeed ZeRO-3 and FSDP). ShardedSeq2SeqTrainer
-    passes it by default at stage 3 with several processes; code of one's own
-    that calls model.generate() on every rank passes it too.
-  * save_model() (also called for every `checkpoint-N` folder) would have rank
-    0 alone read model.state_dict(), which at stage 3 is a collective. Here
-    the weights are streamed bucket by bucket into the Hugging Face layout
-    save_pretrained writes (shardopt.save_weights: no rank ever holds the whole
-    model; a PEFT model writes its adapters as PEFT does), as DeepSpeed's
-    stage3_gather_16bit_weights_on_model_save does: `gather_weights_on_save`,
-    true by default, and the config key's value (DeepSpeed's default false)
-    when a DeepSpeed config is given. False: save_model() writes shardopt's
-    sharded checkpoint (`shardopt/` in the folder, every rank its part) and no
-    weights file, and says how to get whole weights; checkpoint folders then
-    hold no weights file either (their `shardopt/` has the weights, and resume
-    reads them from there).
-  * a frozen reference model beside the policy (TRL's DPOTrainer keeps one in
-    `self.ref_model`, passed as `ref_model=` or built by TRL from the policy's
-    path) is sharded too when the policy is wrapped: Note [The reference model
-    at stage 3].
-After train() the model stays sharded (the Trainer keeps its ShardedDDP):
-read weights with `with opt.full_params(): ...` on every rank, or save_model().
+A stage-3 model's parameters are empty between uses (Note [Parameters between gathers] in
+shardopt/zero3/buckets.py) and its forwards gather on every rank, so evaluation needs nothing; generate()
+needs `synced_gpus=True` (ShardedSeq2SeqTrainer passes it with several processes); save_model() streams
+the weights into save_pretrained's layout (shardopt.save_weights; PEFT adapters as PEFT writes them), as
+DeepSpeed's stage3_gather_16bit_weights_on_model_save: `gather_weights_on_save`, true unless a DeepSpeed
+config says otherwise. False: save_model() writes the sharded checkpoint and says how to convert it, and
+checkpoint folders hold no weights file (resume reads `shardopt/`). After train() the model stays sharded:
+read weights with `with opt.full_params(): ...` on every rank.
 
 Note [The reference model at stage 3]
 -------------------------------------
-TRL's DPOTrainer keeps a frozen reference model (`self.ref_model`) as big as the
-policy and runs it, under no_grad, once per micro-batch on every rank. Whole on
-every rank it would cost the whole model once more per rank at stage 3, where
-the policy costs 1/N. So, where the Trainer's model is wrapped for training at
-stage 3 (_wrap_model, once the optimizer exists), a `ref_model` attribute that is
-a module is replaced by shardopt.shard_for_inference(ref_model, ...) with the
-policy's stage-3 options (the same buckets, persistence threshold, prefetch and
-collectives; over the policy's shard group), as TRL's prepare_deepspeed makes it
-a ZeRO-3 inference engine under DeepSpeed ZeRO-3 (its parameters are frozen
-first: TRL runs it under no_grad only and leaves requires_grad as loaded) (Note [Models sharded for
-inference] in shardopt/zero3/inference.py): P/N of it per rank, gathered bucket
-by bucket in each of its forwards. Every rank runs the same number of reference
-forwards (one per micro-batch; evaluation gets as many batches on every rank
-from accelerate), so nothing needs a sync(). It is done at wrap time, not at
-construction: TRL's construction may precompute reference log-probabilities
-with it first (precompute_ref_log_probs), and a Trainer that never trains keeps
-it as TRL left it. With PEFT TRL has no reference model (it disables the
-adapters of the policy): nothing to shard. At stages 1 and 2 the policy's
-parameters are whole on every rank, and so is the reference model, as TRL's
-prepare_deepspeed leaves it below ZeRO-3. `sync_ref_model=True` is refused at
-stage 3: TRL's callback mixes the policy's weights into the reference model's in
-place, and at stage 3 both are empty tensors between uses.
+TRL's DPOTrainer runs a frozen reference model as big as the policy once per micro-batch on every rank;
+whole, it would cost the model again where the policy costs 1/N. So when the policy is wrapped at stage 3,
+a module `ref_model` is frozen and replaced by shardopt.shard_for_inference with the policy's stage-3
+options (Note [Models sharded for inference] in shardopt/zero3/inference.py), as TRL's prepare_deepspeed
+does under ZeRO-3; every rank runs as many of its forwards. Not at construction: TRL may precompute
+reference log-probabilities first. `sync_ref_model=True` is refused at stage 3 (TRL mixes weights in place).
 """
 from __future__ import annotations
 
@@ -136,45 +72,28 @@ CHECKPOINT_SUBDIR = "shardopt"
 
 # Note [Trainers that generate during training]
 # -------------------------------------------
-# TRL's online trainers call generate() inside the training step, each rank on its own prompts, so the ranks'
-# rollouts end after different numbers of tokens: different numbers of forwards, each of which gathers
-# parameters at stage 3. Stage 3 agrees on forwards without gradients of different counts (Note [Passes every
-# rank agrees on] in zero3/passes.py), but only when the ranks run nothing else in between: GRPO follows its
-# generation with accelerate's gathers and pads of the completions and rewards, on the default group, so a rank
-# whose rollouts ended first waits in such a gather while its peer waits in the next forward's agreement (gloo
-# times out after a minute). So at stage 3 with several processes ShardedTrainer gives the model's generate()
-# `synced_gpus=True` unless told otherwise, while its optimizer shards the parameters (not after detach(): a
-# rank may then generate alone), as the Trainer gets from transformers under DeepSpeed ZeRO-3 or FSDP, and as
-# ShardedSeq2SeqTrainer passes it: a rank whose sequences have ended keeps running forwards, skipping
-# the sampling, until every rank's have, so the ranks run the same passes and draw the same random numbers as
-# under DDP. Nothing is gathered whole for generation (TRL's ds3_gather_for_generation is DeepSpeed's, and is
-# what stage 3 exists to avoid). GRPOTrainer and RLOOTrainer train so at stage 3 with DDP's numbers
-# (tests/test_trl.py, rollouts of different lengths per rank). The others that generate (TRL's experimental PPO,
-# online DPO and its relatives, GKD) have not been run at stage 3 (their own loops, reward and reference models,
-# vLLM paths), so they are refused at stage 3 with several processes, at construction, before any collective;
-# stages 1 and 2 keep whole parameters on every rank and generate as DDP does (not tested with TRL). Matched by
-# class name, so TRL need not be installed.
+# TRL's online trainers generate rollouts of different lengths per rank inside the training step. Stage 3
+# agrees on forwards of different counts (Note [Passes every rank agrees on] in zero3/passes.py) only with
+# nothing in between, and GRPO follows generation with gathers on the default group. So at stage 3 with
+# several processes the model's generate() gets `synced_gpus=True` (_synced_generate): the ranks run the
+# same passes and draw the same random numbers as under DDP. GRPOTrainer and RLOOTrainer train so
+# (tests/test_trl.py); the other generating trainers, not run at stage 3, are refused there by class name.
 GENERATING_TRAINERS = frozenset({"PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer", "GKDTrainer"})
 
 
 # Note [Unwrapping ShardedDDP]
 # ----------------------------
-# accelerate's unwrap_model takes off the wrappers it knows (DDP, DeepSpeed, FSDP, torch.compile) and would
-# hand a ShardedDDP back as it is; code that asks it for the bare model then reads a model's attributes on
-# the wrapper (TRL's generation does: `unwrap_model(model).is_gradient_checkpointing`, then generate()).
-# ShardedTrainer's accelerator takes ShardedDDP off too, as it takes off DDP (and a ShardedInference, the
-# reference model's wrapper: Note [The reference model at stage 3]). At stage 3 the bare model's
-# forwards still gather through the store's hooks (Note [ShardedTrainer at stage 3]).
+# accelerate's unwrap_model would hand a ShardedDDP (or the reference model's ShardedInference) back as it
+# is, and TRL reads model attributes on what it returns; ShardedTrainer's accelerator takes them off as it
+# takes off DDP. At stage 3 the bare model's forwards still gather through the store's hooks.
 
 
 class ShardedTrainer(Trainer):
     """`transformers.Trainer` with a ShardedOptimizer + ShardedDDP in place of torch.optim + DDP.
 
-    Takes the Trainer's arguments, plus `shardopt_config`: a DeepSpeed config
-    (dict or JSON path, "auto" values allowed) or None for the Trainer's own
-    optimizer at ZeRO-2 with shardopt's defaults. `shardopt_kwargs` override
-    ShardedOptimizer arguments (stage=..., overlap_gather=..., ...).
-    """
+    `shardopt_config`: a DeepSpeed config (dict or JSON path, "auto" allowed), or None for the Trainer's
+    optimizer at ZeRO-2; `shardopt_kwargs`: ShardedOptimizer arguments; `gather_weights_on_save`: Note
+    [ShardedTrainer at stage 3]."""
 
     def __init__(self, *args, shardopt_config=None, shardopt_kwargs: dict | None = None,
                  gather_weights_on_save: bool | None = None, **kwargs):
@@ -183,7 +102,6 @@ class ShardedTrainer(Trainer):
         self._shardopt_config = shardopt_config
         self._shardopt_kwargs = dict(shardopt_kwargs or {})
         self._check_arguments(optimizers)
-        # Validated now, not at train(): a config that cannot work fails at construction.
         self._resolved = None
         from_config = None
         if shardopt_config is not None:
@@ -228,12 +146,11 @@ class ShardedTrainer(Trainer):
                 "sync_ref_model=False, or stage 1 or 2 (shardopt_kwargs={'stage': 2}). docs/integrations.md, TRL")
 
     def _shard_reference_model(self, opt: ShardedOptimizer) -> None:
-        """A frozen reference model (TRL's `self.ref_model`) sharded as the policy is (Note [The reference model
-        at stage 3]); whole at stages 1 and 2."""
+        """Note [The reference model at stage 3]; whole at stages 1 and 2."""
         ref = getattr(self, "ref_model", None)
         if not opt.params_sharded or not isinstance(ref, torch.nn.Module) or isinstance(ref, ShardedInference):
             return
-        ref.requires_grad_(False)  # TRL runs it under no_grad only, and leaves requires_grad as loaded
+        ref.requires_grad_(False)  # TRL leaves requires_grad as loaded
         view = opt.view
         options = inference_options(view.config)
         if view.sharding.shape.hybrid:  # sharded over the policy's shard group, replicated across the others
@@ -242,7 +159,6 @@ class ShardedTrainer(Trainer):
         else:
             self.ref_model = shard_for_inference(ref, **options)
 
-    # ------------------------------------------------------------ validation
     def _check_arguments(self, optimizers) -> None:
         a = self.args
         refused = []
@@ -275,7 +191,6 @@ class ShardedTrainer(Trainer):
             return self.optimizer_cls_and_kwargs
         return self.get_optimizer_cls_and_kwargs(self.args, self.model)
 
-    # ------------------------------------------------------------- optimizer
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
             return self.optimizer
@@ -321,12 +236,10 @@ class ShardedTrainer(Trainer):
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    # ----------------------------------------------------------------- model
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if not training:
-            # Evaluation once the model is ours: through its ShardedDDP, so that the Trainer does not hand
-            # it to accelerate's prepare_model, which gives the parameters new storage (cut loose from the
-            # optimizer's buffers). Before training it is a plain model, and the Trainer's path stays.
+            # Once the model is ours, evaluation goes through its ShardedDDP: accelerate's prepare_model
+            # would give the parameters new storage, cut loose from the optimizer's buffers.
             wrapped = self.model_wrapped
             inner = getattr(wrapped, "_orig_mod", wrapped)
             return wrapped if isinstance(inner, ShardedDDP) and inner.module is model else model
@@ -336,8 +249,7 @@ class ShardedTrainer(Trainer):
             self.create_optimizer(model)
         opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         _autocast_forward(model, self.accelerator)
-        # ddp_broadcast_buffers as with DDP (default True); ddp_find_unused_parameters and
-        # ddp_static_graph need nothing: ShardedDDP handles unused parameters by itself.
+        # ddp_find_unused_parameters and ddp_static_graph need nothing: ShardedDDP handles unused parameters.
         broadcast = self.args.ddp_broadcast_buffers
         wrapped = ShardedDDP(model, opt, broadcast_buffers=True if broadcast is None else bool(broadcast))
         if opt.config.stage == 3 and self.args.world_size > 1:
@@ -349,10 +261,8 @@ class ShardedTrainer(Trainer):
         return wrapped
 
     def create_accelerator_and_postprocess(self):
-        # The Trainer makes its accelerator here (at construction, and again for each hyper-parameter
-        # trial). accelerate then wraps only the optimizer (the model is ours), and must do so without
-        # device placement: that would round-trip the whole optimizer state through state_dict()
-        # (Note above). Asked of prepare_optimizer, which every transformers 5.x reaches.
+        # accelerate wraps only the optimizer, without device placement (which would round-trip the whole
+        # state through state_dict()); asked of prepare_optimizer, which every transformers 5.x reaches.
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
         prepare_optimizer = acc.prepare_optimizer
@@ -390,7 +300,6 @@ class ShardedTrainer(Trainer):
 
         acc.unwrap_model = unwrap_model
 
-    # ------------------------------------------------------------ checkpoints
     def _sharded(self) -> tuple[torch.nn.Module, ShardedOptimizer]:
         opt = self.optimizer
         while not isinstance(opt, ShardedOptimizer):
@@ -428,7 +337,7 @@ class ShardedTrainer(Trainer):
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if self.gather_weights_on_save:
-            # Streamed, bucket by bucket: no rank holds the whole model (Note [Weights streamed in and out]).
+            # Note [Weights streamed in and out]
             if peft_adapters(self.model) is not None:
                 self._save_adapters(opt, output_dir)
             else:
@@ -438,7 +347,7 @@ class ShardedTrainer(Trainer):
                     self.processing_class.save_pretrained(output_dir)
                 torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
         elif _internal_call:
-            # A checkpoint folder: its shardopt/ sub-folder (written next) holds the weights.
+            # A checkpoint folder: its shardopt/ (written next) holds the weights.
             if self.args.should_save and hasattr(self.model, "config"):
                 os.makedirs(output_dir, exist_ok=True)
                 self.model.config.save_pretrained(output_dir)
@@ -458,8 +367,7 @@ class ShardedTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # A stage-3 checkpoint saved with gather_weights_on_save=False has no weights file: load_checkpoint
-        # (at _load_optimizer_and_scheduler) restores the weights from its shardopt/ folder.
+        # Without a weights file (gather_weights_on_save=False), load_checkpoint restores them from shardopt/.
         if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)) and not any(
                 os.path.isfile(os.path.join(resume_from_checkpoint, name))
                 for name in (transformers.utils.SAFE_WEIGHTS_NAME, transformers.utils.WEIGHTS_NAME,
@@ -469,7 +377,6 @@ class ShardedTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         model, opt = self._sharded()
-        # Every rank writes its shard; the step counts and Adam moments resume at any world size.
         save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, opt)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
@@ -491,13 +398,10 @@ class ShardedTrainer(Trainer):
 
 
 # Note [One ShardedTrainer for every transformers 5.x]
-# setup.py admits transformers>=5 (and the accelerate>=1.3 that its Trainer needs: 1.1 and 1.2 lack
-# functions transformers 5.0 imports or calls); CI runs tests/test_hf_trainer.py on the oldest
-# (.ci/run, .venv-oldest) and the newest. Fields and hooks that later releases added are read only
-# when present, and hooks are ones every 5.x has: activation_checkpointing_kwargs is new in 5.23
-# (5.0 to 5.22 have only gradient_checkpointing_kwargs); Trainer._prepare_for_training is absent in
-# 5.0 (present in 5.18 to 5.23), so the optimizer is kept from device placement at
-# create_accelerator_and_postprocess, which 5.0 and 5.23 both call.
+# setup.py admits transformers>=5 (with accelerate>=1.3); CI runs tests/test_hf_trainer.py on the oldest
+# and the newest. Later fields are read only when present (activation_checkpointing_kwargs, else
+# gradient_checkpointing_kwargs), and hooks are ones every 5.x has (create_accelerator_and_postprocess, not
+# _prepare_for_training, which 5.0 lacks).
 def checkpointing_kwargs(args) -> tuple[str, object]:
     """(the argument's name, its value): the activation-checkpointing keyword arguments the Trainer passes."""
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
@@ -525,10 +429,9 @@ def _autocast_forward(model: torch.nn.Module, accelerator) -> None:
 
 
 def _synced_generate(model: torch.nn.Module, opt: ShardedOptimizer) -> None:
-    """generate() with `synced_gpus=True` unless told otherwise, while `opt` shards the model's parameters
-    (Note [Trainers that generate during training]); once it no longer does (ShardedDDP.detach(): whole weights,
-    a rank may then generate alone), generate() is the model's own again. The optimizer is held weakly, and a
-    later wrap of the same model replaces it."""
+    """generate() with `synced_gpus=True` unless told otherwise while `opt` shards the model's parameters
+    (Note [Trainers that generate during training]); after detach() a rank may generate alone. `opt` is held
+    weakly; a later wrap of the same model replaces it."""
     model._shardopt_generate_opt = weakref.ref(opt)
     generate = getattr(model, "generate", None)
     if generate is None or getattr(model, "_shardopt_synced_generate", False):
@@ -546,11 +449,8 @@ def _synced_generate(model: torch.nn.Module, opt: ShardedOptimizer) -> None:
 
 
 class ShardedSeq2SeqTrainer(ShardedTrainer, transformers.Seq2SeqTrainer):
-    """`transformers.Seq2SeqTrainer` with shardopt: evaluation and prediction with `predict_with_generate`.
-
-    At stage 3 with several processes generate() gets `synced_gpus=True` unless
-    told otherwise (Note [ShardedTrainer at stage 3]).
-    """
+    """`transformers.Seq2SeqTrainer` with shardopt; at stage 3 with several processes generate() gets
+    `synced_gpus=True` unless told otherwise (Note [ShardedTrainer at stage 3])."""
 
     def _synced(self, gen_kwargs: dict) -> dict:
         if self._stage3() is not None and self.args.world_size > 1:

@@ -1,11 +1,6 @@
-"""Hybrid sharding, the process-group part: a (replicate, shard) mesh as a pair of groups.
-
-What the groups are for is in Note [Hybrid sharding] (mesh_plan.py). The
-optimizer asks only three questions of a `ShardingGroups`: which group shards
-a bucket (reduce-scatter, all-gather: `shard`), which group carries the
-inter-node hop (`replicate`, None without one), and which group holds every
-rank of the run (`world`: the small agreements of a step, the cross-rank
-checks, the initial broadcast).
+"""Hybrid sharding, the process-group part: a (replicate, shard) mesh as groups (Note [Hybrid sharding] in
+mesh_plan.py): `shard` reduce-scatters and gathers a bucket, `replicate` carries the inter-node hop, and
+`world` holds every rank (a step's small agreements, cross-rank checks, the initial broadcast).
 """
 from __future__ import annotations
 
@@ -28,21 +23,13 @@ class ShardingGroups:
     """The groups one ShardedOptimizer communicates over."""
 
     shape: MeshShape
-    shard: object
-    """ProcessGroup of the ranks that shard one copy of the model (a node)."""
-    replicate: object | None
-    """ProcessGroup of the ranks holding the same chunks in other replicas; None when R == 1."""
-    world: object
-    """ProcessGroup of every rank of the mesh."""
-    replica: int
-    """This rank's replica index (0..R-1)."""
-    nodes: MeshShape | None = None
-    """Flat sharding with node-aware collectives (Note [Two-level collectives] in mesh_plan.py): the
-    world as (nodes) x (ranks per node); None otherwise."""
-    node: object | None = None
-    """With `nodes`: ProcessGroup of this rank's node (the first, in-node phase)."""
-    across: object | None = None
-    """With `nodes`: ProcessGroup of the ranks with this rank's local rank on every node (the link phase)."""
+    shard: object  # the ranks that shard one copy of the model (a node)
+    replicate: object | None  # the ranks holding the same chunks in the other replicas; None when R == 1
+    world: object  # every rank of the mesh
+    replica: int  # this rank's replica index (0..R-1)
+    nodes: MeshShape | None = None  # node-aware flat sharding: (nodes) x (ranks per node); else None
+    node: object | None = None  # with `nodes`: this rank's node (the in-node phase)
+    across: object | None = None  # with `nodes`: this local rank on every node (the link phase)
 
     def signature(self) -> list[str]:
         return [f"mesh {self.shape} nodes {self.nodes}"]
@@ -58,11 +45,8 @@ def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type:
                    node_aware: bool | None = None, why_not: str | None = None) -> ShardingGroups:
     """The groups for ShardedOptimizer's process_group= / mesh= / shard_group= (at most one of them).
 
-    node_aware (flat sharding over the whole world only): True uses node-aware
-    collectives (refused where they cannot run), None uses them when the ranks
-    span nodes (LOCAL_WORLD_SIZE < world size) and nothing in `why_not` says
-    otherwise, False never. See Note [Two-level collectives] in mesh_plan.py.
-    """
+    node_aware (Note [Two-level collectives]): True uses them or refuses, None when the ranks span nodes and
+    `why_not` is None, False never."""
     given = [n for n, v in (("process_group", process_group), ("mesh", mesh), ("shard_group", shard_group))
              if v is not None]
     if len(given) > 1:
@@ -93,8 +77,7 @@ def resolve_groups(process_group=None, mesh=None, shard_group=None, device_type:
 
 
 def _named(sharding: ShardingGroups) -> ShardingGroups:
-    """Registers the groups' members and every rank's host for error messages (Note [Naming a peer] in
-    csrc/comm/peer_names.h): a collective on `sharding.world` (one small all-gather)."""
+    """Registers the groups and every rank's host for errors (Note [Naming a peer]); a collective on the world."""
     peers.ensure_named(sharding.world)
     if sharding.shape.hybrid:
         peers.name_group(sharding.shard, "shard")
@@ -121,7 +104,7 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
     world = dist.get_world_size(group)
     if why_not is None and device_type != "cpu":
         why_not = f"a model on {device_type} (the two-level collectives run on CPU tensors, gloo, in this release)"
-    # Every rank must take the same branch: the groups below are built collectively.
+    # Every rank must take the same branch: the groups are built collectively.
     check_same_across_ranks([f"node_aware={node_aware} LOCAL_WORLD_SIZE={raw} off={why_not}"],
                             "node-aware collectives (LOCAL_WORLD_SIZE and options)", group)
     if node_aware is None and (local is None or local >= world or world % local):
@@ -143,14 +126,9 @@ def _node_aware(group, node_aware: bool | None, why_not: str | None, device_type
 
 
 def two_level_groups(shape: MeshShape, group) -> tuple:
-    """A new (node, across) pair of process groups for node-aware collectives over `group` (the world, W = R * K
-    ranks, rank = node * K + local): this rank's node, and the ranks with its local rank on every node.
-
-    Collective over every rank of `group` (call it in the same order everywhere). Stage 3 makes a pair of its
-    own for its parameter gathers, which run beside the bucket engine's reductions on the first pair
-    (zero3/store.py)."""
-    # The subgroups keep the world's timeout (new_group's default is c10d's 30 minutes): a lost node must
-    # fail every survivor within the timeout the user gave init_process_group.
+    """A new (node, across) pair of groups over the world `group`: this rank's node, and its local rank on every
+    node (a collective; stage 3 makes a pair of its own)."""
+    # The world's timeout, not c10d's 30 minutes: a lost node fails the survivors within the user's timeout.
     timeout = group_timeout(group)
     node, _ = dist.new_subgroups_by_enumeration([shape.shard_ranks(i) for i in range(shape.replicas)],
                                                 timeout=timeout)
@@ -160,21 +138,17 @@ def two_level_groups(shape: MeshShape, group) -> tuple:
 
 
 def copy_group(group, backend=None):
-    """A new process group of `group`'s ranks with `group`'s timeout (only those ranks call it); `backend`:
-    another backend than the default's (gloo for small host tensors beside an NCCL group).
+    """A new group of `group`'s ranks with its timeout (only those ranks call it); `backend`: another than the
+    default's (gloo for small host tensors beside an NCCL group).
 
     Note [Naming a copied group]
-    A group made with use_local_synchronization=True (only its members call new_group) is named by a hash
-    that counts the groups this rank has registered, and a rank registers only the groups it is a member
-    of: after the user made a group that leaves some rank out, the ranks would name a copy differently and
-    its rendezvous would time out on every rank. A copy of the whole world is made by every rank anyway, so
-    it takes torch's ordinary naming (a counter every rank advances at every new_group, member or not).
-    A copy of a subgroup still needs the local naming (its non-members never call this): its members must
-    have made the same groups before it, which they do when every rank makes the same new_group calls."""
+    A group made with use_local_synchronization=True is named by a hash counting the groups this rank is a
+    member of, so after a user group that leaves some rank out the ranks would name a copy differently and
+    its rendezvous would time out. A copy of the world takes torch's ordinary naming (a counter every rank
+    advances at every new_group); a subgroup's copy keeps the local naming (its non-members never call this)."""
     ranks = dist.get_process_group_ranks(group)
     local = len(ranks) != dist.get_world_size()
     copy = dist.new_group(ranks, use_local_synchronization=local, timeout=group_timeout(group), backend=backend)
-    # Errors name its members as the original's (Note [Naming a peer] in csrc/comm/peer_names.h).
     return peers.name_group(copy, peers.label_of(group) or peers.default_label(group))
 
 
@@ -193,8 +167,7 @@ def _node_groups(device_type: str) -> ShardingGroups:
 
     world = dist.get_world_size()
     raw, local = _local_world_size()
-    # Agree on the shape before building groups: ranks that disagree would
-    # otherwise create different subgroups and wait for each other forever.
+    # Agree on the shape first: ranks that disagree would build different subgroups and wait forever.
     check_same_across_ranks([f'shard_group="node" LOCAL_WORLD_SIZE={raw}'], "mesh (nodes x ranks per node)",
                             dist.group.WORLD)
     shape = node_mesh(world, local)
@@ -211,9 +184,7 @@ def _node_groups(device_type: str) -> ShardingGroups:
 
 
 def _keep_world_timeout(device_type: str):
-    """init_device_mesh's backend_override that gives the mesh's gloo groups the world's timeout: without it
-    they get c10d's 30 minutes, and a lost node would hang the survivors that long, not for the timeout the
-    user gave init_process_group (as _node_aware's subgroups, above). None (torch's defaults) off the CPU."""
+    """init_device_mesh's backend_override giving the mesh's gloo groups the world's timeout; None off the CPU."""
     timeout = group_timeout(dist.group.WORLD)
     if device_type != "cpu" or timeout is None:
         return None

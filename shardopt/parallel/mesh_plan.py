@@ -1,97 +1,74 @@
 """Hybrid sharding, the pure part: who shards with whom, who replicates with whom, and what crosses the link.
 
-No process group here (those are built in mesh.py); tests need only numbers.
+No process group here (mesh.py builds them); tests need only numbers.
 
 Note [Hybrid sharding]
 ----------------------
-W ranks form a (replicate R) x (shard K) mesh, W = R * K, rank = replica * K +
-shard: the K ranks of one replica are contiguous, which is how torchrun numbers
-the ranks of one node, so "a replica is a node". Each replica holds the whole
-model sharded K ways exactly as flat ZeRO does over K ranks (the layout is
-planned for K); the R replicas hold identical shards. One step:
+W = R * K ranks form a (replicate R) x (shard K) mesh, rank = replica * K + shard (a replica is a node, as
+torchrun numbers ranks). Each replica holds the model sharded K ways, as flat ZeRO over K. Per step, with S
+bytes of gradients:
 
-  backward: each bucket is reduce-scattered inside the replica (fast links),
-            then this rank's chunk is all-reduced with the ranks that hold the
-            same chunk in the other replicas (the *inter-node hop*, over the slow
-            link). All K ranks of a node do their hop at once, each with 1/K of
-            the bucket, so the node's link carries the bucket's gradient once:
-            2 (R-1)/R * S bytes per node per step for S bytes of gradients, not
-            the 2 (W-1)/W * S of a flat ring (which also crosses the link with
-            the parameter all-gather after the step);
-  step:     each rank steps its chunk, as flat ZeRO;
-  gather:   the updated chunks are all-gathered inside the replica only: no
-            parameter byte crosses the link.
+  backward: each bucket is reduce-scattered inside the replica, then this rank's chunk is all-reduced with
+            the ranks holding the same chunk in the other replicas (the *inter-node hop*). A node's K ranks
+            hop at once, 1/K of the bucket each: 2 (R-1)/R * S per node, where a flat ring sends
+            2 (W-1)/W * S and crosses the link again with the parameter all-gather;
+  step:     each rank steps its chunk;
+  gather:   inside the replica only: no parameter byte crosses the link.
 
-Gradients are pre-divided by W (not K) while staged, so the intra-node sum and
-the inter-node sum together give the average over every rank. Optimizer state,
-master weights and gradient shards cost 1/K per rank instead of 1/W: hybrid
-trades memory for link bytes. R = 1 is flat sharding over K ranks; K = 1 is
-plain data parallelism with a replicated optimizer.
-
-The hop may be compressed (Note [Compressed inter-node hop] in
-csrc/comm/replica_hop.h): each rank's chunk leaves in bf16 or int8 (per-block
-scales, error feedback), the sum is formed in fp32 by the rank that owns that
-part, and goes back out in the same format. Exact inside the node, rounded on
-the way across.
+Gradients are pre-divided by W, so the two sums give the average. State costs 1/K per rank, not 1/W: memory
+traded for link bytes. The hop may be compressed (Note [Compressed inter-node hop] in csrc/comm/replica_hop.h).
 
 Note [Two-level collectives]
 ----------------------------
-Flat sharding over W = R * K ranks on R nodes of K ranks keeps optimizer state
-at 1/W, but a flat ring's reduce-scatter and all-gather each cross a node's
-link with (W-1)/W of the gradient: 2 (W-1)/W * S bytes per node per step, as
-DDP. Node-aware ("two-level") collectives send the hybrid's bytes instead:
+Flat sharding over W = R * K ranks on R nodes keeps state at 1/W, but its ring reduce-scatter and all-gather
+cross a node's link with 2 (W-1)/W * S per step, as DDP. Node-aware collectives send the hybrid's bytes:
 
-  reduce:  a reduce-scatter inside the node (fast links) leaves local rank j
-           with the node's sum of node chunk j (1/K of the bucket); then phase 1
-           of the inter-node hop (Note [Compressed inter-node hop]) among the R
-           ranks with local rank j leaves node i's rank with part i of it (1/W
-           of the bucket) summed over every rank: its chunk (Note [Node-aware
-           chunk order] in layout.py). Each rank sends (R-1)/R of its node
-           chunk: a node's K ranks together (R-1)/R * S.
-  step:    on 1/W, as flat sharding.
-  gather:  the mirror: the R ranks with local rank j all-gather their parts
-           into node chunk j (phase 2 without a reduction: (R-1)/R * S per node,
-           in the parameters' dtype), then each node all-gathers its K node
-           chunks inside the node.
+  reduce:  a reduce-scatter inside the node leaves local rank j the node's sum of node chunk j (1/K of the
+           bucket); phase 1 of the hop among the R ranks of local rank j leaves node i's rank part i of it
+           (1/W, its chunk: Note [Node-aware chunk order] in layout.py) summed over every rank. A node's
+           K ranks send (R-1)/R * S together.
+  step:    on 1/W.
+  gather:  the mirror: the R ranks of local rank j all-gather their parts into node chunk j ((R-1)/R * S
+           per node, in the parameters' dtype), then each node all-gathers its K node chunks inside.
 
-Per node 2 (R-1)/R * S, the hybrid's, with flat's memory. The gradient phase
-may be compressed (inter_node_dtype: bf16, or int8 with error feedback); the
-parameter phase is exact unless asked (Note [Parameters across nodes in
-bf16]), and either way every rank holds the same parameters bit for bit.
+Per node 2 (R-1)/R * S with flat's memory; the gradient phase may be compressed (inter_node_dtype), the
+parameter phase only when asked (Note [Parameters across nodes in bf16]). Stage 3 gathers each bucket
+before forward and again before backward (Note [Stage-3 schedule] in zero3/schedule.py), both two-level on
+groups of its own (csrc/comm/two_level.h): a node sends 3 (R-1)/R * S per step where a flat ring sends
+3 (W-1)/W * S (less the buckets backward starts with, gathered once: Note [The seam between forward and
+backward] in zero3/rounds.py).
 
-Stage 3 keeps only its 1/W chunk of the parameters and gathers a bucket
-before each use, in forward and again in backward (Note [Stage-3 schedule] in
-zero3/schedule.py): both gathers are this two-level gather (csrc/comm/two_level.h,
-on groups of the parameter shard's own, beside the engine's reductions), so a
-node sends 3 (R-1)/R * S per step (gradient phase + two parameter gathers; less
-the buckets backward starts with, gathered once: Note [The seam between
-forward and backward] in zero3/store.py) where a flat ring sends
-3 (W-1)/W * S, with parameters, gradients and optimizer state at 1/W.
-
-Exactness: every sum is the fp32 sum of the same W addends as a flat ring's,
-only grouped differently (node sums first), so results equal flat sharding's
-up to summation order: the parity bar is that of any two reduction orders
-(a few ulps of the gradient per step), not bitwise.
+Every sum is the flat ring's W fp32 addends grouped node first: flat's result up to summation order.
 
 Note [Parameters across nodes in bf16]
 --------------------------------------
-Once the gradient phase is compressed (bf16: (R-1)/R * S/2 per node), the
-parameter phase is most of what crosses the link: (R-1)/R * S in fp32, two
-thirds of the 12.7 MB per step of a 17 MB model at 2 x 2. With
-inter_node_param_dtype=torch.bfloat16 it crosses in bf16, halving it. Sending
-a rounded chunk alone would leave the owner with its fp32 values and every
-other rank with their rounding: the ranks' models would differ. So the model
-itself holds every parameter rounded to bf16, on every rank, owner included,
-and the optimizer keeps fp32 master values of its own 1/W (as for a bf16
-model: Note [Master weights] in master_step.py), rounding them into the
-model after each step. The model stays fp32 (its activations, gradients and
-reductions too); only its weights take bf16 values, as in bf16 mixed
-precision with fp32 masters (DeepSpeed's ZeRO++ quantizes the weights it
-gathers in the same way, to int8). Memory: +4 bytes per parameter / W for
-the master. Every rank holds the same parameters bit for bit; against the
-exact run, the difference is that of training with bf16-rounded weights.
-Built for node-aware flat sharding at stages 1-2 (hybrid sharding sends no
-parameter across nodes; stage 3's gathers are its own).
+With a bf16 gradient phase ((R-1)/R * S/2 per node) the fp32 parameter phase ((R-1)/R * S) is two thirds of
+the link's bytes; inter_node_param_dtype=torch.bfloat16 halves it. Rounding only what is sent would leave the
+owner's values unlike the others', so every rank's model holds the parameters rounded to bf16 and the
+optimizer keeps fp32 masters of its 1/W (+4 bytes per parameter / W; Note [Master weights] in master_step.py),
+as bf16 mixed precision does (ZeRO++ does it in int8); activations, gradients and reductions stay fp32.
+Node-aware flat sharding only (hybrid sends no parameter across nodes); stage 3: the next Note.
+
+Note [Stage 3's parameters across nodes, rounded]
+-------------------------------------------------
+Stage 3 gathers each bucket twice per step, so its parameter phase is two thirds of an exact step's link
+bytes, and all of them but the gradient phase's. Its shard already is an fp32 master (the model's values
+exist only while a pass has them gathered), so inter_node_param_dtype rounds in the gather alone: in the
+two-level all-gather (csrc/comm/two_level.h) each rank sends its chunk in the narrow format and every rank,
+the owner too, decodes every chunk from the same message into the bucket. So every rank's model holds the
+same rounded values, no second master is kept, the shard is never rounded, checkpoints hold it exact, and
+a step after a load equals the uninterrupted run's (the next gather rounds the same shard the same way).
+  torch.bfloat16   each value rounded to bf16: 2 bytes an element.
+  "int8"           per chunk, blocks of 256 values: scale = max|x| / 127 (fp32), round-half-even(x / scale)
+                   in [-127, 127]: the hop's codec without its error feedback (Note [Fused int8 codec] in
+                   csrc/comm/int8_codec.h), 1 + 4/256 bytes an element; a value moves by at most half a
+                   step, scale / 2, and a block of zeros stays zeros.
+Only a pass's gathers round (forward, backward, and what a peer's pass asks for). Whole weights
+(full_params, state_dict, save_weights, detach) and the persistent buckets are gathered exact: they live
+outside passes, and full_params(writeback=True) writes this rank's part back into the shard, which a
+rounded copy would overwrite. Per node per step 2 (R-1)/R of the parameters in the phase's format plus the
+gradient phase's (R-1)/R (less the seam's buckets, gathered once: Note [The seam between forward and
+backward] in zero3/rounds.py); with both in int8 about a quarter of the exact 3 (R-1)/R * S.
 """
 from __future__ import annotations
 
@@ -99,23 +76,17 @@ import dataclasses
 
 import torch
 
-# What the inter-node hop carries: None (the reduction dtype, exact), or a compressed format.
-HOP_DTYPES = ("bfloat16", "int8", "onebit")
-# int8 hop: one fp32 scale per this many elements (Note [Compressed inter-node hop]); the same as
-# kInt8Block in csrc/comm/int8_kernel.h.
-INT8_BLOCK = 256
-# OneBitAdam's block (shardopt/onebit.py ONEBIT_BLOCK; this module stays free of imports).
-ONEBIT_BLOCK = 1024
+HOP_DTYPES = ("bfloat16", "int8", "onebit")  # compressed hop formats; None: the reduction dtype, exact
+INT8_BLOCK = 256  # elements per fp32 scale of the int8 hop: kInt8Block in csrc/comm/int8_kernel.h
+ONEBIT_BLOCK = 1024  # onebit.ONEBIT_BLOCK, repeated: this module imports nothing of shardopt
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
     """A (replicate, shard) mesh over ranks 0..W-1, rank = replica * shards + shard."""
 
-    replicas: int
-    """R: copies of the sharded model (nodes, with shard_group="node")."""
-    shards: int
-    """K: ranks one copy is sharded over (the ranks of a node)."""
+    replicas: int  # R: copies of the sharded model (nodes, with shard_group="node")
+    shards: int  # K: ranks one copy is sharded over (a node's)
 
     def __post_init__(self):
         for field in ("replicas", "shards"):
@@ -163,9 +134,8 @@ def node_mesh(world_size: int, local_world_size: int | None) -> MeshShape:
 
 
 def param_phase_dtype(requested, shape: MeshShape, nodes: MeshShape | None, model_dtype):
-    """The dtype the parameter gather's phase across nodes carries if narrower than the model's, or None
-    (Note [Parameters across nodes in bf16]); refuses what cannot work, naming the fix (stage 3, which
-    gathers on its own schedule, ShardConfig refuses)."""
+    """The parameters' format across nodes (torch.bfloat16 or "int8") if narrower than the model's, else None;
+    refuses, naming the fix."""
     if requested is None:
         return None
     if shape.hybrid:
@@ -182,51 +152,41 @@ def param_phase_dtype(requested, shape: MeshShape, nodes: MeshShape | None, mode
     return requested
 
 
+def bytes_per_element(fmt: str | None, exact: float = 4.0) -> float:
+    """Bytes an element takes on the link in a phase's format (None: `exact`, the dtype's own)."""
+    if fmt is None:
+        return float(exact)
+    if fmt == "bfloat16":
+        return 2.0
+    if fmt == "int8":
+        return 1.0 + 4.0 / INT8_BLOCK
+    if fmt == "onebit":  # Note [1-bit format] in onebit.py
+        return 1.0 / 8 + 4.0 / ONEBIT_BLOCK
+    raise ValueError(f"a phase's format must be None or one of {HOP_DTYPES}, got {fmt!r}")
+
+
 def hop_link_bytes(shape: MeshShape, grad_bytes: int, hop_dtype: str | None = None,
                    reduce_bytes_per_element: int = 4) -> float:
-    """Bytes one node sends over its link per reducing backward (the arithmetic, headers excluded).
-
-    Every rank sends (R-1)/R of its chunk in each of the hop's two phases (Note
-    [Compressed inter-node hop]); a node's K ranks together send 2 (R-1)/R of
-    the gradient, in the hop's format.
-    """
+    """Bytes one node sends per reducing backward (Note [Hybrid sharding]): 2 (R-1)/R of S in the hop's format."""
     if not shape.hybrid:
         return 0.0
-    elements = grad_bytes / 4
-    if hop_dtype is None:
-        per_element = float(reduce_bytes_per_element)
-    elif hop_dtype == "bfloat16":
-        per_element = 2.0
-    elif hop_dtype == "int8":
-        per_element = 1.0 + 4.0 / INT8_BLOCK  # one fp32 scale per block
-    elif hop_dtype == "onebit":  # OneBitAdam's compression stage (Note [1-bit format] in onebit.py)
-        per_element = 1.0 / 8 + 4.0 / ONEBIT_BLOCK
-    else:
-        raise ValueError(f"hop dtype must be None or one of {HOP_DTYPES}, got {hop_dtype!r}")
-    return 2 * (shape.replicas - 1) / shape.replicas * elements * per_element
+    per_element = bytes_per_element(hop_dtype, reduce_bytes_per_element)
+    return 2 * (shape.replicas - 1) / shape.replicas * grad_bytes / 4 * per_element
 
 
 def ring_link_bytes(world_size: int, ranks_per_node: int, grad_bytes: int) -> float:
-    """Bytes one node sends over its link for a flat ring all-reduce (DDP) of grad_bytes.
-
-    A ring over W ranks numbered node by node crosses each node's link once per
-    direction; the edge carries 2 (W-1)/W of the buffer.
-    """
+    """Bytes one node sends over its link for a flat ring all-reduce (DDP): 2 (W-1)/W of the buffer."""
     if world_size == ranks_per_node:
         return 0.0
     return 2 * (world_size - 1) / world_size * grad_bytes
 
 
-
 def two_level_link_bytes(nodes: int, grad_bytes: int, hop_dtype: str | None = None,
-                         param_bytes: int | None = None, param_gathers: int = 1) -> float:
-    """Bytes one node sends over its link per step with node-aware flat sharding (Note [Two-level collectives]).
-
-    (R-1)/R of the gradient in the hop's format, then (R-1)/R of the parameters
-    (param_bytes; default grad_bytes) in their own dtype, param_gathers times
-    (stage 3: 2, before forward and before backward).
-    """
+                         param_dtype: str | None = None, param_gathers: int = 1) -> float:
+    """Bytes one node sends per step with node-aware flat sharding of an fp32 model of `grad_bytes` (Note [Two-level
+    collectives]): the gradient phase in `hop_dtype`, `param_gathers` parameter phases in `param_dtype`."""
     if nodes <= 1:
         return 0.0
     one_way = hop_link_bytes(MeshShape(nodes, 1), grad_bytes, hop_dtype) / 2
-    return one_way + param_gathers * (nodes - 1) / nodes * (grad_bytes if param_bytes is None else param_bytes)
+    params = grad_bytes / 4 * bytes_per_element(param_dtype)
+    return one_way + param_gathers * (nodes - 1) / nodes * params

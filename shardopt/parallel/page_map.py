@@ -3,19 +3,15 @@
     t = map_spans([(buffer, start, numel), ...])   # a tensor over the spans, one after the other; None: cannot
     reference_spans([(buffer, start, numel), ...]) # what t holds, as a copy (torch.cat): the pure-PyTorch reference
 
-Each `buffer` is a tensor over a MAP_SHARED mapping (torch.from_file(..., shared=True)), every span starts on a
-page boundary of it and is whole pages long. The new mapping shares the pages themselves: a write through either
-is seen through the other. It is unmapped when the last tensor over it is gone.
+Each `buffer` is a tensor over a MAP_SHARED mapping, each span whole pages on page boundaries. The new mapping
+shares the pages (a write through either shows in both) and is unmapped with the last tensor over it.
 
 Note [Mapping a shared mapping again]
 -------------------------------------
-mremap(old, 0, n, MREMAP_MAYMOVE | MREMAP_FIXED, new) with an old size of 0 makes a second mapping of a shared
-mapping's pages at `new` (mremap(2)): no file descriptor is needed, which matters here as the files in /dev/shm
-are unlinked once every rank mapped them (Note [Gathering through shared memory] in shared_flat.py). So n bytes
-of address space are reserved (an anonymous PROT_NONE mapping) and each span is moved over its part of it.
-Page-table entries are filled on first touch; afterwards reading the new mapping costs what reading the old one
-does. Any failure (not Linux, a span not page-aligned, the kernel's mapping limit) gives None and the caller
-copies instead.
+mremap(old, 0, n, MREMAP_MAYMOVE | MREMAP_FIXED, new), old size 0, maps a shared mapping's pages again at
+`new` with no file descriptor, which the files in /dev/shm no longer have once unlinked (Note [Gathering
+through shared memory] in shared_memory.py). So n bytes of address space are reserved (PROT_NONE) and each
+span mapped over its part. Any failure (not Linux, unaligned, the mapping limit) gives None: the caller copies.
 """
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ def _lib():
 
 
 def map_spans(spans: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor | None:
-    """One tensor over `spans` (buffer, first element, elements), end to end, sharing their pages; None if the
-    kernel would not (Note [Mapping a shared mapping again])."""
+    """One tensor over `spans` (buffer, first element, elements), end to end, sharing their pages; or None."""
     dtype = spans[0][0].dtype
     item = dtype.itemsize
     for buffer, start, numel in spans:

@@ -1,13 +1,9 @@
-"""Who a peer is, for error messages: the registry of Note [Naming a peer] (csrc/comm/peer_names.h).
-
-Every error about a failed peer names it by its global rank and host, not by its index in the sub-group the
-collective ran on:
+"""Who a peer is, for error messages: the registry of Note [Naming a peer] (csrc/comm/peer_names.h), e.g.
 
     global rank 2 (host node-b/10.0.0.7, rank 1 of the across-nodes group)
 
-The C++ collectives (ring, two-level gathers, inter-node hop, all-to-all) read the registry when they fail;
-Python fills it: `name_group` when shardopt builds a group (mesh.py), `ensure_named` for a group it is given
-(comm.py, on first use), `learn_hosts` once per optimizer (one all-gather of each rank's `this_host()`).
+The C++ collectives read it when they fail; Python fills it: `name_group` for the groups shardopt builds,
+`ensure_named` for a group it is given, `learn_hosts` once per optimizer.
 """
 from __future__ import annotations
 
@@ -18,16 +14,13 @@ import torch.distributed as dist
 
 from shardopt._ext import _C
 
-GENERIC = "process"
-"""The label of a group nobody named ("rank 1 of the process group")."""
+GENERIC = "process"  # a group nobody named: "rank 1 of the process group"
 
 _hosts: dict[int, str] = {}  # global rank -> host, as learn_hosts registered them in C++ too
 
 
 def this_host() -> str:
-    """This rank's host as the others reach it: "hostname/address", the address being that of the interface
-    gloo was told to use (GLOO_SOCKET_IFNAME, its first entry), else the hostname alone (what gloo resolves
-    without it)."""
+    """This rank's host as gloo reaches it: "hostname/address" of GLOO_SOCKET_IFNAME's first entry, or hostname."""
     name = socket.gethostname()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     addr = _interface_address(ifname) if ifname else None
@@ -48,8 +41,7 @@ def _interface_address(ifname: str) -> str | None:
 
 
 def name_group(group, label: str):
-    """Registers `group`'s members by global rank under `label` ("node": "rank 1 of the node group"); returns
-    `group`. Local (no collective); a no-op for None or a group this rank is not in."""
+    """Registers `group`'s members under `label` ("node": "rank 1 of the node group"); local; returns `group`."""
     if group is None or not _member(group):
         return group
     _C.set_group_members(group, label, dist.get_process_group_ranks(group))
@@ -57,8 +49,7 @@ def name_group(group, label: str):
 
 
 def ensure_named(group) -> None:
-    """Registers a group shardopt did not build (the caller's), unless registered: the world group as
-    "world", another by its `group_desc` if it has one, else as the generic "process" group."""
+    """Registers a caller's group unless registered: "world", its `group_desc`, or GENERIC."""
     if group is None or _C.has_group_members(group):
         return
     name_group(group, default_label(group))
@@ -79,8 +70,7 @@ def label_of(group) -> str:
 
 
 def learn_hosts(group) -> None:
-    """Every member of `group` learns every member's host (a collective on `group`: one small all-gather);
-    errors then name the host of a failed peer."""
+    """Every member of `group` learns every member's host (a collective: one small all-gather)."""
     if group is None or not _member(group):
         return
     hosts: list = [this_host()]
@@ -93,9 +83,8 @@ def learn_hosts(group) -> None:
 
 
 def ranks_at_address(text: str) -> str | None:
-    """For an error of gloo's own collectives, which say the peer's address only ("Connection closed by peer
-    [10.0.0.7]:4242"): "gloo's peer address 10.0.0.7 is that of global rank(s) [2, 3] (host node-b/10.0.0.7)",
-    the ranks other than this one whose host has that address; None when none is known."""
+    """For a gloo error naming only an address ("Connection closed by peer [10.0.0.7]:4242"), which other ranks
+    have that address: "gloo's peer address 10.0.0.7 is that of global rank(s) [2, 3] (host ...)", or None."""
     import re
 
     match = re.search(r"\[([0-9A-Fa-f:.]+)\]:\d+", text)

@@ -1,5 +1,4 @@
-"""A barrier of the ranks of one host through memory they share: one counter per rank (Note [Barriers in
-shared memory]).
+"""A barrier of the ranks of one host through memory they share (Note [Barriers in shared memory]).
 
     why = why_not_fast(infos)          # pure: every rank's (machine, pid namespace); None: fast is possible
     barrier = ShmBarrier(counters, rank, pids, timeout_s)
@@ -8,26 +7,15 @@ shared memory]).
 
 Note [Barriers in shared memory]
 --------------------------------
-The gather through shared memory (Note [Gathering through shared memory] in shared_flat.py) takes two
-barriers a step. On gloo a barrier is a round of loopback TCP messages, and a waiting rank sleeps in the
-kernel until its message comes: on the project VM (2 cores) the two cost 3-4 ms of a 26 ms step at 2 ranks
-(benchmarks/results/2026-11-26-idioms-flags.md), more than the optimizer step itself.
+The shared-memory gather (Note [Gathering through shared memory] in shared_memory.py) takes two barriers a step;
+gloo's, rounds of loopback TCP with the waiting rank asleep, can cost more than the optimizer step.
 
-Here each rank owns one int64 counter, in a page of its own after its flat buffer's file, that every rank
-maps (read and written through a memoryview: a plain load or store, not a torch operation, so waiting
-reads nothing through the dispatcher and counts as no host read). To arrive, a rank stores its next epoch
-in its counter; to wait, it reads every rank's counter until
-all reached that epoch, yielding the CPU between reads (on a host with more ranks than cores, the rank it
-waits for runs meanwhile) and, after 10 ms, sleeping 0.2 ms between reads. Each counter has one writer, so
-no atomic read-modify-write is needed. What it orders: a rank writes its chunks and then its counter; a
-rank that sees the counter must see the chunks. x86's memory model promises that (stores become visible in
-program order, loads are not reordered with older loads); ARM and POWER do not, and there the gloo barrier
-stays (why_not_fast).
-
-Never a hang: every 50 ms a waiting rank checks that each rank it still waits for is alive (the pids are
-exchanged when the buffers are opened, and used only if every rank is in the same pid namespace: else the
-gloo barrier stays), and raises after the group's timeout, naming the ranks it waited for. A rank that
-exited or was killed is noticed within 50 ms, as gloo notices its closed socket.
+Here each rank owns an int64 counter, in a page every rank maps, read and written through a memoryview (no
+torch dispatch). To arrive a rank stores its next epoch; to wait it reads every counter until all reach it,
+yielding the CPU (the rank it waits for may need it), then sleeping. One writer per counter, so no atomics;
+a rank that sees a counter must see the chunks written before it, which x86's memory model promises and
+ARM's does not (why_not_fast). Never a hang: a waiting rank checks its peers' pids (within one pid
+namespace) every CHECK_S and raises after the group's timeout, naming them.
 """
 from __future__ import annotations
 
@@ -43,8 +31,7 @@ CHECK_S = 0.050   # how often a waiting rank looks for dead peers and the timeou
 
 def why_not_fast(infos: list[tuple[str, int | None]]) -> str | None:
     """Why the ranks cannot use the shared-memory barrier (None: they can). infos: every rank's
-    (platform.machine(), inode of its pid namespace or None); the same list on every rank, so every rank
-    decides the same.
+    (platform.machine(), pid namespace inode or None), the same on every rank.
 
     >>> why_not_fast([("x86_64", 7), ("x86_64", 7)]) is None
     True
@@ -68,8 +55,7 @@ def pid_namespace() -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie, a killed child its parent has not reaped
-    yet, has). Also the emulated cluster's test for a namespace's owner (cluster/emulated.py)."""
+    """Whether process `pid` exists and has not exited (a zombie has exited); cluster/emulated.py uses it too."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,8 +71,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class ShmBarrier:
-    """`counters[r]`: rank r's counter (a one-element int64 memoryview of shared memory, format "q", zero
-    at the start); `pids[r]`: its process."""
+    """`counters[r]`: rank r's counter (a zeroed one-element int64 memoryview of shared memory); `pids[r]`: its pid."""
 
     def __init__(self, counters: list[memoryview], rank: int, pids: list[int], timeout_s: float,
                  global_ranks: list[int] | None = None):
@@ -96,8 +81,7 @@ class ShmBarrier:
         self.timeout_s = timeout_s
         self.epoch = 0
         self.what = "the barrier of the parameter gather through shared memory"  # where errors say it waited
-        # Group rank r is global rank global_ranks[r]: errors name both (Note [Naming a peer] in
-        # csrc/comm/peer_names.h). None: the group ranks are the global ones.
+        # Group rank r is global rank global_ranks[r]: errors name both (Note [Naming a peer]).
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(len(counters)))
 
     def arrive(self) -> "Arrival":

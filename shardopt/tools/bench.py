@@ -1,10 +1,7 @@
 """`shardopt bench`: runs scripts of the source tree's benchmarks/ and writes one dated report with charts.
 
-Each scenario is a script run as `python SCRIPT [--quick] --out PART.md` in
-a fresh process (the scripts spawn their own ranks). The report concatenates
-their markdown and adds a bar chart of each table's headline column
-(`CHARTED`); a script that writes its own PNG next to its part (peers) has
-it copied in.
+Each scenario is `python SCRIPT [--quick] --out PART.md` in a fresh process; the report concatenates the
+parts, charts each table's headline column (`CHARTED`) and copies in a part's own PNG.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
               loss, memory per rank next to DDP's, and step time. `--world-size`, `--steps`, `--stage`,
               `--offload`.
     estimate  memory per rank for a parameter count (7e9, 125M) or a `module:factory` model built on
-              the meta device, over world sizes / stages / offload, as a table with DDP's for reference.
+              the meta device, over world sizes / stages / offload (device, host, disk), as a table with
+              DDP's for reference; `--memory 16GiB`: which offload setting fits, or none.
     tune      times the `module:factory` model over a grid of reduce/allgather bucket sizes (stage 3:
               reduce sizes, the unit of gathering too) at the current world size; prints a table,
               writes a PNG, recommends sizes as a config snippet.
@@ -23,6 +24,7 @@ its ranks; run directly, they launch torchrun themselves with --world-size ranks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -37,7 +39,7 @@ def _relaunch(world_size: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    # A local run: keep gloo on loopback whatever the host name resolves to.
+    # gloo on loopback, whatever the host name resolves to
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -65,16 +67,9 @@ def _on_ranks(fn, args, argv: list[str], timeout_s: int) -> int:
 
 
 # Note [Ranks leave without interpreter shutdown]
-# In torch 2.13 a gloo worker thread that drops the last C++ reference to a
-# tensor Python has seen must take the GIL; if the main thread has begun
-# interpreter shutdown by then, the worker is unwound mid-destructor and the
-# process aborts ("terminate called without an active exception", exit -6)
-# after all the work is done (pytorch/pytorch#190489). destroy_process_group()
-# does not always join those threads first, and the demo's last collective
-# (all_gather_object) leaves exactly such a reference behind, so the demo rank
-# failed about 1 run in 6 here. A rank process this command started (it
-# created the process group) has nothing left to do at this point, so it
-# flushes its output and leaves without running interpreter shutdown.
+# In torch 2.13 a gloo thread dropping the last reference to a tensor Python has seen during interpreter
+# shutdown aborts the process (exit -6, pytorch/pytorch#190489; the demo's last all_gather_object leaves
+# one). A rank this command started flushes its output and leaves without interpreter shutdown.
 def _exit_rank(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -96,6 +91,19 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def parse_bytes(text: str) -> int:
+    """'16GiB', '16G', '512MiB', '1.5TB', '4096' -> bytes (K/M/G/T: powers of 1024, as GiB)."""
+    t = text.strip().lower().replace("_", "").removesuffix("b").removesuffix("i")
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale != 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16GiB, 512MiB, 2T)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return int(value)
+
+
 def _list(convert):
     def parse(text: str):
         try:
@@ -105,7 +113,6 @@ def _list(convert):
     return parse
 
 
-# ----------------------------------------------------------------- commands
 def _demo(args) -> int:
     from shardopt.tools import demo
 
@@ -123,29 +130,44 @@ def _tune(args) -> int:
 def _estimate(args) -> int:
     from shardopt import estimate as est
 
-    if ":" in args.model:
-        model = est.meta_model(args.model)
+    spec = args.params or args.model
+    if spec is None:
+        raise ValueError("shardopt estimate needs a model: a parameter count (7e9, 125M; or --params) or "
+                         "module:factory")
+    if ":" in spec:
+        model = est.meta_model(spec)
         shapes, frozen = est.trainable_shapes(model), est.frozen_shapes(model)
     else:
-        shapes, frozen = est.count_shapes(parse_count(args.model)), []
+        shapes, frozen = est.count_shapes(parse_count(spec)), []
     n = sum(math.prod(s) for _, s in shapes)
     dtype = est.DTYPES[args.dtype]
-    rows = []
+    rows, verdicts = [], []
     for ws in args.world_size:
         if args.ranks_per_node and ws % args.ranks_per_node:
             raise SystemExit(f"shardopt estimate: world size {ws} is not a whole number of nodes of "
                              f"--ranks-per-node={args.ranks_per_node}")
         for stage in args.stage:
+            base = est.EstimateConfig(world_size=ws, stage=stage, param_dtype=dtype, optimizer=args.optimizer,
+                                      reduce_bucket_size=args.reduce_bucket_size,
+                                      allgather_bucket_size=args.allgather_bucket_size,
+                                      num_staging_buffers=args.num_staging_buffers, device=args.device,
+                                      shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype,
+                                      node_aware=args.node_aware, inter_node_param_dtype=args.inter_node_param_dtype,
+                                      offload_buffer_count=args.offload_buffer_count)
+            if args.memory is not None:  # every tier setting, and the fastest that fits
+                tried, chosen = est.fit(shapes, base, args.memory, args.host_memory, frozen)
+                rows += [(c, m) for c, m, _ in tried]
+                verdicts.append(est.describe_fit(base, tried, chosen, args.memory))
+                continue
             for offload in args.offload:
-                cfg = est.EstimateConfig(world_size=ws, stage=stage, offload=offload, param_dtype=dtype,
-                                         optimizer=args.optimizer, reduce_bucket_size=args.reduce_bucket_size,
-                                         allgather_bucket_size=args.allgather_bucket_size,
-                                         num_staging_buffers=args.num_staging_buffers, device=args.device,
-                                         shards=args.ranks_per_node, inter_node_dtype=args.inter_node_dtype,
-                                         node_aware=args.node_aware,
-                                         inter_node_param_dtype=args.inter_node_param_dtype)
-                rows.append((cfg, est.estimate(shapes, cfg, frozen)))
+                for params in args.offload_param:
+                    if params != "none" and (stage != 3 or offload == "none" or (args.ranks_per_node or ws) == 1):
+                        continue  # ShardedOptimizer refuses it (the parameter tier: stage 3, several ranks)
+                    cfg = dataclasses.replace(base, offload=offload, offload_param=params)
+                    rows.append((cfg, est.estimate(shapes, cfg, frozen)))
     print(est.format_table(n, rows, est.estimate_ddp(shapes, dtype, args.optimizer)))
+    if verdicts:
+        print("\n" + "\n".join(verdicts))
     return 0
 
 
@@ -169,16 +191,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu: master weights and optimizer state on the host, stepped by the fused CPU Adam")
     d.add_argument("--model", default="small", choices=("tiny", "small", "30m"))
     d.add_argument("--batch", type=int, default=8)
-    # The default bucket floor (2M elements, Note [Default bucket sizes]) is half
-    # of this small model; smaller buckets show stage 2's saving.
+    # The default bucket floor (Note [Default bucket sizes]) is half this model; smaller ones show stage 2's saving.
     d.add_argument("--bucket", type=int, default=500_000, help="reduce_bucket_size in elements")
     d.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 64, at most the model's)")
 
     e = sub.add_parser("estimate", help="memory per rank for a model, before building it")
-    e.add_argument("model", help="a parameter count (7e9, 7B, 125M) or module:factory (built on the meta device)")
-    e.add_argument("--world-size", type=_list(int), default=[1, 2, 4, 8], help="comma-separated, e.g. 2,4,8")
+    e.add_argument("model", nargs="?", default=None,
+                   help="a parameter count (7e9, 7B, 125M) or module:factory (built on the meta device)")
+    e.add_argument("--params", default=None, help="the parameter count or module:factory (instead of MODEL)")
+    e.add_argument("--world-size", "--ranks", type=_list(int), default=[1, 2, 4, 8], help="comma-separated, e.g. 2,4,8")
     e.add_argument("--stage", type=_list(int), default=[1, 2, 3], help="comma-separated, e.g. 3")
-    e.add_argument("--offload", type=_list(str), default=["none", "cpu"], help="comma-separated: none,cpu")
+    e.add_argument("--offload", type=_list(str), default=["none", "cpu"], help="comma-separated: none,cpu,nvme")
+    e.add_argument("--offload-param", type=_list(str), default=["none"],
+                   help="comma-separated: none,nvme (stage 3, --device cpu: the parameter shard on disk)")
+    e.add_argument("--offload-buffer-count", type=int, default=4, help="the disk tiers' buffers")
+    e.add_argument("--memory", type=parse_bytes, default=None,
+                   help="per rank (16GiB): which offload setting fits it, fastest first (a CPU model's memory is "
+                        "the host's; a GPU model's device memory, with --host-memory for the host's)")
+    e.add_argument("--host-memory", type=parse_bytes, default=None, help="with --memory, a GPU model: host per rank")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="the model's parameter dtype")
     e.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop, ...")
     e.add_argument("--reduce-bucket-size", type=parse_count, default=None)
@@ -193,8 +223,9 @@ def _parser() -> argparse.ArgumentParser:
                         "default when ranks span nodes) instead of hybrid sharding")
     e.add_argument("--inter-node-dtype", default=None, choices=("bfloat16", "int8"),
                    help="with --ranks-per-node: the hop's format (int8 keeps an error-feedback residual)")
-    e.add_argument("--inter-node-param-dtype", default=None, choices=("bfloat16",),
-                   help="with --node-aware, stages 1-2, fp32: parameters cross nodes in bf16 (fp32 master chunks kept)")
+    e.add_argument("--inter-node-param-dtype", default=None, choices=("bfloat16", "int8"),
+                   help="with --node-aware, fp32: parameters cross nodes in bf16 (stages 1-2 keep fp32 master "
+                        "chunks) or, at stage 3, int8 (block-scaled); the link's bytes per node follow each row")
 
     t = sub.add_parser("tune", help="time the model over a grid of bucket sizes and recommend one")
     t.add_argument("factory", help="module:factory that builds the model (no arguments)")
@@ -247,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return _estimate(args) if args.command == "estimate" else _bench(args)
     except (ValueError, TypeError, ImportError, AttributeError, RuntimeError, OSError,
             argparse.ArgumentTypeError) as e:
-        # Bad input: the message names the problem and the fix; a traceback would bury it.
+        # Bad input: the message names the problem and the fix, which a traceback would bury.
         print(f"shardopt {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -12,22 +12,15 @@ def _mib(n: float) -> str:
 
 
 # Note [Demo step ratio]
-# Step times swing 20-30% on a shared machine, and a run of one variant followed by a run of the other
-# puts the swing into the ratio. So, as benchmarks/bench_step.py does (Note [Turns] there), both
-# variants live in the same processes and take turns of TURN steps; each round's ratio compares
-# neighbouring turns, the first round is warm-up, and the demo prints the median ratio over rounds
-# with its range. Times are the slowest rank's.
+# Step times swing 20-30% on a shared machine, so, as benchmarks/bench_step.py (Note [Turns] there), both
+# variants live in the same processes and take turns of TURN steps; each round compares neighbouring turns
+# (the first is warm-up), and the demo prints the median ratio and its range. Times are the slowest rank's.
 TURN = 5
 
 # Note [Demo learning rate]
-# The demo claims "the same numbers as DDP", so it prints the largest relative difference of the losses
-# over every step against the parity bar the tests hold (PARITY_BAR, tests/test_zero_parity.py). Until
-# 2026-11-28 it trained at lr 3e-3, where this GPT's loss jumps about (8.43 -> 7.99 -> 7.94 -> 8.21): there
-# the runs agreed to 4 digits for 10 steps and then parted (2.4e-1 after 30). Not a fault of shardopt's:
-# DDP against a twin of itself that only sums the clipping norm in another order (an ulp of the clip
-# coefficient) parts the same way at 3e-3 (benchmarks/results/2026-11-28-demo-parity.md), and both stay
-# within the bar at LR, where the training is stable. fp32 sums in another order differ by ulps after one
-# step; a stable training keeps them ulps, an unstable one amplifies them into other trajectories.
+# The demo prints the losses' largest relative difference from DDP's against the tests' parity bar. Sums in
+# another order differ by ulps, which a stable training keeps small and an unstable one amplifies: at 3e-3
+# even DDP parts from a twin summing its clipping norm in another order (benchmarks/demo_parity.py).
 LR = 1e-3
 PARITY_BAR = 1e-5
 
@@ -89,7 +82,6 @@ def _sharded(model, args):
 
     common = dict(lr=LR, weight_decay=0.1, stage=args.stage, reduce_bucket_size=args.bucket)
     if args.offload == "cpu":
-        # The offloaded step runs shardopt's fused CPU Adam on the host copies.
         return shardopt.ShardedOptimizer(model.parameters(), optim=shardopt.CPUAdam, adamw=True, offload="cpu",
                                          **common)
     return shardopt.ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, fused=True, **common)
@@ -122,15 +114,13 @@ def run(args) -> int:
         f"batch {args.batch}x{args.seq} per rank, {args.steps} steps")
     opt = _sharded(model, args)
     wrapper = shardopt.ShardedDDP(model, opt)
-    # The same model under DDP + AdamW(fused=True), trained in turns with it (Note [Demo step ratio]).
     torch.manual_seed(0)
     ref_model = GPT(cfg)
     ref = DDP(ref_model)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.1, fused=True)
     (losses, ref_losses), times = _train_interleaved([(wrapper, opt), (ref, ref_opt)], cfg, args, rank, name)
     mem = opt.memory_stats()
-    # Stage 3: between steps a rank holds 1/N of the weights ("params"); during forward and backward whole
-    # buckets exist too, this many bytes at most at once.
+    # Stage 3: whole buckets gathered during forward and backward, at most this many bytes at once.
     mem["gathered_peak"] = opt.store.peak_live if opt.params_sharded else 0
     # On one host big buckets are the peers' shards mapped, not copies (Note [Stage-3 buckets mapped, not copied]).
     mem["mapped"] = opt.store.mapped_bytes() if opt.params_sharded else 0
@@ -144,13 +134,12 @@ def run(args) -> int:
     everyone = [None] * ws
     dist.all_gather_object(everyone, mem)
     if rank == 0:
-        # Note [Demo learning rate]: every step's loss against DDP's, relative, and the tests' bar.
+        # Note [Demo learning rate]
         diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
         print(f"\nloss after {args.steps} steps: {name} {losses[-1]:.5f}, DDP {ref_losses[-1]:.5f}")
         verdict = ("within the parity bar: the same numbers as DDP up to fp32 summation order" if diff <= PARITY_BAR
                    else "ABOVE the parity bar, which the tests hold: unexpected, please report it with this output")
         print(f"  largest difference over those steps {diff:.1e} (relative; parity bar {PARITY_BAR:.0e}): {verdict}")
-        # What holds memory (memory_stats' other keys, offloaded / on_device, say where it is).
         keys = ["params", "master", "grads", "optimizer_state", "staging"]
 
         def total(m):

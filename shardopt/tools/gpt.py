@@ -11,16 +11,11 @@ from torch import nn
 class GPTConfig:
     """Shape of the model."""
 
-    vocab: int = 4096
-    """Vocabulary size (the embedding is tied with the output head)."""
-    dim: int = 256
-    """Width of the residual stream."""
+    vocab: int = 4096  # the embedding is tied with the output head
+    dim: int = 256  # width of the residual stream
     layers: int = 4
-    """Transformer blocks."""
-    heads: int = 4
-    """Attention heads per block."""
-    seq: int = 128
-    """Maximum sequence length (learned positions)."""
+    heads: int = 4  # per block
+    seq: int = 128  # maximum sequence length (learned positions)
 
 
 PRESETS = {

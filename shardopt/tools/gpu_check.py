@@ -3,36 +3,21 @@
     python -m shardopt.tools.gpu_check [--out gpu-check.md] [--world-sizes 1,2] [--configs zero2,bf16] [--quick]
     shardopt gpu-check ...            .ci/gpu-check ...        (the same)
 
-On a machine without CUDA it prints one line and exits 0 (CI runs it that way
-on every submission). With CUDA it checks, and reports with the GPU, driver,
+Without CUDA it prints one line and exits 0 (CI runs it so). With CUDA it reports, with the GPU, driver,
 CUDA, NCCL and torch versions:
-  * every op of shardopt._C with a CUDA kernel against its pure-PyTorch
-    reference in shardopt/reference.py (gpu_kernels.py);
-  * ShardedOptimizer + ShardedDDP against DDP + torch.optim (or, for bf16/fp16,
-    the master-weight loop of tests/test_mixed_precision.py) at world size 1
-    and, with several GPUs, 2..N NCCL ranks in spawned processes: ZeRO-1,
-    ZeRO-2, ZeRO-3 (when shardopt.config.STAGES has it), a bf16 model, fp16
-    with loss scaling and an overflow, offload="cpu" with the pinned copier,
-    at the test suite's bars (gpu_training.py, Note [Parity bars]);
-  * host syncs per step, step time (the two alternated in one run) and peak
-    memory per rank against shardopt.estimate, next to DDP's (gpu_training.py).
-It exits 1 if any kernel or parity check fails (or a rank crashes); speed and
-memory are reported, never judged.
+  * every op of shardopt._C with a CUDA kernel against its reference in shardopt/reference.py (gpu_kernels.py);
+  * ShardedOptimizer + ShardedDDP against DDP + torch.optim (bf16/fp16: the master-weight loop of
+    tests/test_mixed_precision.py) at world size 1 and 2..N NCCL ranks, for every configuration of
+    gpu_training.CONFIGS, at the test suite's bars (Note [Parity bars]);
+  * host syncs per step, step time and peak memory against shardopt.estimate, next to DDP's.
+It exits 1 if a kernel or parity check fails (or a rank crashes); speed and memory are never judged.
 
 Note [One device interface]
 ---------------------------
-Every call gpu_check makes to the GPU runtime goes through `Device` below
-(availability, count, versions, selecting a rank's device, synchronize, peak
-memory, counting host syncs, whether an op has a kernel for its dispatch key).
-Everything else (which configurations at which world sizes, the references,
-the comparisons, the report, the exit code) is plain code over tensors on
-whatever device `Device.set_device` returns. tests/test_gpu_check.py swaps in a
-stand-in that answers as a machine with two GPUs would but hands out the CPU
-and gloo, and runs the whole flow end to end: the parity runs really train on
-CPU ranks, the report is really written and read back. What that cannot show
-is what only a GPU shows: the CUDA kernel's numbers, NCCL's collectives, the
-side-stream copier, real sync counts, timings and memory. Those are what this
-command is for.
+Every call to the GPU runtime goes through `Device` below; the rest is plain code over tensors on whatever
+device `Device.set_device` returns. tests/test_gpu_check.py swaps in a stand-in that answers as two GPUs
+would but hands out the CPU and gloo, and runs the whole flow end to end. What only a GPU shows (the
+kernels' numbers, NCCL, the side-stream copier, real syncs, timings, memory) is what this command is for.
 """
 from __future__ import annotations
 
@@ -49,18 +34,9 @@ import torch
 DEFAULT_OUT = "gpu-check.md"
 
 
-# ------------------------------------------------------------------- the device
 class SyncCounter:
-    """Counts torch's "called a synchronizing CUDA operation" reports while active.
-
-    torch reports a host sync (with set_sync_debug_mode("warn")) as a warning,
-    which reaches Python as a UserWarning when raised under one of torch's own
-    bindings (or replayed by autograd at the end of backward), and goes to the
-    C++ default handler, which writes it to stderr, when raised under an
-    extension's pybind11 call (shardopt._C's engine). So both are counted: the
-    Python warnings recorded here and the lines written to file descriptor 2.
-    Everything else that arrives on either is passed on unchanged.
-    """
+    """Counts torch's "called a synchronizing CUDA operation" reports while active: Python warnings, and
+    the lines the C++ handler writes to stderr under an extension's call; everything else is passed on."""
 
     MESSAGE = "called a synchronizing CUDA operation"
 
@@ -185,7 +161,6 @@ def no_gpu_line() -> str:
     return f"gpu-check: no CUDA device here (torch {torch.__version__}, {cuda}); nothing to check, exit 0"
 
 
-# ---------------------------------------------------------------- the command
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """gpu_check's options (shared by `python -m shardopt.tools.gpu_check` and `shardopt gpu-check`)."""
     from shardopt.tools import gpu_training as tr

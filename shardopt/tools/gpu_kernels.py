@@ -1,11 +1,8 @@
 """gpu_check's kernel part: every torch.ops.shardopt op with a kernel on the device against its reference.
 
-Which ops are checked is read from the dispatcher, not from a list to keep up
-to date: every `shardopt::` op (csrc/ops.cpp) must either have a check here
-(KERNEL_CHECKS, against its function in shardopt/reference.py) or be known to
-be CPU-only (CPU_ONLY). An op gpu_check does not know, a CPU-only op that grew
-a kernel for the device, or a checked op without one (a CPU-only build of the
-extension on a GPU machine) fails the check, naming what to do.
+The ops come from the dispatcher: every `shardopt::` op must have a check (KERNEL_CHECKS) or be CPU_ONLY.
+An unknown op, a CPU-only op with a device kernel, or a checked op without one (a CPU-only build) fails,
+naming what to do.
 """
 from __future__ import annotations
 
@@ -15,10 +12,8 @@ import math
 
 import torch
 
-# Sizes: empty, one element, a short odd tail, several blocks, and more elements
-# than the kernel launches threads (csrc/cuda/unscale.cu caps the grid at
-# 32 blocks of 256 per multiprocessor: ~1.1M threads on an H100), so the grid-stride
-# loop goes round more than once.
+# Empty, one element, an odd tail, several blocks, and more elements than csrc/cuda/unscale.cu launches
+# threads (~1.1M on an H100), so the grid-stride loop goes round more than once.
 SIZES = (0, 1, 17, 100_003, 3 * 2**20 + 5)
 QUICK_SIZES = (0, 1, 17, 4099)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -38,13 +33,9 @@ class KernelResult:
 
 
 def check_unscale_into(dev: torch.device, sizes=SIZES, op=None) -> tuple[int, list[str]]:
-    """shardopt::unscale_into on `dev` against unscale_into_reference on CPU: (cases, failures).
-
-    Bit for bit (the kernels share their per-element arithmetic: Note [Unscale
-    rounding] in csrc/precision/unscale_element.h), every dtype pair; the
-    inf/nan flag raised by any non-finite source element wherever it sits,
-    never by the destination's old contents, never cleared; in place.
-    """
+    """shardopt::unscale_into on `dev` against unscale_into_reference on CPU: (cases, failures). Bit for bit
+    (Note [Unscale rounding] in csrc/precision/unscale_element.h), every dtype pair, in place too; the inf/nan
+    flag raised by any non-finite source element, never by the destination's old contents, never cleared."""
     from shardopt.reference import unscale_into_reference
 
     op = op or torch.ops.shardopt.unscale_into

@@ -1,8 +1,7 @@
 """gpu_check's report: the markdown file, and the list of failures that decides the exit code.
 
-Pure functions of the results (gpu_kernels.KernelResult, gpu_training.ConfigResult
-per rank per world size, or a string where a world size crashed), so both are
-tested on hand-made results.
+Pure functions of the results (KernelResult, ConfigResult per rank per world size, or a string where a
+world size crashed), tested on hand-made ones.
 """
 from __future__ import annotations
 

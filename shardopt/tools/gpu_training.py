@@ -1,13 +1,7 @@
 """gpu_check's training part: what each rank runs, on the device gpu_check's Device gives it.
 
-For every configuration of CONFIGS this build has, in two parts:
-  parity  CheckNet (awkward shapes, below) trained `steps` steps by ShardedOptimizer +
-          ShardedDDP and by a plain-PyTorch reference; losses, clipped norms and final
-          weights compared at the configuration's bar (Note [Parity bars]);
-  perf    the demo GPT (shardopt/tools/gpt.py): peak memory of the sharded run and of
-          DDP + torch.optim, each alone, against shardopt.estimate; host syncs per step
-          of each; step time of the two alternated in one run.
-Results are frozen dataclasses of plain values: they travel back to the parent process.
+For every configuration of CONFIGS this build has: parity (CheckNet against a plain-PyTorch reference, at
+Note [Parity bars]) and perf (the demo GPT's peak memory, host syncs and step time against DDP's).
 """
 from __future__ import annotations
 
@@ -25,59 +19,40 @@ from torch import nn
 
 # Note [Parity bars]
 # ------------------
-# The bars are the test suite's, for the same comparisons:
-#   fp32 (ZeRO-1/2/3, SGD, offload): 1e-5 relative on every loss, every clipped
-#     norm and every final weight (tests/test_zero_parity.py). Both sides reduce
-#     the same pre-divided fp32 gradients; only the summation order differs
-#     (reduce-scatter by chunk against DDP's all-reduce by bucket), a few ulps a
-#     step. Offload steps with the fused CPU Adam on the host against torch's
-#     AdamW on the device: ulps a step as well (tests/test_mixed_precision.py,
-#     rtol 1e-5). A missing divide by the world size, a wrong chunk, a skipped
-#     bucket or a stepped unused parameter is orders of magnitude outside.
-#   bf16 model: against the master-weight loop of tests/test_mixed_precision.py
-#     (bf16 forward and backward, gradients averaged in fp32 by one all-reduce,
-#     the torch optimizer on fp32 master copies, cast back into the model), 2e-2
-#     over the run, that test's bar: an fp32-ulp difference in a master value
-#     now and then flips a bf16 rounding of the weight, and the next steps see it.
-#   fp16 + loss scaling: the same loop with the loss times a power of two (exact),
-#     and one step poisoned with inf on the last rank. Every rank must skip that
-#     step, the scale must halve, and the rest agree within 1e-3
-#     (test_mixed_precision's fp16 rtol; fp16 rounds a weight at 2**-11).
-# DDP is the reference wherever it computes the same thing: fp32. For bf16/fp16,
-# DDP + torch.optim would step the low-precision weights themselves (no fp32
-# master), which is not what a sharded optimizer with master weights computes.
+# The test suite's bars for the same comparisons:
+#   fp32: 1e-5 relative on every loss, clipped norm and final weight (tests/test_zero_parity.py): only the
+#     summation order differs, while a missing divide or a wrong chunk is orders of magnitude out.
+#   bf16: 2e-2 against tests/test_mixed_precision.py's master-weight loop (an ulp flips a bf16 rounding).
+#   fp16: the same loop, one step poisoned with inf on the last rank: every rank skips it, the scale halves,
+#     and the rest agree within 1e-3 (fp16 rounds a weight at 2**-11).
+# DDP is the reference only for fp32: with bf16/fp16 it would step the low-precision weights themselves.
 FP32_BAR, BF16_BAR, FP16_BAR = 1e-5, 2e-2, 1e-3
 CLIP = 0.5
 PARITY_BUCKET = 1000      # elements: parameters straddle buckets and rank chunks (tests/test_zero_parity.py)
 INIT_SCALE = 2.0**12
 LOW = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# name -> (inner optimizer class or None for offload's default, kwargs, the reference's class,
-#          shardopt.estimate's name for its state)
+# name -> (inner class, None: offload's CPU Adam; kwargs; the reference's class; shardopt.estimate's name)
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), torch.optim.AdamW, "adamw"),
     # Adam is scale-invariant and would hide a wrong gradient scale; SGD does not.
     "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01), torch.optim.SGD, "sgd-momentum"),
-    # offload="cpu" with optim=None: the fused CPU Adam with AdamW semantics (shardopt/offload.py).
     "cpuadam": (None, dict(lr=1e-2, weight_decay=0.1), torch.optim.AdamW, "cpuadam"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """One configuration of ShardedOptimizer that gpu_check runs."""
+    """One configuration gpu_check runs: its --configs key, the model's dtype (fp16 with a loss scaler), a key
+    of OPTIMIZERS, the parity bar (Note [Parity bars])."""
 
     key: str
-    """Its name on the command line (--configs)."""
     title: str
     stage: int
     dtype: str = "fp32"
-    """The model's dtype: fp32, bf16 or fp16 (fp16 with a dynamic loss scaler)."""
     optim: str = "adamw"
-    """A key of OPTIMIZERS."""
     offload: str = "none"
     bar: float = FP32_BAR
-    """Note [Parity bars]."""
 
     def in_build(self) -> bool:
         from shardopt.config import STAGES
@@ -99,51 +74,45 @@ CONFIGS = (
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """What one world size runs (gpu_check.run_options builds it from the command line)."""
+    """What one world size runs (gpu_check.run_options): parity steps, timed pairs (a DDP and a sharded step,
+    alternating which goes first), the demo GPT preset, torch threads per rank."""
 
     configs: tuple
     steps: int = 20
-    """Parity steps per configuration."""
     time_steps: int = 30
-    """Timed pairs (one DDP step, one sharded step, alternating which goes first)."""
     warmup: int = 5
     model: str = "small"
-    """The demo GPT preset of the perf part."""
     threads: int = 1
-    """torch threads per rank (the fused CPU Adam of offload uses them)."""
     sync_steps: int = 3
     memory_steps: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class ParityResult:
+    """Largest relative differences of a loss or clipped norm and of a final weight; notes: what was checked
+    besides the numbers."""
+
     bar: float
     loss_err: float
-    """Largest relative difference of a loss or a clipped norm over the run."""
     param_err: float
-    """Largest relative difference of a final weight (max |a - b| / max |a| per parameter)."""
     failures: tuple = ()
     notes: tuple = ()
-    """What was checked besides the numbers (the skipped step, the pinned copier)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PerfResult:
+    """Median step times, per-pair ratios (sharded / DDP), host syncs per step, peak bytes of each run alone,
+    the sharded run's memory_stats()['on_device'], and shardopt.estimate's bytes (None: no estimate)."""
+
     ddp_ms: float
-    """Median step time of DDP + torch.optim."""
     ours_ms: float
     ratios: tuple
-    """Per timed pair: sharded step time / DDP step time."""
     ddp_syncs: float
-    """Host syncs per step."""
     ours_syncs: float
     ddp_peak: int
-    """max_memory_allocated over a few steps, bytes, each run alone on the device."""
     ours_peak: int
     ours_model_states: int
-    """opt.memory_stats()['on_device']: what the sharded run holds besides activations."""
     ours_estimate: int | None
-    """shardopt.estimate's on-device bytes for this configuration (None: it has no estimate for it)."""
     ddp_estimate: int
     num_params: int
 
@@ -153,13 +122,10 @@ class ConfigResult:
     config: RunConfig
     parity: ParityResult | None = None
     perf: PerfResult | None = None
-    error: str | None = None
-    """A traceback, if the configuration raised on this rank."""
-    skipped: str | None = None
-    """Why it did not run ("not in this build")."""
+    error: str | None = None  # a traceback, if it raised on this rank
+    skipped: str | None = None  # why it did not run
 
 
-# ------------------------------------------------------------------ comparisons
 def relative_error(want, got) -> float:
     """|want - got| / max(1, |want|) for numbers; max |want - got| / max |want| for tensors (in fp64)."""
     if torch.is_tensor(want):
@@ -188,7 +154,6 @@ def compare_params(want: list[tuple[str, torch.Tensor]], got: list[tuple[str, to
     return worst, failures
 
 
-# -------------------------------------------------------------------- the model
 class CheckNet(nn.Module):
     """tests/models.py's AwkwardNet: a tied embedding, a frozen layer, BatchNorm (a buffer DDP broadcasts),
     a branch some ranks skip on some steps, prime sizes (nothing divides by 2, 3 or 4)."""
@@ -254,7 +219,6 @@ def _sharded(model: nn.Module, cfg: RunConfig, reduce_bucket_size: int | None, g
     return shardopt.ShardedDDP(model, opt), opt
 
 
-# ------------------------------------------------------------------ references
 class _DDPReference:
     """DDP + the torch optimizer, clipping as the sharded run does (fp32 configurations)."""
 
@@ -318,7 +282,6 @@ class _MasterReference:
         return value, None
 
 
-# ---------------------------------------------------------------------- parity
 def _full_params(opt):
     """Stage 3 keeps a rank's shard only: read whole weights through opt.full_params() (DESIGN.md)."""
     import contextlib
@@ -403,7 +366,6 @@ def _offload_checks(opt, dev: torch.device, notes: list) -> list[str]:
     return failures
 
 
-# ------------------------------------------------------------------------ perf
 def _gpt_step(wrapper, opt, batch, sharded: bool) -> None:
     x, y = batch
     loss = _loss(wrapper(x), y)
@@ -430,8 +392,7 @@ def perf(cfg: RunConfig, rank: int, world_size: int, device, dev: torch.device, 
         return GPT(c).to(device=dev, dtype=dtype)
 
     def ours():
-        # One parameter group, default buckets: what shardopt.estimate plans (each group is a
-        # region of the layout with buckets of its own, so two groups hold more staging).
+        # One parameter group, default buckets: what shardopt.estimate plans.
         return _sharded(model(), cfg, None, grouped=False)
 
     def ddp():
@@ -488,13 +449,11 @@ def perf(cfg: RunConfig, rank: int, world_size: int, device, dev: torch.device, 
                       ddp_estimate=ddp_estimate, num_params=num_params(runs["ddp"][0].module))
 
 
-# ------------------------------------------------------------------- the rank
 def rank_main(rank: int, world_size: int, device, opts: RunOptions) -> list[ConfigResult]:
     """Every configuration of opts on this rank (gpu_check launches one process per GPU)."""
     torch.set_num_threads(opts.threads)
     dev = device.set_device(rank)
-    # perf() collects garbage so that one run's memory is gone before the next is measured;
-    # what exists now (torch, shardopt) would make each collection take a quarter of a second.
+    # perf() collects garbage between runs; frozen, what exists now does not slow each collection.
     gc.freeze()
     out = []
     for cfg in opts.configs:
@@ -502,9 +461,7 @@ def rank_main(rank: int, world_size: int, device, opts: RunOptions) -> list[Conf
             out.append(ConfigResult(cfg, skipped="not in this build (shardopt.config.STAGES has no "
                                                  f"stage {cfg.stage})"))
             continue
-        # A configuration that raises on every rank (a refused argument, a missing API) is
-        # reported and the next one runs; one that raises on some ranks only leaves the others
-        # waiting in a collective until the group's timeout.
+        # Raised on every rank: reported, the next runs; on some ranks only: the others time out.
         parity_result = perf_result = error = None
         try:
             parity_result = parity(cfg, rank, world_size, dev, opts.steps)

@@ -40,12 +40,8 @@ def line_chart(path: str, title: str, xlabel: str, ylabel: str, series: dict[str
 
 def bar_panels(path: str, title: str, labels: Sequence[str], panels: Sequence[tuple[str, dict[str, Sequence]]],
                reference: dict[int, float] | None = None) -> None:
-    """Side-by-side horizontal bar panels sharing the row labels.
-
-    `panels`: (x-axis label, {series name: one value per label, None for "no value"}).
-    `reference`: panel index -> x value drawn as a dashed line (e.g. 1.0 for "x DDP").
-    Rows without a value are annotated "error".
-    """
+    """Side-by-side horizontal bar panels sharing the row labels: `panels` are (x label, {series: a value
+    per label, None for "error"}), `reference` maps a panel to an x drawn dashed (e.g. 1.0 for "x DDP")."""
     plt = require_matplotlib()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 0.45 * len(labels) + 1.6), sharey=True)
     axes = list(axes) if len(panels) > 1 else [axes]

@@ -1,21 +1,9 @@
 """`shardopt tune`: measures the user's model over a grid of bucket sizes and recommends one.
 
-Runs on every rank of an initialized process group, at its world size. Each
-grid point builds a fresh copy of the model with a ShardedOptimizer using
-that (reduce_bucket_size, allgather_bucket_size), and times a few training
-steps on the user's example batch. The machine's noise drifts over time, so
-the grid is measured in several rounds (every point once per round, in turn)
-and a point's time is its median over all its timed steps, taken on the
-slowest rank. The recommendation is the point with the lowest median
-(`recommend`, pure, tested against a table).
-
-At stage 3 the reduce bucket is also the unit of gathering (a bucket's
-parameters are all-gathered whole before its first module runs), so the grid
-is reduce sizes only (allgather sizes change nothing there and are refused),
-and the table shows what a size costs in memory: the most bytes of whole
-parameters gathered at once (ParamShard.peak_live) next to the staging buffers, and on one CPU host the
-bytes of the buckets gathered as mappings of every rank's shard, which hold no memory of their own (Note
-[Stage-3 buckets mapped, not copied] in zero3/shared_shard.py).
+Runs on every rank. Each grid point builds a fresh model and times a few steps on the user's example
+batch, in rounds (the noise drifts); a point's time is its median on the slowest rank. At stage 3 the
+reduce bucket is the unit of gathering: reduce sizes only, with the bytes gathered at once and those
+mapped from the shards (Note [Stage-3 buckets mapped, not copied] in parallel/shared_memory.py).
 """
 from __future__ import annotations
 
@@ -35,22 +23,17 @@ STAGE3_ALLGATHER = ("at stage 3 a bucket is all-gathered whole before its first 
 
 @dataclasses.dataclass(frozen=True)
 class GridPoint:
-    """One measured configuration."""
+    """One measured configuration: bucket sizes in elements, the buckets the layout made, staging bytes per
+    rank, the median step time in seconds (slowest rank), and at stage 3 the most bytes gathered at once
+    and those mapped from the shards."""
 
     reduce_bucket_size: int
-    """Elements per reduce bucket (as passed to ShardedOptimizer)."""
     allgather_bucket_size: int
-    """Elements per all-gather."""
     buckets: int
-    """Reduce buckets the layout cut the model into."""
     staging_bytes: int
-    """Stage-2 staging memory this choice costs per rank."""
     step_time: float
-    """Median step time in seconds (slowest rank)."""
     gathered_bytes: int = 0
-    """Stage 3: the most bytes of whole parameters gathered at once on a rank (0 at stages 1 and 2)."""
     mapped_bytes: int = 0
-    """Stage 3 on one CPU host: bytes of the buckets gathered as mappings of the shards (no memory of their own)."""
 
 
 def grid(reduce_sizes: Sequence[int], allgather_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -86,7 +69,6 @@ def load_batch(spec: str | None, factory_spec: str) -> Callable[[], tuple]:
 
 
 def _loss(out) -> torch.Tensor:
-    # Any differentiable scalar serves for timing: backward runs through every used parameter.
     if isinstance(out, dict):
         out = next(v for v in out.values() if torch.is_tensor(v))
     if isinstance(out, (tuple, list)):
@@ -149,7 +131,6 @@ def run(factory_spec: str, batch_spec: str | None, reduce_sizes, allgather_sizes
             if rank == 0:
                 log(f"  round {rnd + 1}/{rounds}, point {i + 1}/{len(pairs)}: reduce {rbs:,} allgather {agbs:,}: "
                     f"{statistics.median(times) * 1e3:.1f} ms/step")
-    # A step is as slow as its slowest rank.
     med = torch.tensor([statistics.median(samples[p]) for p in pairs], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     points = [GridPoint(rbs, agbs, info[(rbs, agbs)][0], info[(rbs, agbs)][1], float(t), *info[(rbs, agbs)][2:])

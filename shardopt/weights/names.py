@@ -2,26 +2,17 @@
 
 Note [Weight names]
 -------------------
-A model's weights file names each tensor once, by its state-dict key. A model names some tensors several
-times: a parameter tied to another (an LM head sharing the embedding) has one key per module it sits in,
-and transformers writes it under the first of them only. So the unit here is the tensor, with all of its
-names (`ModelTensor.names`, in state-dict order; a save writes the first), and a load takes it from
-whichever of its names the file has.
-
-Two renamings are common enough to be the default, as transformers and PEFT make them:
-  - a PEFT model (`get_peft_model`) is the base model under `base_model.model.`, each adapted layer's own
-    weight under `<layer>.base_layer.`, a `modules_to_save` layer copied under
-    `<layer>.modules_to_save.<adapter>.` beside `<layer>.original_module.`. A base model's checkpoint
-    names none of these: each is looked up under its base name, and the adapters' own parameters
-    (`lora_A.<adapter>.weight`, ...), absent from a base checkpoint, are `optional`: they keep their
-    initialisation when the file lacks them.
-  - a transformers model with a task head (`GPT2LMHeadModel`, whose body is under `transformer.`) loads a
-    checkpoint of its body alone (`GPT2Model`, no prefix) and the other way round: the prefix
-    (`base_model_prefix`) is dropped or added, whichever matches more keys.
-Everything else must match exactly: a model tensor no name of which is in the file is missing, a key that
-names no model tensor is unexpected, a key whose shape differs is mis-shaped; the load refuses all three
-before changing anything (transformers' own `_keys_to_ignore_on_load_missing` / `_unexpected` patterns
-excepted).
+A weights file names each tensor once; a model may name one several times (an LM head tied to the
+embedding), and transformers writes it under the first. So the unit here is the tensor with all its names
+(`ModelTensor.names`; a save writes the first), and a load takes it from whichever name the file has.
+Two renamings are the default, as transformers and PEFT make them:
+  - a PEFT model is its base under `base_model.model.`, an adapted layer's weight under `.base_layer.`, a
+    `modules_to_save` layer under `.modules_to_save.<adapter>.` beside `.original_module.`: each is looked
+    up under its base name; the adapters' own parameters, absent from a base checkpoint, are `optional`.
+  - a model with a task head loads its body's checkpoint and the other way round: `base_model_prefix`
+    dropped or added, whichever matches more keys.
+Anything else is missing, unexpected or mis-shaped, and the load refuses all three before changing
+anything (transformers' `_keys_to_ignore_on_load_*` patterns excepted).
 """
 from __future__ import annotations
 
@@ -72,9 +63,8 @@ class LoadPlan:
 
 
 def model_tensors(module: nn.Module, shape_of) -> tuple[list[ModelTensor], list[torch.Tensor]]:
-    """Every tensor of `module`'s state dict once, with its names, and the tensors themselves.
-
-    shape_of(t) gives a tensor's true shape (at stage 3 a parameter is an empty tensor between uses)."""
+    """Every tensor of `module`'s state dict once, with its names, and the tensors; shape_of(t) gives a tensor's
+    true shape (at stage 3 a parameter is an empty tensor between uses)."""
     adapters = peft_adapters(module)
     by_id: dict = {}
     order: list = []

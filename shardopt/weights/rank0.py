@@ -3,19 +3,13 @@ take a state-dict object (Lightning's weights-only checkpoint file, integrations
 
 Note [A state dict on rank 0, streamed and spilled]
 ---------------------------------------------------
-save_weights writes each gathered bucket where the file wants it and lets it go (Note [Weights streamed in
-and out] in stream.py). Some callers cannot: Lightning hands its CheckpointIO a dict that holds every
-tensor, which torch.save turns into one pickle file. The dict must exist; its values need not be in
-anonymous memory. So the walk is save_weights' (every rank walks the store's members bucket by bucket, a
-collective: `whole_values`), and only rank 0 keeps what it sees, each value written to an unlinked scratch
-file as it arrives and mapped back privately (`Spill`): a tensor whose pages are the file's, which the
-kernel reads in when torch.save reads them and may drop again (clean file pages), never swap. So:
-  other ranks  one bucket beyond their shard, as save_weights;
-  rank 0       one bucket of anonymous memory, plus the scratch file on disk (the model's size, freed when
-               the dict is dropped) and whatever the writer of the dict holds (torch.save to a file holds
-               no copy; Lightning's TorchCheckpointIO serialises into an in-memory buffer first: the
-               strategy writes past it, integrations/lightning.py).
-Tied weights are one tensor under each of their keys, as in module.state_dict(): torch.save writes it once.
+Lightning hands its CheckpointIO a dict holding every tensor, so the dict must exist; its values need not
+be anonymous memory. Every rank walks the store's members bucket by bucket as save_weights does
+(`whole_values`), and rank 0 writes each value to an unlinked scratch file as it arrives and maps it back
+privately (`Spill`): pages the kernel reads in when torch.save reads them and may drop again, never swap.
+Other ranks hold one bucket beyond their shard; rank 0 one bucket of anonymous memory plus the scratch
+file (the model's size, freed with the dict). Tied weights are one tensor under each key, as in
+module.state_dict(): torch.save writes it once.
 """
 from __future__ import annotations
 
@@ -25,8 +19,8 @@ import tempfile
 
 import torch
 
-from shardopt.checkpoint.files import fsync_dir
-from shardopt.weights.hf_files import bytes_of, packed_flat, pwrite_all
+from shardopt.files import fsync_dir
+from shardopt.weights.format import bytes_of, packed_flat, pwrite_all
 from shardopt.weights.stream import agree, ModelParts, whole_values
 
 

@@ -2,26 +2,20 @@
 
 Note [Weights streamed in and out]
 ----------------------------------
-Pretrained weights in, whole weights out, and no rank ever holding the whole model (at stage 3 no rank
-can). Both walk the optimizer's parameter store (param_store.ParamStore), not a state dict:
-  in   Every rank first reads the file's header (names, dtypes, shapes, byte ranges: hf_files.py) and
-       matches it to the model (names.py): missing, unexpected or mis-shaped keys, a truncated file or a
-       missing shard are refused on every rank before any value changes. Then each rank reads exactly
-       the elements it holds: for a store member the parts of it that lie in this rank's chunks
-       (`store.local_parts`), cast to the model's dtype; for everything else (buffers, and frozen
-       parameters at stages 1-2, which every rank holds whole) the whole tensor. The masters take the
-       chunks, and where the file is finer than the model (fp32 values, a bf16 model) their own pieces
-       straight from the file at master precision (as a load_state_dict does: Note [A load of the values
-       held] in loads.py); then the optimizer publishes, so stages 1-2 all-gather the new chunks and
-       stage 3 refreshes its persistent buckets. Extra memory: one part at a time, at most a chunk.
-  out  The entries (name, dtype, shape) are known from the layout, so rank 0 writes every file's header
-       first (hf_files.WeightWriter), then the store streams its members bucket by bucket (at stage 3 each
-       bucket gathered, written, freed: `store.stream`) and rank 0 writes each parameter's bytes where
-       the header put them; buffers and unmanaged tensors follow. The folder appears at `dest` only once
-       complete (a temporary folder renamed); every rank learns of a failure on any rank. Extra memory:
-       one bucket.
-A failure while reading values (an I/O error after the checks) leaves the model partly loaded: it says
-so on every rank. Tied weights are read once and written once, under the first state-dict name.
+No rank ever holds the whole model (at stage 3 none can): both walk the optimizer's parameter store.
+  in   Every rank reads the headers (reader.py), sees them as the model names them (conversions.py) and
+       matches them (names.py): missing, unexpected or mis-shaped keys, a truncated file or a missing
+       shard are refused on every rank before any value changes. Then each rank reads the parts of each
+       store member in its chunks (`store.local_parts`), and everything else (buffers, frozen parameters
+       at stages 1-2) whole. The masters take the chunks, or, where the file is finer than the model,
+       their own pieces from it (Note [A load of the values held] in loads.py); the optimizer publishes.
+       Extra memory: one part, at most a chunk.
+  out  Rank 0 writes every header first (writer.py); then each rank writes the bytes it holds, its chunks
+       and its share of the rest, into the same files (Note [Every rank writes its own bytes]), or, where
+       the ranks do not share the destination, the store streams its members bucket by bucket and rank 0
+       writes them. The folder appears at `dest` only when complete. Extra memory: none, or one bucket.
+Every rank learns of a failure on any rank; one while reading values says the model is partly loaded.
+Tied weights are read once and written once, under the first state-dict name.
 """
 from __future__ import annotations
 
@@ -33,10 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardopt.parallel.consistency import first_failure
+from shardopt.files import OWNER
+from shardopt.parallel.consistency import exchange, first_failure
 from shardopt.view import view_of, wrapper_of
-from shardopt.weights.hf_files import WeightWriter, open_weights
-from shardopt.weights.names import (LoadPlan, is_adapter_name, match, model_tensors, peft_adapters,
+from shardopt.weights.reader import open_weights
+from shardopt.weights.writer import WeightWriter
+from shardopt.weights.conversions import model_view
+from shardopt.weights.names import (LoadPlan, base_name, is_adapter_name, match, model_tensors, peft_adapters,
                                     transformers_model)
 
 
@@ -84,19 +81,21 @@ def agree(group, error: BaseException | None, what: str) -> None:
 def load_weights(model, source, *, strict: bool = True) -> LoadPlan:
     """Loads a model's weights from `source` on every rank (a collective); returns the plan it followed.
 
-    `model` is a ShardedDDP or the module it wraps, at any stage (a meta-built stage-3 model once wrapped),
-    or a plain module. `source` is a Hugging Face model folder (model.safetensors, or the sharded
-    model.safetensors.index.json, or the pytorch_model.bin equivalents), one safetensors file, or a torch
-    state-dict file. Each rank reads only what it holds (Note [Weights streamed in and out]). A PEFT model
-    takes its base model's checkpoint (Note [Weight names]). strict=False loads the keys that match and
-    leaves the rest (the plan's missing / unexpected list them); mis-shaped keys are always refused.
+    `model`: a ShardedDDP or the module it wraps, at any stage, or a plain module. `source`: a Hugging Face
+    folder, one safetensors file or a torch state-dict file, in any layout transformers reads for the model
+    (Note [Converted tensors read by range]). Each rank reads only what it holds (Note [Weights streamed in
+    and out]); a PEFT model takes its base model's checkpoint (Note [Weight names]). strict=False loads the
+    keys that match (the plan lists the rest); mis-shaped keys are always refused.
     """
     m = ModelParts(model)
     plan = src = error = None
     try:
         src = open_weights(source)
         tf = transformers_model(m.module)
-        plan = match(m.tensors, {k: src.shape(k) for k in src.names()}, peft_adapters(m.module),
+        adapters = peft_adapters(m.module)
+        if tf is not None and (tf is m.module or adapters is not None):
+            src = model_view(src, tf, {base_name(n, adapters): tuple(t.shape) for t in m.tensors for n in t.names})
+        plan = match(m.tensors, {k: src.shape(k) for k in src.names()}, adapters,
                      getattr(tf, "base_model_prefix", "") or "",
                      getattr(tf, "_keys_to_ignore_on_load_missing", None) or (),
                      getattr(tf, "_keys_to_ignore_on_load_unexpected", None) or ())
@@ -142,26 +141,31 @@ def _write_values(m: ModelParts, src, plan: LoadPlan) -> None:
 
 @torch.no_grad()
 def _masters_from_file(m: ModelParts, src, plan: LoadPlan) -> None:
-    """The masters take the chunks just written; where the file holds more precision than the model, their
-    own pieces straight from it (Note [A load of the values held] in loads.py)."""
+    """Masters from the chunks just written, or from a finer file (Note [A load of the values held], loads.py)."""
     opt = m.opt
     opt.load_master_from_model()
     key_of = {id(value): key for value, key in zip(m.values, plan.keys)}
     params = opt.params
-    for pc, master in zip(opt.pieces, opt.piece_params):
-        key = key_of.get(id(params[pc.param]))
-        if key is None or master.dtype == params[pc.param].dtype:
-            continue
-        if torch.finfo(src.dtype(key)).eps < torch.finfo(params[pc.param].dtype).eps:
+    finer = {}  # piece index -> the file's key, for pieces the file holds more finely than the model
+    for i, pc in enumerate(opt.pieces):
+        param = params[pc.param]
+        key = key_of.get(id(param))
+        if key is not None and opt.master_dtype != param.dtype \
+                and torch.finfo(src.dtype(key)).eps < torch.finfo(param.dtype).eps:
+            finer[i] = key
+    if not finer:
+        return
+    for members in opt.resident_pieces(write=True):  # a bucket at a time with the state on disk
+        for i in finer.keys() & set(members):
+            pc, master = opt.pieces[i], opt.piece_params[i]
             at = opt.layout.params[pc.param].offset
-            master.copy_(src.read(key, pc.start - at, pc.end - at, dtype=master.dtype))
+            master.copy_(src.read(finer[i], pc.start - at, pc.end - at, dtype=master.dtype))
 
 
 # ---------------------------------------------------------------------- out
 def whole_values(m: ModelParts):
     """(id of the model's tensor, its whole value) for every tensor of `m` once: the store's members gathered
-    bucket by bucket (a collective: every rank walks it to its end; at stage 3 each value a copy), then
-    buffers and unmanaged tensors as they are."""
+    bucket by bucket (a collective every rank walks to its end), then buffers and unmanaged tensors."""
     if m.opt is not None:
         m.opt.wait_params()
     if m.store is not None:
@@ -174,48 +178,114 @@ def whole_values(m: ModelParts):
 
 
 def save_weights(model, dest, max_shard_size="5GB", *, config: bool = True) -> str:
-    """Writes a model's whole weights as a Hugging Face folder at `dest` on every rank (a collective).
+    """Writes a model's whole weights as a Hugging Face folder at `dest` on every rank (a collective); returns it.
 
-    safetensors shards of at most `max_shard_size` with model.safetensors.index.json (one model.safetensors
-    when it fits), the module's own state-dict names, tied weights once; with `config` a transformers
-    model's config.json (and generation_config.json) beside them, as save_pretrained writes them. Streamed
-    (Note [Weights streamed in and out]): no rank holds more than about one bucket beyond its shard. The
-    folder appears whole or not at all; an existing `dest` is replaced only once the new one is complete.
-    Returns `dest`.
+    Safetensors shards of at most `max_shard_size` (one model.safetensors when it fits), under the module's
+    own state-dict names, tied weights once; with `config`, a transformers model's config.json (and
+    generation_config.json) beside them. The folder appears whole or not at all (Note [Weights streamed in
+    and out]); where the ranks share the file system, each writes the bytes it holds (Note [Every rank writes
+    its own bytes]).
     """
     m = ModelParts(model)
     dest = os.fspath(dest)
+    entries = [(t.names[0], t.dtype, t.shape) for t in m.tensors]
     writer = error = None
     if m.rank == 0:
         try:
-            entries = [(t.names[0], t.dtype, t.shape) for t in m.tensors]
             writer = WeightWriter(dest, entries, max_shard_size, extra_files=_config_files(m.module) if config else None)
         except Exception as e:  # noqa: BLE001
             error = e
     agree(m.group, error, "save_weights")
+    partial = _shared_partial(m, writer)
+    if partial is not None:
+        mine, own = {}, writer
+        try:
+            if own is None:
+                own = WeightWriter(dest, entries, max_shard_size, into=partial)
+            _write_held(m, own)
+            if own is not writer:
+                mine["written"] = own.finish()
+        except Exception as e:  # noqa: BLE001 - rank 0 must learn of it and abandon the save
+            mine = {"error": f"{type(e).__name__}: {e}"}
+            if own is not None and own is not writer:
+                own.abort()
+        return _commit(m, dest, writer, mine)
     name_of = {id(v): t.names[0] for t, v in zip(m.tensors, m.values)}
-    error = None
-
-    def write(value, name):
-        nonlocal error
+    for key, value in whole_values(m):  # a collective: every rank walks it to its end
         if writer is not None and error is None:
             try:
-                writer.write(name, value.detach().reshape(-1).cpu())
+                writer.write(name_of[key], value.detach().reshape(-1).cpu())
             except Exception as e:  # noqa: BLE001 - the other ranks are still gathering: keep walking
                 error = e
+    return _commit(m, dest, writer, {"error": f"{type(error).__name__}: {error}"} if error is not None else {})
 
-    for key, value in whole_values(m):  # a collective: every rank walks it to its end
-        write(value, name_of[key])
-    if writer is not None:
+
+# Note [Every rank writes its own bytes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Rank 0 lays the folder out, every header before any value (Note [Safetensors written in pieces] in format.py),
+# so element lo of tensor t lands at a byte every rank can compute. When every rank reads back rank 0's owner
+# line in its partial folder (a file system they share), each rank opens those files and writes what it holds:
+# the store's members from its own chunks (`store.local_parts`, the first replica's ranks; a parameter that
+# straddles chunks is written in parts by their holders) and every other tensor, whole on every rank, in equal
+# element ranges by rank. Nothing is gathered: no tensor byte crosses the process group. Each rank makes its
+# writes durable and hands rank 0 the ranges it wrote, which rank 0 counts (a hole refuses the commit) before
+# the rename; the bytes are those rank 0 alone would write. Where the ranks do not share the destination,
+# rank 0 writes everything as the store streams it.
+def _shared_partial(m: ModelParts, writer) -> str | None:
+    """Rank 0's partial folder if every rank sees it (a collective), else None."""
+    if m.group is None or dist.get_world_size(m.group) == 1:
+        return writer.partial
+    box = [(writer.partial, _owner_line(writer.partial)) if writer is not None else None]
+    dist.broadcast_object_list(box, group=m.group, group_src=0)
+    partial, line = box[0]
+    seen = [None] * dist.get_world_size(m.group)
+    dist.all_gather_object(seen, _owner_line(partial) == line, group=m.group)
+    return partial if all(seen) else None
+
+
+def _owner_line(partial: str) -> str | None:
+    try:
+        with open(os.path.join(partial, OWNER)) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+@torch.no_grad()
+def _write_held(m: ModelParts, writer: WeightWriter) -> None:
+    """This rank's bytes of every tensor (Note [Every rank writes its own bytes])."""
+    world, rank = (dist.get_world_size(m.group), m.rank) if m.group is not None else (1, 0)
+    members = m.opt is None or m.opt.sharding.replica == 0
+    if m.opt is not None:
+        m.opt.wait_params()
+    for t, value in zip(m.tensors, m.values):
+        i = m.member_of.get(id(value))
+        if i is None:
+            numel = value.numel()
+            lo, hi = numel * rank // world, numel * (rank + 1) // world
+            if hi > lo:
+                writer.write(t.names[0], value.detach().reshape(-1)[lo:hi], lo)
+        elif members:
+            for lo, hi, view in m.store.local_parts(i):
+                writer.write(t.names[0], view, lo)
+
+
+def _commit(m: ModelParts, dest: str, writer, mine: dict) -> str:
+    """Every rank's outcome to rank 0, which counts what the peers wrote and commits (a collective)."""
+    def commit(everyone: list) -> str:
         try:
-            if error is None:
-                writer.commit()
-        except Exception as e:  # noqa: BLE001
-            error = e
-        if error is not None:
+            failed = [f"rank {dist.get_global_rank(m.group, r) if m.group is not None else r}: {e['error']}"
+                      for r, e in enumerate(everyone) if "error" in e]
+            if failed:
+                raise WeightsError("; ".join(failed) + f" ({dest} was not written)")
+            for e in everyone[1:]:
+                writer.add_written(e.get("written", {}))
+            writer.commit()
+            return dest
+        except BaseException:
             writer.abort()
-    agree(m.group, error, f"save_weights to {dest}")
-    return dest
+            raise
+    return exchange(m.group, mine, commit, f"save_weights to {dest}", WeightsError)
 
 
 def _config_files(module: nn.Module) -> dict:
@@ -237,8 +307,8 @@ def _config_files(module: nn.Module) -> dict:
 # ------------------------------------------------------------ a model too big for one rank
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Inside, new modules' parameters are on the meta device (no memory) and their buffers real: what a
-    stage-3 model is built with (rotary tables and other buffers computed in __init__ keep their values)."""
+    """Inside, new modules' parameters are on the meta device and their buffers real (rotary tables and other
+    buffers computed in __init__ keep their values): how from_pretrained builds a stage-3 model."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
@@ -256,10 +326,9 @@ def parameters_on_meta():
 
 
 def from_pretrained(cls, folder, **kwargs) -> nn.Module:
-    """`cls.from_pretrained(folder)` for a model no rank can hold: the model built with its parameters on the
-    meta device (`cls(config)`, the config read from `folder`, `kwargs` overriding it), its weights loaded
-    from `folder` when ShardedDDP takes it (each rank reads only its shards: Note [Weights streamed in and
-    out]). At stage 3 only; a PEFT model made from it takes the same weights."""
+    """`cls.from_pretrained(folder)` for a model no rank can hold, at stage 3: `cls(config)` built with its
+    parameters on the meta device (`kwargs` override the folder's config), its weights loaded from `folder`
+    when ShardedDDP takes it, each rank reading its shards. A PEFT model made from it takes the same weights."""
     config = cls.config_class.from_pretrained(os.fspath(folder), **kwargs)
     with parameters_on_meta():
         model = cls(config)
@@ -274,10 +343,9 @@ def pending_weights(module: nn.Module) -> str | None:
 
 
 def init_for_pending(module: nn.Module):
-    """The param_init_fn that materialises a from_pretrained model (the file gives the values): nothing for
-    the model's own modules, and for a PEFT model's adapters (absent from the file) PEFT's initialisation:
-    lora_B (and a LoRA embedding's A) zero, the rest by their reset_parameters() (PEFT's default: lora_A
-    kaiming-uniform, as nn.Linear's own)."""
+    """The param_init_fn of a from_pretrained model: nothing for the model's own modules (the file gives
+    their values); PEFT's initialisation for its adapters: lora_B (and a LoRA embedding's A) zero, the rest
+    by reset_parameters()."""
     adapters = peft_adapters(module)
     if adapters is None:
         return lambda m: None

@@ -1,4 +1,4 @@
-"""Stage 3's hooks: where the model's modules and autograd call into the sharded store (store.py)."""
+"""Stage 3's hooks: where the model's modules and autograd call into the store's rounds and buckets."""
 from __future__ import annotations
 
 import weakref
@@ -15,69 +15,78 @@ def install(store, wrapper_ref, module: nn.Module, optimizer, waits) -> list:
     """Every hook stage 3 needs on `module` (a ShardedDDP's, held weakly: Note [Hooks die with the wrapper]
     in ddp.py); returns their handles."""
     # Note [Stage 3's gradient hooks in C++] in csrc/comm/grad_hooks.h: no Python per parameter in backward.
-    store_ref = weakref.ref(store)
+    rounds_ref = weakref.ref(store.rounds)
     n = len(store.params)
-    grad_hooks = _ext._C.GradHooks(list(store.params), store.engine, [], 3,
-                                   _begin_backward_hook(wrapper_ref, store_ref))
-    grad_hooks.stage3([list(bs) for bs in store._bucket_of_param[:n]], _bucket_done_hook(store_ref))
-    store.grad_hooks = grad_hooks
-    return [grad_hooks] + _module_hooks(module, store, optimizer, waits)
+    grad_hooks = _ext._C.GradHooks(list(store.params), store.engine, [], _ext._C.GradRoute.BEFORE_ACCUMULATION,
+                                   _begin_backward_hook(wrapper_ref, rounds_ref))
+    grad_hooks.count_buckets([list(bs) for bs in store.buckets.buckets_of_param[:n]], _bucket_done_hook(rounds_ref))
+    store.rounds.grad_hooks = grad_hooks
+    return [grad_hooks] + _module_hooks(module, store.rounds, store.buckets, optimizer, waits)
 
 
-def _begin_backward_hook(wrapper_ref, store_ref):
+def _begin_backward_hook(wrapper_ref, rounds_ref):
     """The first gradient hook of a backward pass (once, with the GIL): what the pass does with gradients,
-    and the store's backward round if no saved weight has begun it yet."""
+    and the backward round if no saved weight has begun it yet."""
     def begin() -> int:
-        wrapper, store = wrapper_ref(), store_ref()
-        if wrapper is None or store is None:
+        wrapper, rounds = wrapper_ref(), rounds_ref()
+        if wrapper is None or rounds is None:
             return _ext._C.PASS_IGNORE
-        if store.round is None:  # first: its end-of-backward callback runs before the wrapper's reductions end
-            store._begin_backward()
+        if not rounds.in_pass():  # first: its end-of-backward callback runs before the wrapper's reductions end
+            rounds.begin_backward()
         return wrapper._begin_backward()
     return begin
 
 
-def _bucket_done_hook(store_ref):
+def _bucket_done_hook(rounds_ref):
     def done(b: int) -> None:
-        store = store_ref()
-        if store is not None:
-            store.bucket_grads_done(b)
+        rounds = rounds_ref()
+        if rounds is not None:
+            rounds.bucket_grads_done(b)
     return done
 
 
+def _saved_tensor_hooks(rounds, buckets):
+    """Autograd's pack and unpack of saved tensors: a view of a bucket is saved as where it lies, and asks
+    for its bucket again when backward unpacks it (Note [Parameters between gathers] in buckets.py)."""
+    def unpack(saved):
+        if not isinstance(saved, tuple):
+            return saved
+        b, t = saved
+        rounds.need((b,))
+        return t
+    return torch.autograd.graph.saved_tensors_hooks(buckets.pack, unpack)
+
+
 # Note [Stage-3 hooks]
-# At stage 3 the wrapped module's hooks carry out Note [Stage-3 schedule]:
-# its root forward opens a forward round and autograd's saved-tensor hooks
-# (Note [Parameters between gathers]); each module that waits for buckets
-# asks for them before its forward and reports after it; the root's forward
-# end (even by an exception) closes the round. state_dict() and
-# load_state_dict() on the wrapped module (or on this wrapper) see whole
-# parameters: a collective, so every rank calls them, as with FSDP's full
-# state dict; the returned tensors are copies.
-def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
+# At stage 3 the wrapped module's hooks carry out Note [Stage-3 schedule]: its root forward opens a forward
+# round and autograd's saved-tensor hooks; each module that waits for buckets asks for them before its
+# forward and reports after it; the root's forward end (even by an exception) closes the round. state_dict()
+# and load_state_dict() on the wrapped module see whole parameters: a collective, so every rank calls them,
+# as with FSDP's full state dict; the returned tensors are copies.
+def _module_hooks(module: nn.Module, rounds, buckets, optimizer, waits) -> list:
     saved = []  # the saved-tensor hooks context of the forward in progress
     handles = []
 
     def begin(mod, args):
-        shard.begin_forward()
-        ctx = torch.autograd.graph.saved_tensors_hooks(shard.pack, shard.unpack)
+        rounds.begin_forward()
+        ctx = _saved_tensor_hooks(rounds, buckets)
         ctx.__enter__()
         saved.append(ctx)
 
     def end(mod, args, out):
         if saved:
             saved.pop().__exit__(None, None, None)
-        shard.end_forward(torch.is_grad_enabled())
-        if torch.is_grad_enabled() and shard.grad_hooks is not None:
-            shard.grad_hooks.ensure()  # a user's first p.register_hook cleared the tensor's hooks: ours back
+        rounds.end_forward(torch.is_grad_enabled())
+        if torch.is_grad_enabled() and rounds.grad_hooks is not None:
+            rounds.grad_hooks.ensure()  # a user's first p.register_hook cleared the tensor's hooks: ours back
         optimizer._note_model_version()  # a compiled forward counts as an edit (Note [Weights edited in place])
 
     handles.append(module.register_forward_pre_hook(begin))
     handles.append(module.register_forward_hook(end, always_call=True))
 
-    handles += _wait_hooks(module, shard, waits, frozen_backward=True)
+    handles += _wait_hooks(module, rounds, buckets, waits, frozen_backward=True)
     whole = []  # the gathered() context of a state_dict / load_state_dict in progress
-    handles += _state_dict_hooks(module, shard, optimizer.full_params, whole)
+    handles += _state_dict_hooks(module, buckets, optimizer.full_params, whole)
     same, finer = [], {}
 
     def load_and_free(mod, incompatible):
@@ -89,32 +98,32 @@ def _module_hooks(module: nn.Module, shard, optimizer, waits) -> list:
     return handles
 
 
-def _wait_hooks(module: nn.Module, shard, waits, frozen_backward: bool, before=None) -> list:
+def _wait_hooks(module: nn.Module, rounds, buckets, waits, frozen_backward: bool, before=None) -> list:
     """Each module that waits asks for its buckets before its forward and reports after it (Note [Stage-3
     hooks]); with `frozen_backward`, a module that waits for frozen buckets also frees them after its backward
-    (Note [Frozen parameters at stage 3] in store.py). `before(module)`, if given, runs first."""
-    def needer(buckets):
+    (Note [Frozen parameters at stage 3] in build.py). `before(module)`, if given, runs first."""
+    def needer(wanted):
         if before is not None:
             def hook(mod, args):
                 before(mod)
-                shard.need(buckets)
+                rounds.need(wanted)
             return hook
-        return lambda mod, args: shard.need(buckets)
+        return lambda mod, args: rounds.need(wanted)
 
-    def frozen_needer(buckets, frozen):  # Note [Frozen parameters at stage 3] in store.py
+    def frozen_needer(wanted, frozen):  # Note [Frozen parameters at stage 3] in build.py
         def hook(mod, args, kwargs):
-            shard.need(buckets)
+            rounds.need(wanted)
             if torch.is_grad_enabled():
-                return shard.after_backward(frozen, args, kwargs)
+                return rounds.after_backward(frozen, args, kwargs)
         return hook
 
-    def reporter(buckets, scope):
-        return lambda mod, args, out: shard.forward_done(id(mod), buckets, scope)
+    def reporter(wanted, scope):
+        return lambda mod, args, out: rounds.forward_done(id(mod), wanted, scope)
 
     handles = []
-    scopes = plan_reuse_scopes(module, waits, shard.reuse_limit())  # Note [A module called again] in store.py
+    scopes = plan_reuse_scopes(module, waits, rounds.reuse_limit())  # Note [A module called again] in rounds.py
     for w, scope in zip(waits, scopes):
-        frozen = tuple(b for b in w.buckets if shard.frozen_bucket(b))
+        frozen = tuple(b for b in w.buckets if b >= buckets.trainable)
         if frozen_backward and frozen and not w.covered:
             handles.append(w.module.register_forward_pre_hook(frozen_needer(w.buckets, frozen), with_kwargs=True))
         else:
@@ -124,7 +133,7 @@ def _wait_hooks(module: nn.Module, shard, waits, frozen_backward: bool, before=N
     return handles
 
 
-def _state_dict_hooks(module: nn.Module, shard, full_params, whole: list) -> list:
+def _state_dict_hooks(module: nn.Module, buckets, full_params, whole: list) -> list:
     """state_dict() and load_state_dict() on `module` see whole parameters (a collective); a load's post hook
     (the caller's) pops `whole` and exits it, so that this rank's chunks take the loaded values."""
     def gather(writeback: bool):
@@ -143,7 +152,7 @@ def _state_dict_hooks(module: nn.Module, shard, full_params, whole: list) -> lis
         if ctx is None:
             return
         for k, v in state_dict.items():
-            if torch.is_tensor(v) and shard.holds(v):
+            if torch.is_tensor(v) and buckets.holds(v):
                 state_dict[k] = v.clone()
         ctx.__exit__(None, None, None)
 
@@ -169,11 +178,11 @@ def install_inference(store, module: nn.Module, waits) -> list:
         ctx = torch.no_grad()
         ctx.__enter__()
         modes.append(ctx)
-        store.begin_forward()
+        store.rounds.begin_forward()
 
     def end(mod, args, out):
         try:
-            store.end_forward(False)
+            store.rounds.end_forward(False)
         finally:
             if modes:
                 modes.pop().__exit__(None, None, None)
@@ -181,18 +190,18 @@ def install_inference(store, module: nn.Module, waits) -> list:
     handles = [module.register_forward_pre_hook(begin, with_kwargs=True),
                module.register_forward_hook(end, always_call=True)]
     def alone(mod):  # a submodule called on its own, outside the model's forward: no no_grad() of the root's
-        if store.round is None and torch.is_grad_enabled():
+        if not store.rounds.in_pass() and torch.is_grad_enabled():
             raise RuntimeError(
                 f"{type(mod).__name__} is part of a model sharded for inference (shardopt.shard_for_inference) and "
                 "was called on its own under grad mode: call it under torch.no_grad(), or call the whole model")
 
-    handles += _wait_hooks(module, store, waits, frozen_backward=False, before=alone)
+    handles += _wait_hooks(module, store.rounds, store.buckets, waits, frozen_backward=False, before=alone)
     whole = []
 
     def load_done(mod, incompatible):
         whole.pop().__exit__(None, None, None)  # this rank's chunks take the loaded values
 
-    handles += _state_dict_hooks(module, store, store.gathered, whole)
+    handles += _state_dict_hooks(module, store.buckets, store.gathered, whole)
     handles.append(module.register_load_state_dict_post_hook(load_done))
     return handles
 

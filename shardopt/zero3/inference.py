@@ -6,54 +6,11 @@
 
 Note [Models sharded for inference]
 -----------------------------------
-DPO keeps a frozen reference model beside the policy, distillation a teacher, RLHF a reward model: as big as
-the trained model, never trained. Whole on every rank it costs the whole model once more per rank, which at
-stage 3 is exactly what the run cannot afford. DeepSpeed shards it as a ZeRO-3 engine without an optimizer
-(TRL's prepare_deepspeed: the reference model at stage 3, whole with stage 0 otherwise), FSDP by
-fully_shard/FSDP without one (prepare_fsdp). Here it is the stage-3 store with no trainable parameter: a
-ShardedStore whose optimizer layout is empty and whose every parameter is frozen, planned, sharded and gathered
-as the trained model's frozen parameters already are (Note [Frozen parameters at stage 3] in store.py: one
-region per dtype, whole parameters per bucket, the persistence threshold). So a rank holds its chunk of every
-bucket (P/N of the model, in its dtype) and nothing else: no gradient, no master, no optimizer state, no
-engine; a forward walks the same schedule (Note [Stage-3 schedule]), gathering bucket by bucket with the
-same prefetch and max_live bounds and freeing each bucket once its modules have returned, so between
-forwards only the persistent parameters are whole. Construction takes rank 0's values, one bucket at a
-time, and each parameter gives its own storage back as its bucket is sharded: from then on no rank holds
-the whole model.
-
-What differs from a trained model is only what a frozen model never does:
-  * Every forward runs without gradients (its root hook enters no_grad), so it is a LOOK pass of the
-    store's agreement (Note [Passes every rank agrees on] in passes.py) and autograd saves nothing of it. A
-    forward that gets an input requiring grad under grad mode is refused, naming the fix: its output would
-    carry no gradient to that input, silently. (An input without grad, the reference model's case, gives
-    the same outputs with or without grad mode: its parameters are frozen.)
-  * Forwards of different counts per rank. The trained model's store reconciles them at the next pass
-    every rank must run (a training forward or the step: the ranks with fewer walk the others' extra
-    gathers there). A frozen model has no such pass of its own, so it has `sync()`: every rank calls it at
-    the same point of its program (once per step, after an evaluation loop) and a rank that ran fewer
-    forwards walks its peers' extra gathers there, as a trained rank does at its step (`Intent.SYNC`,
-    the store's catch_up). Forwards of the same count on every rank (a reference model called once per
-    micro-batch) need no sync. Every LOOK pass walks the whole schedule, so forwards of different inputs pair
-    gather for gather; only the count must meet. With no sync() where counts differ, a rank with fewer
-    forwards goes on to its next collective while its peer waits in a forward's agreement (the group's
-    timeout ends it). The cost: the agreement's one exchange at a forward's start and one at its end (through
-    shared memory on one host: Note [Agreements in shared memory]), as for any forward without gradients.
-  * A submodule called on its own under grad mode (outside the model's forward, whose hook disables grad)
-    is refused: autograd would save views of buckets that are freed after it.
-  * state_dict() and load_state_dict() see whole parameters (a collective), as on a trained model; there are
-    no masters to refresh after a load.
-The API. `shard_for_inference(model, process_group=None, **options)` returns a `ShardedInference`, an
-nn.Module that wraps `model` as DeepSpeed's inference engine or FSDP1 does (the caller replaces its reference
-with it, as TRL does with the result of prepare_deepspeed; attributes it lacks are read from the model, as
-DeepSpeed's engine and FSDP1 read them). The name says what it does in the words a DeepSpeed or FSDP user
-looks for (deepspeed.init_inference, "shard"); it is a function, as FSDP2's fully_shard, because it changes
-the model it is given: its parameters become empty tensors between uses. `options` are the stage-3 options
-of ShardedOptimizer that a frozen model has a use for (INFERENCE_OPTIONS: bucket size, persistence threshold,
-prefetch, max_live, collectives; `stage`, if given, must be 3), checked by ShardConfig as the optimizer's
-are; training options are refused by name. The wrapper holds the store; the hooks on the model hold it too,
-so the model keeps gathering while it lives even if the wrapper is dropped. Nothing of this is
-ShardedOptimizer's (there is none): the store takes an empty optimizer layout, and its one addition is
-catch_up().
+A DPO reference model, a teacher or a reward model is as big as the trained model: whole on every rank it
+costs what stage 3 saves. So it is the stage-3 store with an empty optimizer layout, every parameter frozen
+(Note [Frozen parameters at stage 3] in build.py), every forward a LOOK pass without gradients (Note [Passes
+every rank agrees on] in passes.py); grad mode where gradients would be lost, or saved views freed, is
+refused. Ranks may run different numbers of forwards up to `sync()`, where the ones behind catch up.
 """
 from __future__ import annotations
 
@@ -77,14 +34,12 @@ INFERENCE_OPTIONS = ("stage", "reduce_bucket_size", "allgather_bucket_size", "pr
 
 
 def inference_options(config: ShardConfig) -> dict:
-    """The options of a trained model's stage-3 config that a model sharded beside it takes (ShardedTrainer's
-    reference model: the same buckets, threshold, prefetch and collectives as the policy's)."""
+    """The options of a trained model's stage-3 config that a model sharded beside it takes (a reference model)."""
     return {k: getattr(config, k) for k in INFERENCE_OPTIONS}
 
 
 class ShardedInference(nn.Module):
-    """A frozen model sharded at stage 3 for forwards without gradients (Note [Models sharded for inference]).
-    Build it with shardopt.shard_for_inference(model, ...)."""
+    """A frozen model sharded at stage 3 (Note [Models sharded for inference]): shardopt.shard_for_inference."""
 
     def __init__(self, module: nn.Module, store: ShardedStore, handles: list):
         super().__init__()
@@ -104,29 +59,23 @@ class ShardedInference(nn.Module):
             return getattr(self.module, name)  # model.config, model.device, ... as DeepSpeed's engine reads them
 
     def sync(self) -> None:
-        """A collective every rank calls at the same point: a rank that ran fewer forwards than a peer walks the
-        peer's extra gathers here (Note [Models sharded for inference])."""
+        """A collective at the same point on every rank: a rank that ran fewer forwards walks its peers' extras."""
         self._store.catch_up()
 
     def full_params(self) -> contextlib.AbstractContextManager:
-        """Every parameter whole on this rank inside the block (a collective: every rank enters it); writes
-        inside are dropped on exit."""
+        """Every parameter whole on this rank inside the block (a collective); writes inside are dropped."""
         return self._store.gathered(writeback=False)
 
     def memory_stats(self) -> dict:
-        """Bytes of this model's parameters on this rank: `shard` (its chunks, always held), `gathered` (full
-        buckets now: the persistent ones between forwards), `peak_gathered` (the most since construction), and
-        `whole` (the model unsharded, for comparison)."""
+        """Parameter bytes on this rank: `shard`, `gathered` (now), `peak_gathered` and `whole` (unsharded)."""
         store = self._store
-        return {"shard": store.frozen_shard_bytes, "gathered": store.live_bytes(), "peak_gathered": store.peak_live,
-                "whole": sum(v.numel() * v.element_size() for v in store.views)}
+        return {"shard": store.buckets.frozen_shard_bytes, "gathered": store.live_bytes(), "peak_gathered": store.peak_live,
+                "whole": sum(v.numel() * v.element_size() for v in store.buckets.views)}
 
 
 def shard_for_inference(model: nn.Module, process_group=None, **options) -> ShardedInference:
-    """Shards a frozen `model` over the ranks of `process_group` (the world by default) as stage 3 shards a
-    trained one, for forwards without gradients only: a reference, teacher or reward model (Note [Models
-    sharded for inference]). A collective: every rank calls it with the same model. Returns the model wrapped;
-    its parameters are empty tensors between forwards from then on."""
+    """Shards a frozen `model` over `process_group` for forwards without gradients (a collective; `options`:
+    INFERENCE_OPTIONS)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_for_inference takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedInference) or getattr(model, "_shardopt_inference", False):

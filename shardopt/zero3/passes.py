@@ -2,34 +2,10 @@
 
 Note [Passes every rank agrees on]
 ----------------------------------
-Every stage-3 pass walks the whole schedule (Note [Stage-3 schedule] in schedule.py), so ranks stay in
-step as long as they run the same passes: the same training forwards, backwards and steps. Forwards
-without gradients are different: generation, rollouts and evaluation run as many of them as each rank's
-data asks, and a rank that ran more of them than another paired its gathers with the other's next pass
-(gloo aborted on a size mismatch, or the group timed out a minute later). So before each pass, each rank
-says which pass it starts (`Intent`), in one small all-gather on a group of its own:
-  - all the same: go on;
-  - some start a forward without gradients (LOOK) and others something else: those others walk a LOOK
-    pass's gathers without computing anything (each bucket gathered and freed at once: the store's
-    `shadow_look`), and ask again; so a rank that is done with its rollouts keeps serving the others'
-    gathers until every rank starts the same pass, with no padding by the user and no `synced_gpus`;
-  - different otherwise (a training forward on one rank, the step on another): no rank can stand in for
-    that, so every rank raises at once, naming what each one started (`describe`).
-Backwards are not agreed on: a rank whose backward reaches none of the store's buckets (it skipped it, or
-its loss used none of them) walks that backward round in the step's `settle`, and a backward runs
-collectives (its reduce-scatters, the end-of-backward all-reduce) that such a rank joins only from its
-step; an agreement inside backward would wait for it there. So the step's agreement comes after this rank
-has joined every reduction of its peers' backwards (GradSync.finish's `at_step`) and before the step's own
-flags all-reduce, where a peer still running forwards without gradients (generation between backward and
-step) can be shadowed. The forward before and the step after are agreed on, which keeps the rounds in
-order. (Each forward also ends with one exchange on the same group, Note [A module called again] in store.py:
-a rank whose forward needed a bucket again after freeing it asks its peers for that gather there; `AGAIN`.)
-The cost is one all-gather of two integers per forward and per step (a second per forward, its end's, with
-reshard_after_forward=True), on a gloo group of host
-tensors (no device synchronisation), or, where the ranks share a host, through shared memory (Note
-[Agreements in shared memory] in parallel/shm_exchange.py: on gloo each cost about 2 ms on the 2-core VM). A LOOK pass right after a training forward, before its backward,
-shadows correctly only if the shadowing rank holds the same buckets gathered (the seam): run such
-evaluation after the backward.
+Every stage-3 pass walks the whole schedule, so ranks stay in step if they run the same passes; but forwards
+without gradients may differ in number. So before each pass the ranks all-gather which pass each starts
+(`Intent`; on one host: Note [Agreements in shared memory] in parallel/shm_exchange.py). Where some LOOK, the
+others walk its gathers without computing (`shadow_look`); any other mismatch raises on every rank.
 """
 from __future__ import annotations
 
@@ -53,9 +29,7 @@ _WORDS = {Intent.LOOK: "a forward without gradients", Intent.FORWARD: "a trainin
 
 
 def exchange(mine: Intent, count: int, group, shm=None) -> list[tuple[Intent, int]]:
-    """Every rank's next pass and how many passes it has started (a collective on `group`; through `shm`,
-    the group's ShmExchange, where its ranks share a host: Note [Agreements in shared memory] in
-    parallel/shm_exchange.py)."""
+    """Every rank's next pass and how many passes it has started (a collective; through `shm` on one host)."""
     if shm is not None:
         return [(Intent(a), c) for a, c in shm.exchange(int(mine), count)]
     size = dist.get_world_size(group)

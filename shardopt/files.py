@@ -52,6 +52,66 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+# Note [Folders a killed writer leaves]
+# A save writes into a hidden partial folder beside its destination and renames it into place; a writer
+# killed before the rename leaves the folder. Each is marked with its maker (host, pid namespace, pid: one
+# line in OWNER, removed before the rename), and the next save into the same parent directory removes the
+# partial folders whose maker is gone: on this host and in this pid namespace (the only places a pid means
+# something), and not alive, or this process itself (its saves run one at a time: an earlier one failed). A
+# live writer's folder, or one made elsewhere, is never touched.
+OWNER = ".shardopt-owner"
+
+
+def _me() -> list[str]:
+    import socket
+
+    from shardopt.parallel.shm_barrier import pid_namespace
+    return [socket.gethostname(), str(pid_namespace()), str(os.getpid())]
+
+
+def mark_owner(folder: str) -> None:
+    """Names this process as the maker of partial folder `folder` (Note [Folders a killed writer leaves])."""
+    with open(os.path.join(folder, OWNER), "w") as f:
+        f.write(" ".join(_me()) + "\n")
+
+
+def maker_gone(folder: str, pid: int | None = None) -> bool:
+    """Whether the maker of partial folder `folder` is known to be gone (its OWNER line, else `pid`)."""
+    from shardopt.parallel.shm_barrier import pid_alive
+
+    host, namespace, _ = _me()
+    try:
+        with open(os.path.join(folder, OWNER)) as f:
+            their_host, their_namespace, their_pid = f.read().split()
+    except (OSError, ValueError):
+        return pid is not None and (pid == os.getpid() or not pid_alive(pid))
+    if (their_host, their_namespace) != (host, namespace):
+        return False
+    return int(their_pid) == os.getpid() or not pid_alive(int(their_pid))
+
+
+def remove_dead_partials(parent: str, pattern) -> list[str]:
+    """Removes the folders in `parent` whose name matches `pattern` (a compiled regex; its group "pid", if
+    any, the maker's pid) and whose maker is gone; returns their names."""
+    import shutil
+
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(parent, name)
+        if m is None or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        pid = int(m.group("pid")) if "pid" in pattern.groupindex else None
+        if maker_gone(path, pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 # ------------------------------------------------------------ tensor records
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
