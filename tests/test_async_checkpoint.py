@@ -265,6 +265,46 @@ def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint(tmp_path):
     assert _same(seen["snap"]["optim"], results[0][0]["optim"])
 
 
+def _killed_while_staging(rank, world_size, root, first):
+    """Rank 1 is SIGKILLed in the call of a non-blocking save, before that call's first collective: in the first such
+    save, as the save's process group is made; in a later one, as it stages. Rank 0's call raises, naming rank 1."""
+    import shardopt
+    from shardopt.checkpoint import background
+
+    path = os.path.join(root, "ckpt")
+    model, opt, wrapper = _build(root, 2)
+    _train(wrapper, opt, range(1), rank, world_size)
+    shardopt.save_checkpoint(path, wrapper, opt)  # ckpt-000001, blocking: no background saver yet
+    if not first:
+        shardopt.save_checkpoint(path, wrapper, opt, blocking=False).result()  # ckpt-000002: the saver made
+    if rank == 1:
+        def dying(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if first:
+            background.Saver = dying
+        else:
+            background.Saver.sink = dying
+    try:
+        shardopt.save_checkpoint(path, wrapper, opt, tag="killed", blocking=False)
+        raised = None
+    except Exception as e:  # noqa: BLE001 - what the survivor is told is the test
+        raised = (type(e).__name__, str(e))
+    torch.save({"raised": raised, "latest": open(os.path.join(path, "latest")).read().strip()},
+               os.path.join(root, "rank0.pt"))
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-async-save", "later-async-save"])
+def test_a_rank_killed_in_the_call_is_named_by_the_survivor(tmp_path, first):
+    root = str(tmp_path)
+    with pytest.raises(RankFailure, match="rank 1 died with exit code -9"):
+        run_ranks(_killed_while_staging, 2, root, first, timeout=120, collective_timeout=10)
+    seen = torch.load(os.path.join(root, "rank0.pt"))
+    assert seen["raised"] is not None and seen["raised"][0] == "CheckpointError", seen
+    assert "rank(s) [1] (exited) lost" in seen["raised"][1], seen
+    assert "nothing of this save was committed" in seen["raised"][1], seen
+    assert seen["latest"] == ("ckpt-000001" if first else "ckpt-000002"), seen
+
+
 def _killed_after_the_commit(rank, world_size, root):
     """Rank 1 SIGKILLed once its writer handed rank 0 its part: rank 0's save is complete and says so."""
     import warnings

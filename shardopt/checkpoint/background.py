@@ -37,6 +37,7 @@ from shardopt.checkpoint.staging import Staging, host_alloc, write_staged
 from shardopt.files import CheckpointError
 from shardopt.parallel.consistency import exchange, first_failure, lost, whoami
 from shardopt.parallel.mesh import copy_group
+from shardopt.parallel.peers import processes, ranks_at_address
 
 WRITER_NICE = 10  # added to the writer thread's nice value: training's threads come first on a busy host
 
@@ -135,6 +136,23 @@ def settle(opt) -> None:
     if failed:
         rank, message = failed
         raise CheckpointError(f"rank {rank}: {message}")
+
+
+def lost_while_staging(opt, path: str, error: RuntimeError) -> CheckpointError | None:
+    """What save_checkpoint(blocking=False) raises instead of `error`, a failure of its call, when a peer is found
+    gone (its process exited on this host, or gloo's error names its address): a CheckpointError saying so and that
+    nothing of the save was committed. None: no peer is known to be gone, `error` is raised as it is."""
+    if isinstance(error, CheckpointError) or opt.world_size == 1:
+        return None
+    group = opt.world_group
+    known = processes(group)  # the world's, heard when the optimizer was built (Note [Naming a peer])
+    gone = lost(group, known, otherwise=None) if known is not None else None
+    gone = gone or ranks_at_address(str(error))
+    if gone is None:
+        return None
+    return CheckpointError(f"save_checkpoint({path!r}, blocking=False) failed on rank {dist.get_rank()} while it "
+                           f"staged its part: {gone} lost; nothing of this save was committed (`latest` names "
+                           f"the previous checkpoint): {type(error).__name__}: {str(error).strip()}")
 
 
 def _lower_priority() -> None:

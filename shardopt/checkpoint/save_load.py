@@ -290,9 +290,15 @@ def save_checkpoint(path, model, optimizer, extra=None, *, tag: str | None = Non
         if sharding.shape.hybrid:
             raise NotImplementedError("save_checkpoint(blocking=False) on a hybrid mesh (replicas) is not built: "
                                       "pass blocking=True")
-        saver = background.saver_of(opt)
-        written = _write(path, model, opt, extra, tag, hop_residual.write_own(opt, residual)
-                         if residual is not None else None, saver.sink())
+        try:
+            saver = background.saver_of(opt)
+            written = _write(path, model, opt, extra, tag, hop_residual.write_own(opt, residual)
+                             if residual is not None else None, saver.sink())
+        except RuntimeError as e:
+            named = background.lost_while_staging(opt, path, e)
+            if named is None:
+                raise
+            raise named from e
         return saver.start(written, lambda everyone: _commit(written, everyone))
     if not sharding.shape.hybrid:
         return _save(path, model, opt, extra, tag, hop_residual.write_own(opt, residual) if residual is not None

@@ -71,15 +71,16 @@ def whoami() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
 
-def lost(group, peers: list) -> str:
-    """Which peers of this rank are gone, as far as this host can tell; peers[r]: rank r's whoami()."""
+def lost(group, peers: list, otherwise: str | None = "a peer") -> str | None:
+    """Which peers of this rank are gone, as far as this host can tell (`otherwise` if none is); peers[r]: rank r's
+    whoami()."""
     here, me = whoami()
     deadline = time.monotonic() + LOST_WAIT_S
     while True:  # a killed peer's sockets close before its pid says it exited
         gone = [dist.get_global_rank(group, r) for r, (host, pid) in enumerate(peers)
                 if host == here and pid != me and not pid_alive(pid)]
         if gone or time.monotonic() > deadline:
-            return f"rank(s) {gone} (exited)" if gone else "a peer"
+            return f"rank(s) {gone} (exited)" if gone else otherwise
         time.sleep(0.02)
 
 

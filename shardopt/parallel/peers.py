@@ -17,6 +17,7 @@ from shardopt._ext import _C
 GENERIC = "process"  # a group nobody named: "rank 1 of the process group"
 
 _hosts: dict[int, str] = {}  # global rank -> host, as learn_hosts registered them in C++ too
+_processes: dict[int, tuple] = {}  # global rank -> (hostname, pid), to tell a peer whose process exited
 
 
 def this_host() -> str:
@@ -73,13 +74,21 @@ def learn_hosts(group) -> None:
     """Every member of `group` learns every member's host (a collective: one small all-gather)."""
     if group is None or not _member(group):
         return
-    hosts: list = [this_host()]
+    mine = (this_host(), socket.gethostname(), os.getpid())
+    everyone: list = [mine]
     if dist.get_world_size(group) > 1:
-        hosts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, this_host(), group=group)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
-    _C.set_rank_hosts(ranks, [h or "" for h in hosts])
-    _hosts.update((g, h) for g, h in zip(ranks, hosts) if h)
+    _C.set_rank_hosts(ranks, [host or "" for host, _, _ in everyone])
+    _hosts.update((g, host) for g, (host, _, _) in zip(ranks, everyone) if host)
+    _processes.update((g, (name, pid)) for g, (_, name, pid) in zip(ranks, everyone))
+
+
+def processes(group) -> list | None:
+    """Every rank of `group`'s (hostname, pid), in the group's order, as learn_hosts heard them (None: not heard)."""
+    found = [_processes.get(g) for g in dist.get_process_group_ranks(group)]
+    return None if None in found else found
 
 
 def ranks_at_address(text: str) -> str | None:
