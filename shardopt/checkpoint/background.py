@@ -77,9 +77,8 @@ class Saver:
         pin = opt.master_device.type != "cpu" and device_ops.current().can_pin()
         self.staging = Staging(host_alloc(pin))
         self.group = copy_group(opt.process_group, backend="gloo") if opt.world_size > 1 else opt.process_group
-        self.peers = [whoami()] * opt.world_size  # peers[r]: rank r's (host, pid), to name a lost one
-        if opt.world_size > 1:
-            dist.all_gather_object(self.peers, whoami(), group=self.group)
+        # peers[r]: rank r's (host, pid), to name a lost one (heard when the optimizer was built)
+        self.peers = processes(self.group) if opt.world_size > 1 else [whoami()]
         self.current: AsyncSave | None = None
         self.thread: threading.Thread | None = None
 
